@@ -1,0 +1,84 @@
+"""The checkpoint format: atomic writes, safe loading, and the model rebuilt from the file.
+
+Usage:
+    from checkpoint import save_checkpoint, load_checkpoint, model_from_checkpoint
+    save_checkpoint(state, "runs/quickstart/last.pt")
+    ckpt = load_checkpoint("runs/quickstart/best.pt")
+    model = model_from_checkpoint(ckpt)
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so it loads with
+torch.load(weights_only=True): no pickled code runs. It holds the model shape, the weights,
+the optimizer state, the iteration, the training config and the tokenizer, so sampling
+needs nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import GPT, GPTConfig
+
+FORMAT = "gptlab-checkpoint"
+VERSION = 1
+REQUIRED = ("model_args", "model", "iter_num", "config", "tokenizer")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message says which and why."""
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
+    """Write atomically: a temporary file in the same folder, fsynced, then renamed over the
+    old one, so a crash at any moment leaves either the old or the new checkpoint whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and check a checkpoint; CheckpointError if it is missing, truncated or foreign."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is truncated or not a checkpoint ({reason})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a checkpoint written by this project's train.py")
+    if ckpt.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')}; "
+                              f"this code reads version {VERSION}")
+    missing = [key for key in REQUIRED if key not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+    return ckpt
+
+
+def unwrap_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip the '_orig_mod.' prefix that a torch.compile'd module puts on every name."""
+    prefix = "_orig_mod."
+    return {k.removeprefix(prefix): v for k, v in state_dict.items()}
+
+
+def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
+    """A GPT with the checkpoint's shape and weights (on the tensors' device, eval mode)."""
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(unwrap_state_dict(ckpt["model"]))
+    return model.eval()

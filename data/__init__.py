@@ -1,0 +1,2 @@
+"""Corpora: fetch text (sources.py), tokenize it into train/val bins (prepare.py), and draw
+training batches from those bins (loader.py)."""

@@ -1,0 +1,50 @@
+"""Read prepared datasets and draw random training windows from them.
+
+Usage:
+    from data.loader import load_meta, load_split, get_batch
+    meta = load_meta("data/shakespeare_char")
+    train = load_split("data/shakespeare_char", "train")   # np.memmap of token ids
+    x, y = get_batch(train, block_size=64, batch_size=12, generator=torch.Generator())
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.sources import DataError
+
+SPLITS = ("train", "val")
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    """The dataset's meta.json, written last by prepare, so its presence means complete."""
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        raise DataError(f"no prepared dataset in {data_dir} (meta.json missing); "
+                        f"run: python -m data.prepare --input YOUR_TEXT --out {data_dir}")
+    return json.loads(path.read_text())
+
+
+def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
+    """Token ids of one split, memory-mapped: nothing is read until a batch needs it."""
+    meta = meta or load_meta(data_dir)
+    path = Path(data_dir) / f"{split}.bin"
+    dtype = np.dtype(meta["dtype"])
+    expected = meta[f"{split}_tokens"] * dtype.itemsize
+    if not path.exists() or path.stat().st_size != expected:
+        raise DataError(f"{path} is missing or not {expected} bytes as meta.json says; "
+                        f"prepare the dataset again")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def get_batch(data: np.ndarray, block_size: int, batch_size: int,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """batch_size random windows: inputs x and next-token targets y, both (B, block_size) int64."""
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator).numpy()
+    offsets = starts[:, None] + np.arange(block_size + 1)  # (B, block_size + 1)
+    chunk = torch.from_numpy(data[offsets].astype(np.int64))  # one gather from the memmap
+    return chunk[:, :-1], chunk[:, 1:]

@@ -1,0 +1,336 @@
+"""A decoder-only transformer (GPT-2 layout) with a KV cache for incremental decoding.
+
+Usage:
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    logits, loss = model(idx, targets)                 # training
+    out = model.generate(idx, max_new_tokens=100)      # sampling, KV cache on by default
+
+This file is about the model alone: no I/O, no CLI, no training state. Names follow GPT-2
+(`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`, `ln_f`) so its checkpoints map
+one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65
+    block_size: int = 256  # the longest context the position embedding covers
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class KVCache:
+    """Preallocated keys and values of every layer, written in place as decoding goes on.
+
+    Buffers are (n_layer, B, n_head, max_len, head_dim); `pos` counts the filled positions.
+    The model writes at `pos` but never moves it: the caller advances `pos` after each forward.
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        head_dim = config.n_embd // config.n_head
+        shape = (config.n_layer, batch_size, config.n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pos = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(3)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store (B, n_head, T, head_dim) keys/values at `pos`; return everything up to pos + T."""
+        end = self.pos + k.size(2)
+        assert end <= self.max_len, "KV cache overflow: the caller must re-prefill first"
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # one fused projection for queries, keys and values: a single matmul instead of three
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        B, T, C = x.size()
+        qkv = self.c_attn(x)  # (B, T, 3C)
+        q, k, v = qkv.split(self.n_embd, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        offset = 0
+        if kv_cache is not None:
+            offset = kv_cache.pos
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, offset + T, hd)
+
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_weights is None:
+            y = sdpa_attention(q, k, v, offset, dropout_p)
+        else:
+            y, att = explicit_attention(q, k, v, offset, dropout_p)
+            attn_weights.append(att)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
+    """(t_q, t_k) bool mask, True where query i (at absolute position t_k - t_q + i) may look."""
+    q_pos = torch.arange(t_k - t_q, t_k, device=device)
+    return q_pos[:, None] >= torch.arange(t_k, device=device)[None, :]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                   dropout_p: float) -> torch.Tensor:
+    """Fused attention; queries sit at positions offset.. of the keys."""
+    t_q, t_k = q.size(2), k.size(2)
+    if offset == 0 and t_q == t_k:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if t_q == 1:  # one new token may look at every cached key: no mask needed
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    mask = causal_mask(t_q, t_k, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(QK^T / sqrt(d_k)) V written out, returning the (B, nh, T_q, T_k) weights too."""
+    t_q, t_k = q.size(2), k.size(2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
+    att = att.masked_fill(~causal_mask(t_q, t_k, q.device), float("-inf"))
+    att = F.softmax(att, dim=-1)
+    y = F.dropout(att, p=dropout_p) @ v  # (B, nh, T_q, hd)
+    return y, att
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_weights)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying: the output projection reads tokens with the same table that embeds them
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale residual projections so the residual stream's variance does not grow
+        # with depth (each block adds two of them)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position table (the token table is tied
+        to the output layer, so it does its share of the compute and stays counted)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B:
+        6 per parameter plus the attention scores, 12 * n_layer * n_embd * seq_len."""
+        seq_len = seq_len or self.config.block_size
+        return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                kv_cache: KVCache | None = None,
+                attn_weights: list[torch.Tensor] | None = None,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
+
+        kv_cache: read and write keys/values at `kv_cache.pos` (the caller advances it).
+        attn_weights: pass a list to run the explicit attention path and receive each
+            layer's (B, n_head, T, T_k) weights in it.
+        last_only: compute logits for the last position only (sampling needs no more).
+        """
+        B, T = idx.size()
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}"
+            )
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, kv_cache, attn_weights)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                   ignore_index=-1)
+            return logits, loss
+        if last_only:
+            x = x[:, [-1], :]  # (B, 1, C): a list index keeps the time dimension
+        return self.lm_head(x), None
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty cache in this model's dtype and device."""
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None,
+               use_kv_cache: bool = True,
+               generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+        """Yield (B, 1) new tokens one step at a time, continuing the (B, T) prompt `idx`.
+
+        Context window: the model sees at most block_size tokens. When the next token would
+        not fit, the window jumps forward to keep the most recent block_size // 2 tokens
+        (and the cache is rebuilt from them by one prefill). Both the cached and uncached
+        paths use this same window, so they produce the same logits at every step.
+        """
+        check_sampling(temperature, top_k, top_p)
+        B, n = idx.size()  # n: tokens so far
+        if n == 0:
+            raise ValueError("generate needs a prompt of at least one token")
+        block_size = self.config.block_size
+        seq = torch.empty(B, n + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        seq[:, :n] = idx
+        start = max(0, n - block_size)  # first token inside the window
+        cache = self.new_kv_cache(B) if use_kv_cache else None
+        fresh = True  # the cache holds nothing of the current window yet
+        for _ in range(max_new_tokens):
+            if n - start > block_size:
+                start = n - block_size // 2
+                fresh = True
+            if cache is None:
+                logits, _ = self(seq[:, start:n], last_only=True)
+            elif fresh:  # prefill: the whole window in one pass
+                cache.pos = 0
+                logits, _ = self(seq[:, start:n], kv_cache=cache, last_only=True)
+                cache.pos = n - start
+                fresh = False
+            else:  # decode: only the newest token, attending over the cache
+                logits, _ = self(seq[:, n - 1:n], kv_cache=cache)
+                cache.pos += 1
+            next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+            seq[:, n] = next_token[:, 0]
+            n += 1
+            yield next_token
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 use_kv_cache: bool = True,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Prompt plus max_new_tokens sampled tokens, (B, T + max_new_tokens). See `stream`."""
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p,
+                               use_kv_cache, generator))
+        return torch.cat([idx, *new], dim=1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError for sampling settings that mean nothing."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep exactly the k largest logits of each row (ties broken by index); -inf elsewhere."""
+    k = min(k, logits.size(-1))
+    values, indices = torch.topk(logits, k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = F.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    sorted_logits[mass_before >= p] = float("-inf")  # the top token always has mass_before 0
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        logits = filter_top_k(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = filter_top_p(logits, top_p)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

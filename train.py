@@ -1,0 +1,389 @@
+"""Train a GPT on a prepared corpus, with TensorBoard logs, evaluation and checkpoints.
+
+Usage:
+    python train.py --config config/quickstart.toml               # char-level Shakespeare, CPU
+    python train.py --config config/quickstart.toml --max-iters 500 --n-layer 2
+    python train.py --config config/quickstart.toml --resume      # continue runs/quickstart
+    tensorboard --logdir runs
+
+Every field of TrainConfig (train_config.py) is also a command-line option. A run writes
+runs/<run_name>/: TensorBoard events, last.pt (every evaluation) and best.pt (best val loss).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import numpy as np
+import torch
+import typer
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from checkpoint import CheckpointError, load_checkpoint, save_checkpoint, unwrap_state_dict
+from data.loader import SPLITS, get_batch, load_meta, load_split
+from data.prepare import BUILTIN, prepare_builtin
+from data.sources import DataError
+from model import GPT
+from tokenizer import load_tokenizer
+from train_config import ConfigError, TrainConfig, field_default, field_help, load_config
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    iter_num: int
+    best_val_loss: float
+    final_losses: dict[str, float]
+    wall_time: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device is cuda but no CUDA GPU is available; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device is mps but MPS is not available; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def get_lr(it: int, cfg: TrainConfig) -> float:
+    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it >= decay_iters:
+        return cfg.min_lr
+    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+
+
+def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (Linear and embedding weights) only: decaying
+    biases and LayerNorm gains towards zero only hurts."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # the fused kernel does the whole update in one pass over the parameters
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=fused)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # pinned memory lets the copy overlap with compute
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+@torch.no_grad()
+def estimate_loss(model: torch.nn.Module, splits: dict[str, np.ndarray], cfg: TrainConfig,
+                  device: torch.device, autocast: Any) -> dict[str, float]:
+    """Mean loss over eval_iters batches per split. The batches are the same at every
+    evaluation (a fixed seed), so the curve shows the model changing, not the sample."""
+    model.eval()
+    out = {}
+    for name, data in splits.items():
+        generator = torch.Generator().manual_seed(cfg.seed + 1)
+        losses = torch.zeros(cfg.eval_iters)
+        for k in range(cfg.eval_iters):
+            x, y = get_batch(data, cfg.block_size, cfg.batch_size, generator)
+            with autocast:
+                _, loss = model(to_device(x, device), to_device(y, device))
+            losses[k] = loss.item()
+        out[name] = losses.mean().item()
+    model.train()
+    return out
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """This machine's matmul throughput in FLOP/s (median of a few square matmuls): the
+    yardstick for MFU, measured rather than looked up so it is honest on any CPU."""
+    n = 2048 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / float(np.median(times[1:]))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prepare_data(cfg: TrainConfig) -> tuple[dict, dict[str, np.ndarray]]:
+    """The dataset's meta and memmapped splits, preparing a built-in dataset if missing."""
+    data_dir = Path(cfg.data_dir)
+    if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
+        tqdm.write(f"preparing {data_dir} (first run only)")
+        prepare_builtin(data_dir.name, data_dir)
+    meta = load_meta(data_dir)
+    splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
+    for split, data in splits.items():
+        if len(data) <= cfg.block_size:
+            raise ConfigError(f"block_size ({cfg.block_size}) must be smaller than the {split} "
+                              f"split ({len(data)} tokens); lower block_size or use more text")
+    return meta, splits
+
+
+def choose_run_dir(cfg: TrainConfig, resume: bool) -> Path:
+    """runs/<run_name>; a new run never writes into an old run's folder (it takes the next
+    free -2, -3, ... name instead), a resumed run must find its last.pt there."""
+    base = Path(cfg.out_dir) / (cfg.run_name or "run")
+    if resume:
+        if not (base / "last.pt").is_file():
+            raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
+                              f"drop --resume to start a new run")
+        return base
+    run_dir, n = base, 1
+    while run_dir.exists() and any(run_dir.iterdir()):
+        n += 1
+        run_dir = base.with_name(f"{base.name}-{n}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
+    """Refuse to resume into a different model shape or tokenizer."""
+    for key, value in ckpt["model_args"].items():
+        if getattr(model.config, key) != value:
+            raise ConfigError(f"cannot resume: {key} is {getattr(model.config, key)} in the "
+                              f"config but {value} in {path}; use the run's original settings")
+    if ckpt["tokenizer"] != meta["tokenizer"]:
+        raise ConfigError(f"cannot resume: {path} was trained with another tokenizer or "
+                          f"vocabulary than {meta['tokenizer']['kind']} data in the data_dir")
+
+
+def text_block(text: str) -> str:
+    """TensorBoard renders text as markdown; indenting keeps line breaks and spacing."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
+    """Run the training loop described by cfg; returns where it wrote and how it ended."""
+    t_start = time.time()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("dtype bfloat16 is not supported on this GPU; use --dtype float16")
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls
+        torch.backends.cudnn.allow_tf32 = True
+    autocast = (nullcontext() if dtype == torch.float32
+                else torch.autocast(device_type=device.type, dtype=dtype))
+
+    meta, splits = prepare_data(cfg)
+    tokenizer = load_tokenizer(meta["tokenizer"])
+    sample_ids = tokenizer.encode(cfg.sample_prompt) if cfg.sample_tokens else []
+    if cfg.sample_tokens and not sample_ids:
+        raise ConfigError("sample_prompt encodes to no tokens; give a non-empty prompt")
+
+    run_dir = choose_run_dir(cfg, resume)
+    model = GPT(cfg.model_config(meta["vocab_size"])).to(device)
+    optimizer = configure_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    batch_gen = torch.Generator().manual_seed(cfg.seed)
+    iter_num, best_val_loss = 0, float("inf")
+    if resume:
+        ckpt = load_checkpoint(run_dir / "last.pt", map_location=device)
+        check_resumable(ckpt, model, meta, run_dir / "last.pt")
+        model.load_state_dict(unwrap_state_dict(ckpt["model"]))
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        batch_gen.set_state(ckpt["rng"]["batches"])
+        del ckpt
+    raw_model = model  # checkpoints save the plain module's weights, never the compiled one's
+    if cfg.compile:
+        model = torch.compile(model)
+
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    flops_per_iter = raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
+    peak_flops = measure_peak_flops(device, dtype)
+    # purge_step drops events a crashed run logged after its last checkpoint
+    writer = SummaryWriter(run_dir, purge_step=iter_num if resume else None)
+    if not resume:
+        writer.add_text("config", text_block("\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())))
+    tqdm.write(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
+               f"device {device}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
+
+    def evaluate(it: int) -> dict[str, float]:
+        losses = estimate_loss(model, splits, cfg, device, autocast)
+        for split, loss in losses.items():
+            writer.add_scalar(f"{split}/loss", loss, it)
+        if cfg.sample_tokens:
+            sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            prompt = torch.tensor([sample_ids], dtype=torch.long, device=device)
+            with autocast:
+                out = raw_model.generate(prompt, cfg.sample_tokens, generator=sample_gen)
+            writer.add_text("sample", text_block(tokenizer.decode(out[0].tolist())), it)
+        tqdm.write(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        return losses
+
+    def checkpoint(it: int, losses: dict[str, float], is_best: bool) -> None:
+        state = {
+            "model_args": vars(raw_model.config).copy(),
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "iter_num": it,
+            "best_val_loss": best_val_loss,
+            "val_loss": losses["val"],
+            "config": cfg.to_dict(),
+            "tokenizer": meta["tokenizer"],
+            # the generator as it was before drawing the batch still pending, so a resumed
+            # run draws exactly the batches this run would have drawn next
+            "rng": {"torch": torch.get_rng_state(), "batches": pending_batch_state},
+        }
+        save_checkpoint(state, run_dir / "last.pt")
+        if is_best:
+            save_checkpoint(state, run_dir / "best.pt")
+
+    losses = evaluate(iter_num) if iter_num == 0 else {}
+    pending_batch_state = batch_gen.get_state()
+    x, y = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
+    # disable=None: a live bar on a terminal, no carriage-return noise in logs and pipes
+    bar = tqdm(total=cfg.max_iters, initial=iter_num, unit="it", dynamic_ncols=True, disable=None)
+    t_log, iters_since_log, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
+    while iter_num < cfg.max_iters:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for _ in range(cfg.gradient_accumulation_steps):
+            with autocast:
+                _, loss = model(to_device(x, device), to_device(y, device))
+            loss = loss / cfg.gradient_accumulation_steps
+            # draw the next batch before backward so a GPU has work while the CPU gathers
+            pending_batch_state = batch_gen.get_state()
+            x, y = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        iters_since_log += 1
+        bar.update(1)
+
+        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+            train_loss = loss_sum.item() / iters_since_log  # .item() syncs: only at log points
+            if not math.isfinite(train_loss):
+                raise DataError(f"training loss became {train_loss} at iter {iter_num}; the last "
+                                f"good checkpoint is kept: lower learning_rate or set grad_clip")
+            elapsed = time.perf_counter() - t_log
+            tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
+            mfu = iters_since_log * flops_per_iter / elapsed / peak_flops
+            writer.add_scalar("train/loss", train_loss, iter_num)
+            writer.add_scalar("train/lr", lr, iter_num)
+            writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
+            writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)
+            writer.add_scalar("perf/mfu", mfu, iter_num)
+            bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
+                            mfu=f"{mfu:.0%}")
+            t_log, iters_since_log, loss_sum = time.perf_counter(), 0, torch.zeros_like(loss_sum)
+
+        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+            losses = evaluate(iter_num)
+            if not math.isfinite(losses["val"]):
+                raise DataError(f"val loss is {losses['val']} at iter {iter_num}; the last good "
+                                f"checkpoint is kept: lower learning_rate or set grad_clip")
+            is_best = losses["val"] < best_val_loss
+            best_val_loss = min(best_val_loss, losses["val"])
+            checkpoint(iter_num, losses, is_best)
+            t_log = time.perf_counter()  # evaluation time is not training throughput
+    bar.close()
+    writer.add_hparams({k: v for k, v in cfg.to_dict().items()},
+                       {"hparam/best_val_loss": best_val_loss}, run_name=".", global_step=iter_num)
+    writer.close()
+    return TrainResult(run_dir, iter_num, best_val_loss, losses, time.time() - t_start)
+
+
+def build_cli() -> typer.Typer:
+    """A typer command with --config, --resume, --debug and one option per TrainConfig field
+    (default None: only what is given on the command line overrides the config file)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                      context_settings={"help_option_names": ["-h", "--help"]})
+
+    def command(**kwargs: Any) -> None:
+        config, resume, debug = kwargs.pop("config"), kwargs.pop("resume"), kwargs.pop("debug")
+        overrides = {key: value for key, value in kwargs.items() if value is not None}
+        try:
+            cfg = load_config(config, overrides)
+            if not cfg.run_name:
+                cfg.run_name = config.stem if config else "run"
+            result = train(cfg, resume)
+        except USER_ERRORS as e:
+            if debug:
+                raise
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
+                   f"best val loss {result.best_val_loss:.4f}\n"
+                   f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"
+                   f"next: python sample.py --run {result.run_dir}   |   "
+                   f"tensorboard --logdir {result.run_dir.parent}")
+
+    params = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation=Annotated[Optional[Path], typer.Option(
+                              help="TOML preset; see config/. Its keys are the options below.")]),
+        inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False,
+                          annotation=Annotated[bool, typer.Option(
+                              help="Continue runs/<run_name> from its last.pt.")]),
+        inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False,
+                          annotation=Annotated[bool, typer.Option(
+                              help="Show tracebacks for configuration and data errors.")]),
+    ]
+    for f in fields(TrainConfig):
+        kind = type(field_default(f.name))
+        params.append(inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+            annotation=Annotated[Optional[kind], typer.Option(
+                help=f"{field_help(f.name)} [default: {field_default(f.name)!r}]",
+                show_default=False, rich_help_panel="Config fields")]))
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = "Train a GPT. Settings: TrainConfig defaults < --config file < options."
+    app.command()(command)
+    return app
+
+
+if __name__ == "__main__":
+    build_cli()()

@@ -1,0 +1,151 @@
+"""The training configuration: one typed dataclass, read from TOML, validated.
+
+Usage:
+    from train_config import load_config
+    cfg = load_config("config/quickstart.toml", overrides={"max_iters": 100})
+
+Precedence: dataclass defaults < the TOML file < command-line overrides. Unknown keys,
+wrong types and impossible values raise ConfigError with a one-line message naming the key.
+The defaults below are the only defaults: train.py's --help is generated from them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from model import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the trainer cannot run; the message names the key."""
+
+
+def opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data_dir: str = opt("data/shakespeare_char", "prepared dataset folder (train.bin, val.bin, "
+                        "meta.json); data/shakespeare_char and data/shakespeare_bpe are "
+                        "prepared automatically when missing")
+    # model
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "attention heads per block")
+    n_embd: int = opt(128, "embedding width; a multiple of n_head")
+    block_size: int = opt(64, "context length in tokens")
+    dropout: float = opt(0.0, "dropout probability (0 for small data or short runs)")
+    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as in GPT-2")
+    # optimisation
+    batch_size: int = opt(12, "sequences per micro-batch")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
+    max_iters: int = opt(2000, "optimizer steps in total")
+    learning_rate: float = opt(1e-3, "peak learning rate")
+    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = opt(100, "steps of linear warmup from 0 to learning_rate")
+    lr_decay_iters: int = opt(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
+    decay_lr: bool = opt(True, "warmup then cosine decay; false keeps learning_rate constant")
+    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not on biases, norms)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.99, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the gradient norm to this; 0 disables clipping")
+    # evaluation, sampling, logging
+    eval_interval: int = opt(250, "steps between evaluations (and checkpoints)")
+    eval_iters: int = opt(20, "batches averaged per split at each evaluation")
+    log_interval: int = opt(10, "steps between training-loss log points")
+    sample_prompt: str = opt("\n", "prompt of the text sample logged at each evaluation")
+    sample_tokens: int = opt(200, "tokens in that sample; 0 disables sampling")
+    out_dir: str = opt("runs", "parent folder of run folders (TensorBoard events, checkpoints)")
+    run_name: str = opt("", "run folder name; default: the config file's name")
+    # system
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (autocast); auto is "
+                     "bfloat16 on GPUs that support it, else float32")
+    compile: bool = opt(False, "torch.compile the model (slow start, faster steps)")
+    seed: int = opt(1337, "random seed for initialisation, batches and sampling")
+
+    def __post_init__(self) -> None:
+        positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                    "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
+                    "log_interval")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
+        non_negative = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
+                        "weight_decay", "grad_clip", "sample_tokens")
+        for key in non_negative:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.min_lr > self.learning_rate:
+            raise ConfigError(f"min_lr ({self.min_lr}) must not exceed learning_rate "
+                              f"({self.learning_rate})")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, "
+                              f"got {self.dtype!r}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
+                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
+                         bias=self.bias)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def field_help(name: str) -> str:
+    return FIELDS[name].metadata["help"]
+
+
+def field_default(name: str) -> Any:
+    f = FIELDS[name]
+    return f.default if f.default is not MISSING else None
+
+
+def check_value(key: str, value: Any) -> Any:
+    """The value converted to the field's type, or ConfigError if it cannot be one."""
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{hint}")
+    expected = type(field_default(key))
+    # TOML has distinct int, float and bool types; an int is a fine float, nothing else mixes
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is not expected:
+        raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} "
+                          f"{value!r}")
+    return value
+
+
+def load_config(path: str | Path | None = None,
+                overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, updated by the TOML file at `path`, updated by `overrides`."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found; presets are in config/")
+        try:
+            values = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    values.update(overrides or {})
+    checked = {key: check_value(key, value) for key, value in values.items()}
+    return TrainConfig(**checked)
