@@ -127,8 +127,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """This machine's matmul throughput in FLOP/s (median of a few square matmuls): the
     yardstick for MFU, measured rather than looked up so it is honest on any CPU."""
     n = 2048 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     times = []
     for _ in range(6):
         sync(device)
@@ -235,8 +236,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     flops_per_iter = raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
     peak_flops = measure_peak_flops(device, dtype)
-    # purge_step drops events a crashed run logged after its last checkpoint
-    writer = SummaryWriter(run_dir, purge_step=iter_num if resume else None)
+    # on resume, drop the events a run logged after its last checkpoint (steps > iter_num)
+    writer = SummaryWriter(run_dir, purge_step=iter_num + 1 if resume else None)
     if not resume:
         writer.add_text("config", text_block("\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())))
     tqdm.write(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
@@ -245,7 +246,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     def evaluate(it: int) -> dict[str, float]:
         losses = estimate_loss(model, splits, cfg, device, autocast)
         for split, loss in losses.items():
-            writer.add_scalar(f"{split}/loss", loss, it)
+            writer.add_scalar(f"loss/{split}", loss, it)
         if cfg.sample_tokens:
             sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
             prompt = torch.tensor([sample_ids], dtype=torch.long, device=device)
@@ -310,7 +311,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             elapsed = time.perf_counter() - t_log
             tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
             mfu = iters_since_log * flops_per_iter / elapsed / peak_flops
-            writer.add_scalar("train/loss", train_loss, iter_num)
+            writer.add_scalar("train/loss_step", train_loss, iter_num)
             writer.add_scalar("train/lr", lr, iter_num)
             writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
             writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)

@@ -1,0 +1,108 @@
+"""The transformer computes what it claims: causal, fused qkv, two equal attention paths."""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from model import GPT, GPTConfig, explicit_attention, sdpa_attention
+
+
+def test_future_tokens_do_not_change_past_logits(tiny_model):
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    t = 7
+    changed = idx.clone()
+    changed[:, t + 1:] = torch.randint(0, 50, (2, 16 - t - 1), generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(idx, changed)
+    logits, _ = tiny_model(idx)
+    logits_changed, _ = tiny_model(changed)
+    torch.testing.assert_close(logits[:, :t + 1], logits_changed[:, :t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(logits[:, t + 1:], logits_changed[:, t + 1:])
+
+
+def test_fused_qkv_equals_three_separate_projections(tiny_model):
+    attn = tiny_model.transformer.h[0].attn
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    w_q, w_k, w_v = attn.c_attn.weight.split(32, dim=0)
+    b_q, b_k, b_v = attn.c_attn.bias.split(32, dim=0)
+    q, k, v = attn.c_attn(x).split(32, dim=2)
+    torch.testing.assert_close(q, F.linear(x, w_q, b_q))
+    torch.testing.assert_close(k, F.linear(x, w_k, b_k))
+    torch.testing.assert_close(v, F.linear(x, w_v, b_v))
+    assert attn.c_attn.weight.shape == (3 * 32, 32)  # one Linear(d, 3d)
+
+
+def test_sdpa_path_equals_explicit_path(tiny_model):
+    idx = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(4))
+    fused, _ = tiny_model(idx)
+    weights = []
+    explicit, _ = tiny_model(idx, attn_weights=weights)
+    torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-5)
+    assert len(weights) == 2 and weights[0].shape == (3, 4, 16, 16)
+
+
+def test_attention_rows_sum_to_one_and_hide_the_future(tiny_model):
+    weights = []
+    tiny_model(torch.randint(0, 50, (2, 12)), attn_weights=weights)
+    for att in weights:
+        torch.testing.assert_close(att.sum(-1), torch.ones(att.shape[:-1]))
+        future = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)
+        assert torch.all(att[..., future] == 0)
+
+
+def test_attention_functions_agree_with_an_offset():
+    # queries at positions 5..7 of 8 keys, as when a cache already holds 5 tokens
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 8, 8))
+    y_explicit, _ = explicit_attention(q, k, v, offset=5, dropout_p=0.0)
+    torch.testing.assert_close(sdpa_attention(q, k, v, offset=5, dropout_p=0.0), y_explicit)
+
+
+def test_initial_loss_is_close_to_uniform_guess():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    g = torch.Generator().manual_seed(6)
+    idx, targets = torch.randint(0, 65, (2, 8, 32), generator=g)
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(65)) < 0.1
+
+
+def test_one_batch_overfits():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    x = torch.randint(0, 20, (4, 16))
+    y = torch.randint(0, 20, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(150):
+        _, loss = model(x, y)
+        first = first or loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert first > 2.5 and loss.item() < 0.1
+
+
+def test_lm_head_is_tied_to_token_embedding(tiny_model):
+    assert tiny_model.lm_head.weight is tiny_model.transformer.wte.weight
+
+
+def test_parameter_count_and_flops_follow_the_shape():
+    model = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384))
+    d = 384
+    per_block = (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (2 * d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    expected = 6 * per_block + 2 * d + 65 * d  # blocks, ln_f, tied token table (no wpe)
+    assert model.num_params() == expected == 10_672_512
+    assert model.num_params(non_embedding=False) == expected + 256 * d
+    assert model.flops_per_token(256) == 6 * expected + 12 * 6 * d * 256
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_embd": 30, "n_head": 4}, "divisible by n_head"),
+    ({"n_layer": 0}, "n_layer must be at least 1"),
+    ({"dropout": 1.0}, "dropout must be in"),
+])
+def test_impossible_shapes_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)

@@ -1,0 +1,177 @@
+"""Training end to end: loss falls, TensorBoard and checkpoints are real, resume is exact,
+bad configs get the promised one-line messages, and the CLI works as a subprocess."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from data.loader import load_meta, load_split
+from model import GPT, GPTConfig
+from train import estimate_loss, get_lr, train
+from train_config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tiny_model_loss_falls_and_lands_in_tensorboard(tiny_config):
+    cfg = dataclasses.replace(tiny_config, max_iters=150, eval_interval=50)
+    result = train(cfg)
+    val = scalars(result.run_dir, "loss/val")
+    assert [step for step, _ in val] == [0, 50, 100, 150]
+    vocab_size = load_meta(cfg.data_dir)["vocab_size"]
+    assert abs(val[0][1] - math.log(vocab_size)) < 0.1  # an untrained model guesses uniformly
+    assert val[-1][1] < 1.4 and result.best_val_loss == pytest.approx(val[-1][1])
+    train_loss = scalars(result.run_dir, "train/loss_step")
+    assert [step for step, _ in train_loss] == list(range(5, 151, 5))
+    for tag in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu"):
+        assert len(scalars(result.run_dir, tag)) == 30, tag
+    acc = EventAccumulator(str(result.run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "sample/text_summary" in acc.Tags()["tensors"]
+
+
+def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
+    result = train(tiny_config)
+    ckpt = load_checkpoint(result.run_dir / "last.pt")
+    assert ckpt["iter_num"] == 50 and ckpt["config"]["n_embd"] == 32
+    assert ckpt["tokenizer"]["kind"] == "char"
+    model = model_from_checkpoint(ckpt)
+    splits = {s: load_split(tiny_config.data_dir, s) for s in ("train", "val")}
+    losses = estimate_loss(model, splits, tiny_config, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    assert losses["val"] == ckpt["val_loss"] == result.final_losses["val"]
+    assert (result.run_dir / "best.pt").is_file()
+
+
+def test_checkpoint_round_trips_to_identical_logits(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=30, block_size=8, n_layer=2, n_head=2, n_embd=16)).eval()
+    state = {"model_args": dataclasses.asdict(model.config), "model": model.state_dict(),
+             "iter_num": 3, "config": {}, "tokenizer": {"kind": "char", "chars": "ab"}}
+    save_checkpoint(state, tmp_path / "ckpt.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+    loaded = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt"))
+    idx = torch.randint(0, 30, (2, 8))
+    assert torch.equal(model(idx)[0], loaded(idx)[0])
+
+
+def test_broken_checkpoints_are_named(tmp_path):
+    good = tmp_path / "good.pt"
+    save_checkpoint({"model_args": {}, "model": {}, "iter_num": 0, "config": {},
+                     "tokenizer": {}}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    with pytest.raises(CheckpointError, match="truncated or not a checkpoint"):
+        load_checkpoint(truncated)
+    with pytest.raises(CheckpointError, match="not a checkpoint written by this project"):
+        load_checkpoint(foreign)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, tmp_path):
+    # the schedule is pinned by lr_decay_iters, so stopping at 20 does not change it
+    cfg = dataclasses.replace(tiny_config, max_iters=40, eval_interval=20, lr_decay_iters=40,
+                              dropout=0.1)
+    straight = train(dataclasses.replace(cfg, run_name="straight"))
+    train(dataclasses.replace(cfg, run_name="halves", max_iters=20))
+    resumed = train(dataclasses.replace(cfg, run_name="halves"), resume=True)
+    assert resumed.run_dir.name == "halves" and resumed.iter_num == 40
+    a = load_checkpoint(straight.run_dir / "last.pt")["model"]
+    b = load_checkpoint(resumed.run_dir / "last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for tag in ("train/loss_step", "loss/val"):
+        assert scalars(straight.run_dir, tag) == scalars(resumed.run_dir, tag)
+
+
+def test_a_new_run_never_overwrites_an_old_one(tiny_config):
+    cfg = dataclasses.replace(tiny_config, max_iters=5, eval_interval=5, sample_tokens=0)
+    first, second = train(cfg), train(cfg)
+    assert (first.run_dir.name, second.run_dir.name) == ("tiny", "tiny-2")
+
+
+def test_lr_warms_up_then_decays_to_min_lr(tiny_config):
+    cfg = dataclasses.replace(tiny_config, learning_rate=1.0, min_lr=0.1, warmup_iters=10,
+                              max_iters=110)
+    lrs = [get_lr(it, cfg) for it in range(120)]
+    assert lrs[0] < lrs[5] < lrs[9] < 1.0
+    assert lrs[10] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55)  # halfway through the cosine
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[110] == lrs[119] == 0.1
+
+
+@pytest.mark.parametrize("toml, overrides, message", [
+    ("n_layers = 2", {}, "unknown config key 'n_layers'; did you mean 'n_layer'?"),
+    ("n_layer = '2'", {}, "n_layer must be int, got str '2'"),
+    ("learning_rate = true", {}, "learning_rate must be float, got bool True"),
+    ("", {"n_embd": 30, "n_head": 4}, "n_embd (30) must be divisible by n_head (4)"),
+    ("", {"dtype": "fp8"}, "dtype must be auto, float32, bfloat16 or float16, got 'fp8'"),
+    ("", {"max_iters": 0}, "max_iters must be at least 1, got 0"),
+    ("n_layer = ", {}, "is not valid TOML"),
+])
+def test_bad_configs_are_rejected_with_the_key_named(tmp_path, toml, overrides, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    assert message in str(info.value)
+
+
+def test_block_size_larger_than_the_data_is_rejected(tiny_config):
+    cfg = dataclasses.replace(tiny_config, block_size=10**6)
+    with pytest.raises(ConfigError, match=r"block_size \(1000000\) must be smaller than the train split"):
+        train(cfg)
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}  # help lines unwrapped
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_cli_help_documents_every_config_field():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for option in ("--config", "--resume", "--n-layer", "--learning-rate", "--data-dir",
+                   "--gradient-accumulation-steps", "--compile", "--seed"):
+        assert option in result.stdout
+
+
+def test_cli_trains_and_resumes(tmp_path, char_data):
+    common = ("--config", str(REPO / "config" / "tiny.toml"), "--data-dir", str(char_data),
+              "--out-dir", str(tmp_path), "--max-iters", "10", "--eval-interval", "5")
+    first = run_cli(*common)
+    assert first.returncode == 0, first.stderr
+    assert "best val loss" in first.stdout and (tmp_path / "tiny" / "best.pt").is_file()
+    resumed = run_cli(*common[:-4], "--max-iters", "15", "--eval-interval", "5", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"] == 15
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--n-layers", "2"), "No such option: --n-layers"),
+    (("--config", "nope.toml"), "error: config file nope.toml not found; presets are in config/"),
+    (("--data-dir", "no/such/dir"), "error: no prepared dataset in no/such/dir"),
+    (("--resume", "--run-name", "never"), "error: nothing to resume"),
+])
+def test_cli_bad_input_gives_one_line_and_exit_code(tmp_path, args, message):
+    result = run_cli("--out-dir", str(tmp_path), *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
