@@ -43,6 +43,22 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    @classmethod
+    def from_name(cls, name: str) -> GPTConfig:
+        """A named shape from PRESETS, e.g. GPTConfig.from_name("gpt2")."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+
+PRESETS = {
+    "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(vocab_size=50257, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+}
+
 
 class KVCache:
     """Preallocated keys and values of every layer, written in place as decoding goes on.

@@ -13,6 +13,7 @@ checkpoints, so anything trained can always be decoded again.
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 import numpy as np
@@ -90,6 +91,26 @@ class GPT2Tokenizer:
 
     def to_meta(self) -> dict:
         return {"kind": "gpt2", "vocab_size": self.vocab_size}
+
+
+class TextStream:
+    """Decode tokens as they arrive. BPE tokens are byte sequences and one character may
+    span several of them, so bytes wait until they complete a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.bytes_of = getattr(tokenizer, "decode_bytes", None)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> str:
+        """The text that these tokens complete (possibly empty)."""
+        if self.bytes_of is None:
+            return self.tokenizer.decode(ids)
+        return self.utf8.decode(self.bytes_of(ids))
+
+    def flush(self) -> str:
+        """Whatever is left once no more tokens come (an unfinished character as U+FFFD)."""
+        return "" if self.bytes_of is None else self.utf8.decode(b"", final=True)
 
 
 TOKENIZERS = ("char", "gpt2")

@@ -1,0 +1,168 @@
+"""Generate text from a trained checkpoint with the KV-cache sampler.
+
+Usage:
+    python sample.py --prompt "ROMEO:"                         # best.pt of the newest run
+    python sample.py --run runs/quickstart --num-samples 3 --temperature 0.8 --top-k 40
+    python sample.py --benchmark                               # cached vs uncached speed
+    python sample.py --benchmark --preset baby_gpt             # random weights, no training
+
+Context window: the model sees at most block_size tokens. When the next token would not
+fit, the window jumps forward to keep the most recent block_size // 2 tokens, and the KV
+cache is rebuilt from them in one prefill. The uncached path (--no-kv-cache) uses the
+same window, so both produce the same text.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from model import GPT, check_sampling
+from tokenizer import TextStream, Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SampleError(ValueError):
+    """Input that sampling cannot use; the message says what to change."""
+
+
+def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs") -> Path:
+    """--checkpoint as given; else best.pt of --run; else best.pt of the newest run."""
+    if checkpoint:
+        return Path(checkpoint)
+    if run:
+        return Path(run) / "best.pt"
+    candidates = sorted(Path(out_dir).glob("*/best.pt"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise SampleError(f"no checkpoint found under {out_dir}/; train first "
+                          f"(python train.py --config config/quickstart.toml) or pass --checkpoint")
+    return candidates[-1]
+
+
+def load_model(path: Path, device: str, dtype: str) -> tuple[GPT, Tokenizer]:
+    """The checkpoint's model on `device` with weights in `dtype`, and its tokenizer."""
+    ckpt = load_checkpoint(path, map_location="cpu")
+    model = model_from_checkpoint(ckpt).to(device=device, dtype=DTYPES[dtype])
+    return model, load_tokenizer(ckpt["tokenizer"])
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
+    (GPT-2's end-of-text token, or a newline for a character vocabulary)."""
+    if prompt:
+        try:
+            return tokenizer.encode(prompt)
+        except ValueError as e:
+            raise SampleError(f"prompt: {e}") from None
+    if tokenizer.eot_token is not None:
+        return [tokenizer.eot_token]
+    return tokenizer.encode("\n") if "\n" in getattr(tokenizer, "stoi", {}) else [0]
+
+
+def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  use_kv_cache: bool = True, generator: torch.Generator | None = None,
+                  stop: tuple[str, ...] = ()) -> Iterator[str]:
+    """Yield the continuation of `ids` as text, piece by piece, ending before the
+    end-of-text token or the first stop string. A stop string split across tokens is
+    still found: text is only released once no stop string can begin inside it."""
+    device = model.lm_head.weight.device
+    stream = TextStream(tokenizer)
+    held = ""  # decoded text not yet released
+    hold = max((len(s) for s in stop), default=1) - 1
+    tokens = model.stream(torch.tensor([ids], device=device), max_new_tokens, temperature,
+                          top_k, top_p, use_kv_cache, generator)
+    for token in tokens:
+        token_id = token.item()
+        if token_id == tokenizer.eot_token:
+            break
+        held += stream.push([token_id])
+        cut = min((i for i in (held.find(s) for s in stop) if i >= 0), default=-1)
+        if cut >= 0:
+            yield held[:cut]
+            return
+        if len(held) > hold:
+            yield held[:len(held) - hold]
+            held = held[len(held) - hold:]
+    held += stream.flush()
+    cut = min((i for i in (held.find(s) for s in stop) if i >= 0), default=len(held))
+    yield held[:cut]
+
+
+def main(
+    prompt: Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")] = "",
+    prompt_file: Annotated[Optional[Path], typer.Option(
+        exists=True, dir_okay=False, help="Read the prompt from this file instead.")] = None,
+    run: Annotated[Optional[str], typer.Option(
+        help="Run folder whose best.pt to load; default: the newest under runs/.")] = None,
+    checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint file to load.")] = None,
+    num_samples: Annotated[int, typer.Option(min=1, help="Samples to draw.")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per sample.")] = 500,
+    temperature: Annotated[float, typer.Option(
+        help="Softmax temperature; 0 is greedy (always the likeliest token).")] = 0.8,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample among the k likeliest only.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(
+        help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1].")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(
+        help="End a sample at this string (repeatable); found even across tokens.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16 or float16.")] = "float32",
+    kv_cache: Annotated[bool, typer.Option(
+        help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")] = True,
+    stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
+    benchmark: Annotated[bool, typer.Option(
+        help="Measure cached vs uncached decoding speed instead of sampling.")] = False,
+    preset: Annotated[Optional[str], typer.Option(
+        help="With --benchmark: a model shape with random weights (baby_gpt, gpt2, ...).")] = None,
+    lengths: Annotated[str, typer.Option(help="With --benchmark: new-token counts, comma-separated.")] = "64,248,1024",
+    repeats: Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")] = 3,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="With --benchmark: write figures here.")] = None,
+) -> None:
+    """Sample text from a checkpoint, or benchmark the KV cache (--benchmark)."""
+    try:
+        if dtype not in DTYPES:
+            raise SampleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, ValueError):
+            raise SampleError(f"device {device!r} is not available here; use --device cpu") from None
+        check_sampling(temperature, top_k, top_p)
+        if benchmark:
+            from benchmarks.decode import run_benchmark  # keeps the sampling path light
+            run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
+                          preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
+                          json_path)
+            return
+        model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
+        text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
+        ids = prompt_ids(tokenizer, text)
+    except (SampleError, CheckpointError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for i in range(num_samples):
+        pieces = generate_text(model, tokenizer, ids, max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
+                               generator=generator, stop=tuple(stop or ()))
+        sys.stdout.write(text)
+        if stream:
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        else:
+            sys.stdout.write("".join(pieces))
+        sys.stdout.write("\n" if i == num_samples - 1 else "\n---------------\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    typer.run(main)
