@@ -78,7 +78,7 @@ def unwrap_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
-    """A GPT with the checkpoint's shape and weights (on the tensors' device, eval mode)."""
+    """A GPT with the checkpoint's shape and weights, on the CPU, in eval mode."""
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(unwrap_state_dict(ckpt["model"]))
     return model.eval()

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import torch
 import typer
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint
 from model import GPT, check_sampling
 from tokenizer import TextStream, Tokenizer, load_tokenizer
 
@@ -63,7 +63,10 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
             raise SampleError(f"prompt: {e}") from None
     if tokenizer.eot_token is not None:
         return [tokenizer.eot_token]
-    return tokenizer.encode("\n") if "\n" in getattr(tokenizer, "stoi", {}) else [0]
+    try:
+        return tokenizer.encode("\n")
+    except ValueError:  # a character vocabulary without newlines
+        return [0]
 
 
 def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
@@ -144,7 +147,7 @@ def main(
         model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
         text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
-    except (SampleError, CheckpointError, ValueError) as e:
+    except ValueError as e:  # SampleError, CheckpointError and the model's sampling checks
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
 

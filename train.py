@@ -34,7 +34,13 @@ from model import GPT
 from tokenizer import load_tokenizer
 from train_config import ConfigError, TrainConfig, field_default, field_help, load_config
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""
+
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingError)
 
 
 @dataclass
@@ -306,7 +312,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
             train_loss = loss_sum.item() / iters_since_log  # .item() syncs: only at log points
             if not math.isfinite(train_loss):
-                raise DataError(f"training loss became {train_loss} at iter {iter_num}; the last "
+                raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; the last "
                                 f"good checkpoint is kept: lower learning_rate or set grad_clip")
             elapsed = time.perf_counter() - t_log
             tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
@@ -323,7 +329,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
             losses = evaluate(iter_num)
             if not math.isfinite(losses["val"]):
-                raise DataError(f"val loss is {losses['val']} at iter {iter_num}; the last good "
+                raise TrainingError(f"val loss is {losses['val']} at iter {iter_num}; the last good "
                                 f"checkpoint is kept: lower learning_rate or set grad_clip")
             is_best = losses["val"] < best_val_loss
             best_val_loss = min(best_val_loss, losses["val"])

@@ -22,8 +22,7 @@ import typer
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from model import GPT, GPTConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from sample import DTYPES
 PROMPT_LEN = 8
 
 
