@@ -38,11 +38,15 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     old one, so a crash at any moment leaves either the old or the new checkpoint whole."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: the old checkpoint stays, no debris
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(dir_fd)

@@ -127,7 +127,9 @@ def main(
         help="With --benchmark: a model shape with random weights (baby_gpt, gpt2, ...).")] = None,
     lengths: Annotated[str, typer.Option(help="With --benchmark: new-token counts, comma-separated.")] = "64,248,1024",
     repeats: Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")] = 3,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="With --benchmark: write figures here.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", help="With --benchmark: write figures here.")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
     """Sample text from a checkpoint, or benchmark the KV cache (--benchmark)."""
     try:
@@ -148,6 +150,8 @@ def main(
         text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
     except ValueError as e:  # SampleError, CheckpointError and the model's sampling checks
+        if debug:
+            raise
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
 

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import shutil
+import signal
+import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -37,7 +41,16 @@ from train_config import ConfigError, TrainConfig, field_default, field_help, lo
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""
+    """Training cannot go on (a non-finite loss, a failed write); the last good checkpoint
+    is kept."""
+
+
+class Interrupted(TrainingError):
+    """SIGINT or SIGTERM arrived; a checkpoint of the last finished step was written."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for death by signal
 
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingError)
@@ -112,9 +125,9 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, splits: dict[str, np.ndarray], cfg: TrainConfig,
                   device: torch.device, autocast: Any) -> dict[str, float]:
-    """Mean loss over eval_iters batches per split. The batches are the same at every
-    evaluation (a fixed seed), so the curve shows the model changing, not the sample."""
-    model.eval()
+    """Mean loss over eval_iters batches per split (call it in eval mode). The batches are
+    the same at every evaluation (a fixed seed), so the curve shows the model changing,
+    not the sample."""
     out = {}
     for name, data in splits.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)
@@ -125,7 +138,6 @@ def estimate_loss(model: torch.nn.Module, splits: dict[str, np.ndarray], cfg: Tr
                 _, loss = model(to_device(x, device), to_device(y, device))
             losses[k] = loss.item()
         out[name] = losses.mean().item()
-    model.train()
     return out
 
 
@@ -179,8 +191,44 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> Path:
     while run_dir.exists() and any(run_dir.iterdir()):
         n += 1
         run_dir = base.with_name(f"{base.name}-{n}")
-    run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
+    """Fail before training rather than at the first checkpoint: the folder must take a
+    file, and the disk must hold last.pt, best.pt and one temporary copy."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to {run_dir} ({e.strerror}); choose another --out-dir") from None
+    free = shutil.disk_usage(run_dir).free
+    if free < 3 * checkpoint_bytes:
+        raise ConfigError(f"{run_dir} has {free / 1e6:.0f} MB free but checkpoints need about "
+                          f"{3 * checkpoint_bytes / 1e6:.0f} MB; free space or choose another --out-dir")
+
+
+@contextmanager
+def stop_signals() -> Iterator[dict[str, int]]:
+    """While active, SIGINT and SIGTERM only set stop["signal"], so the loop can finish its
+    step and save. A second Ctrl-C interrupts at once, as usual."""
+    stop: dict[str, int] = {}
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signal handlers can only be set from the main thread
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        stop["signal"] = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
@@ -221,6 +269,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
     run_dir = choose_run_dir(cfg, resume)
     model = GPT(cfg.model_config(meta["vocab_size"])).to(device)
+    # fp32 weights plus AdamW's two moments
+    check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
     optimizer = configure_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
@@ -250,6 +300,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                f"device {device}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
 
     def evaluate(it: int) -> dict[str, float]:
+        model.eval()  # no dropout while measuring or sampling
         losses = estimate_loss(model, splits, cfg, device, autocast)
         for split, loss in losses.items():
             writer.add_scalar(f"loss/{split}", loss, it)
@@ -259,6 +310,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             with autocast:
                 out = raw_model.generate(prompt, cfg.sample_tokens, generator=sample_gen)
             writer.add_text("sample", text_block(tokenizer.decode(out[0].tolist())), it)
+        model.train()
         tqdm.write(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         return losses
 
@@ -270,16 +322,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             "scaler": scaler.state_dict(),
             "iter_num": it,
             "best_val_loss": best_val_loss,
-            "val_loss": losses["val"],
+            "val_loss": losses.get("val", math.nan),
             "config": cfg.to_dict(),
             "tokenizer": meta["tokenizer"],
             # the generator as it was before drawing the batch still pending, so a resumed
             # run draws exactly the batches this run would have drawn next
             "rng": {"torch": torch.get_rng_state(), "batches": pending_batch_state},
         }
-        save_checkpoint(state, run_dir / "last.pt")
-        if is_best:
-            save_checkpoint(state, run_dir / "best.pt")
+        for name in ("last.pt", "best.pt") if is_best else ("last.pt",):
+            try:
+                save_checkpoint(state, run_dir / name)
+            except OSError as e:
+                raise TrainingError(f"could not write {run_dir / name} ({e.strerror}); the "
+                                    f"previous checkpoint is intact") from None
 
     losses = evaluate(iter_num) if iter_num == 0 else {}
     pending_batch_state = batch_gen.get_state()
@@ -287,58 +342,71 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     # disable=None: a live bar on a terminal, no carriage-return noise in logs and pipes
     bar = tqdm(total=cfg.max_iters, initial=iter_num, unit="it", dynamic_ncols=True, disable=None)
     t_log, iters_since_log, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-    while iter_num < cfg.max_iters:
-        lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for _ in range(cfg.gradient_accumulation_steps):
-            with autocast:
-                _, loss = model(to_device(x, device), to_device(y, device))
-            loss = loss / cfg.gradient_accumulation_steps
-            # draw the next batch before backward so a GPU has work while the CPU gathers
-            pending_batch_state = batch_gen.get_state()
-            x, y = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        iter_num += 1
-        iters_since_log += 1
-        bar.update(1)
+    with stop_signals() as stop:
+        try:
+            while iter_num < cfg.max_iters:
+                lr = get_lr(iter_num, cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                for _ in range(cfg.gradient_accumulation_steps):
+                    with autocast:
+                        _, loss = model(to_device(x, device), to_device(y, device))
+                    loss = loss / cfg.gradient_accumulation_steps
+                    # draw the next batch before backward so a GPU has work while the CPU gathers
+                    pending_batch_state = batch_gen.get_state()
+                    x, y = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
+                    scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                                           cfg.grad_clip or math.inf)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                iter_num += 1
+                iters_since_log += 1
+                bar.update(1)
 
-        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-            train_loss = loss_sum.item() / iters_since_log  # .item() syncs: only at log points
-            if not math.isfinite(train_loss):
-                raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; the last "
-                                f"good checkpoint is kept: lower learning_rate or set grad_clip")
-            elapsed = time.perf_counter() - t_log
-            tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-            mfu = iters_since_log * flops_per_iter / elapsed / peak_flops
-            writer.add_scalar("train/loss_step", train_loss, iter_num)
-            writer.add_scalar("train/lr", lr, iter_num)
-            writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
-            writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)
-            writer.add_scalar("perf/mfu", mfu, iter_num)
-            bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
-                            mfu=f"{mfu:.0%}")
-            t_log, iters_since_log, loss_sum = time.perf_counter(), 0, torch.zeros_like(loss_sum)
+                if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                    # .item() waits for the device: only at log points
+                    train_loss = loss_sum.item() / iters_since_log
+                    if not math.isfinite(train_loss):
+                        raise TrainingError(f"training loss became {train_loss} at iter "
+                                            f"{iter_num}; the last good checkpoint is kept: "
+                                            f"lower learning_rate or set grad_clip")
+                    elapsed = time.perf_counter() - t_log
+                    tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
+                    mfu = iters_since_log * flops_per_iter / elapsed / peak_flops
+                    writer.add_scalar("train/loss_step", train_loss, iter_num)
+                    writer.add_scalar("train/lr", lr, iter_num)
+                    writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
+                    writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)
+                    writer.add_scalar("perf/mfu", mfu, iter_num)
+                    bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
+                                    mfu=f"{mfu:.0%}")
+                    t_log, iters_since_log = time.perf_counter(), 0
+                    loss_sum = torch.zeros_like(loss_sum)
 
-        if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
-            losses = evaluate(iter_num)
-            if not math.isfinite(losses["val"]):
-                raise TrainingError(f"val loss is {losses['val']} at iter {iter_num}; the last good "
-                                f"checkpoint is kept: lower learning_rate or set grad_clip")
-            is_best = losses["val"] < best_val_loss
-            best_val_loss = min(best_val_loss, losses["val"])
-            checkpoint(iter_num, losses, is_best)
-            t_log = time.perf_counter()  # evaluation time is not training throughput
-    bar.close()
-    writer.add_hparams({k: v for k, v in cfg.to_dict().items()},
-                       {"hparam/best_val_loss": best_val_loss}, run_name=".", global_step=iter_num)
-    writer.close()
+                if iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters:
+                    losses = evaluate(iter_num)
+                    if not math.isfinite(losses["val"]):
+                        raise TrainingError(f"val loss is {losses['val']} at iter {iter_num}; "
+                                            f"the last good checkpoint is kept: lower "
+                                            f"learning_rate or set grad_clip")
+                    is_best = losses["val"] < best_val_loss
+                    best_val_loss = min(best_val_loss, losses["val"])
+                    checkpoint(iter_num, losses, is_best)
+                    t_log = time.perf_counter()  # evaluation time is not training throughput
+                if stop:  # SIGINT/SIGTERM: this step is done, save it and leave
+                    checkpoint(iter_num, losses, is_best=False)
+                    raise Interrupted(f"stopped by {signal.Signals(stop['signal']).name} at "
+                                      f"iter {iter_num}; saved {run_dir / 'last.pt'}; continue "
+                                      f"with the same command and --resume", stop["signal"])
+            writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": best_val_loss},
+                               run_name=".", global_step=iter_num)
+        finally:
+            bar.close()
+            writer.close()
     return TrainResult(run_dir, iter_num, best_val_loss, losses, time.time() - t_start)
 
 
@@ -356,6 +424,9 @@ def build_cli() -> typer.Typer:
             if not cfg.run_name:
                 cfg.run_name = config.stem if config else "run"
             result = train(cfg, resume)
+        except Interrupted as e:
+            typer.echo(f"interrupted: {e}", err=True)
+            raise typer.Exit(e.exit_code)
         except USER_ERRORS as e:
             if debug:
                 raise
