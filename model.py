@@ -218,6 +218,12 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
+    def crop_block_size(self, block_size: int) -> None:
+        """Shorten the context, e.g. of a pretrained model, by cutting the position table."""
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B:
         6 per parameter plus the attention scores, 12 * n_layer * n_embd * seq_len."""

@@ -106,6 +106,8 @@ def main(
     run: Annotated[Optional[str], typer.Option(
         help="Run folder whose best.pt to load; default: the newest under runs/.")] = None,
     checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint file to load.")] = None,
+    init_from: Annotated[Optional[str], typer.Option(
+        help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
     num_samples: Annotated[int, typer.Option(min=1, help="Samples to draw.")] = 1,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per sample.")] = 500,
     temperature: Annotated[float, typer.Option(
@@ -146,7 +148,13 @@ def main(
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
                           json_path)
             return
-        model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
+        if init_from:
+            from gpt2 import load_hf_gpt2
+            from tokenizer import GPT2Tokenizer
+            model = load_hf_gpt2(init_from).to(device=device, dtype=DTYPES[dtype])
+            tokenizer = GPT2Tokenizer()
+        else:
+            model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
         text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
     except ValueError as e:  # SampleError, CheckpointError and the model's sampling checks

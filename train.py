@@ -231,6 +231,20 @@ def stop_signals() -> Iterator[dict[str, int]]:
             signal.signal(s, h)
 
 
+def build_model(cfg: TrainConfig, meta: dict) -> GPT:
+    """A fresh model of the config's shape, or a pretrained GPT-2 to fine-tune."""
+    if not cfg.init_from:
+        return GPT(cfg.model_config(meta["vocab_size"]))
+    if meta["tokenizer"]["kind"] != "gpt2":
+        raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
+                          f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
+    from gpt2 import GPT2FormatError, load_hf_gpt2
+    try:
+        return load_hf_gpt2(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
+    except GPT2FormatError as e:
+        raise ConfigError(f"init_from: {e}") from None
+
+
 def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
     """Refuse to resume into a different model shape or tokenizer."""
     for key, value in ckpt["model_args"].items():
@@ -268,7 +282,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         raise ConfigError("sample_prompt encodes to no tokens; give a non-empty prompt")
 
     run_dir = choose_run_dir(cfg, resume)
-    model = GPT(cfg.model_config(meta["vocab_size"])).to(device)
+    model = build_model(cfg, meta).to(device)
     # fp32 weights plus AdamW's two moments
     check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
     optimizer = configure_optimizer(model, cfg, device)

@@ -35,6 +35,9 @@ class TrainConfig:
                         "meta.json); data/shakespeare_char and data/shakespeare_bpe are "
                         "prepared automatically when missing")
     # model
+    init_from: str = opt("", "Hugging Face GPT-2 folder to fine-tune; its config.json sets the "
+                         "shape (n_layer, n_head, n_embd are then ignored) and block_size "
+                         "crops its context")
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads per block")
     n_embd: int = opt(128, "embedding width; a multiple of n_head")

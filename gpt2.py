@@ -1,0 +1,144 @@
+"""Hugging Face GPT-2 folders: load one into model.py, export one of ours to that format.
+
+Usage:
+    python gpt2.py runs/shakespeare_bpe/best.pt out/hf-gpt2    # export a checkpoint of ours
+
+    from gpt2 import load_hf_gpt2, export_hf_gpt2
+    model = load_hf_gpt2("models/gpt2")           # config.json + model.safetensors or pytorch_model.bin
+    export_hf_gpt2(model, "out/hf-gpt2")          # transformers' GPT2LMHeadModel loads this folder
+
+Nothing is downloaded: point at a folder you have. model.py already uses GPT-2's names,
+so the mapping is one to one, except that GPT-2 stores its attention and MLP projections
+as Conv1D weights, (in, out), which are transposed into Linear's (out, in).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import typer
+from safetensors.torch import load_file, save_file
+
+from checkpoint import load_checkpoint, model_from_checkpoint
+from model import GPT, GPTConfig
+
+# Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class GPT2FormatError(ValueError):
+    """A folder that is not a usable GPT-2 checkpoint; the message says what is wrong."""
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise GPT2FormatError(f"{folder} has no config.json; point at a Hugging Face GPT-2 folder")
+    hf = json.loads(path.read_text())
+    # the variants of GPT-2 that compute something model.py does not
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+        raise GPT2FormatError(f"{path}: n_inner {hf['n_inner']} is not 4 * n_embd; unsupported")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise GPT2FormatError(f"{path}: activation {hf['activation_function']} is unsupported")
+    if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
+        raise GPT2FormatError(f"{path}: layer_norm_epsilon {hf['layer_norm_epsilon']} is unsupported")
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        raise GPT2FormatError(f"{path}: attention variants of GPT-2 are unsupported")
+    return hf
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                return load_file(path)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise GPT2FormatError(f"{folder} has neither {' nor '.join(WEIGHT_FILES)}")
+
+
+def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
+                 dropout: float = 0.0) -> GPT:
+    """A GPT holding the weights of a Hugging Face GPT-2 folder (any size: the shape comes
+    from config.json). block_size below n_positions crops the position table."""
+    folder = Path(folder)
+    hf = read_hf_config(folder)
+    config = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
+                       n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                       dropout=dropout, bias=True)
+    state = {}
+    for key, tensor in read_hf_weights(folder).items():
+        key = key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
+            continue
+        if key.endswith(CONV1D):
+            tensor = tensor.t()
+        state[key if key == "lm_head.weight" else f"transformer.{key}"] = tensor
+    state.setdefault("lm_head.weight", state.get("transformer.wte.weight"))  # tied
+    model = GPT(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing:
+        detail = f"missing {', '.join(missing[:3])}"
+    elif unexpected:
+        detail = f"unexpected {', '.join(unexpected[:3])}"
+    elif wrong:
+        detail = (f"{wrong[0]} is {tuple(state[wrong[0]].shape)} but config.json implies "
+                  f"{tuple(expected[wrong[0]].shape)}")
+    if missing or unexpected or wrong:
+        raise GPT2FormatError(f"weights in {folder} do not match its config.json: {detail}")
+    model.load_state_dict(state)
+    if block_size is not None and block_size < config.block_size:
+        model.crop_block_size(block_size)
+    elif block_size is not None and block_size > config.block_size:
+        raise GPT2FormatError(f"block_size {block_size} exceeds the checkpoint's n_positions "
+                              f"{config.block_size}")
+    return model.eval()
+
+
+def export_hf_gpt2(model: GPT, folder: str | Path) -> Path:
+    """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads."""
+    cfg = model.config
+    if not cfg.bias:
+        raise GPT2FormatError("GPT-2 has biases; a model trained with bias = false cannot be exported")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight":  # tied to wte: GPT-2 folders store it once
+            continue
+        if key.endswith(CONV1D):
+            tensor = tensor.t()
+        state[key] = tensor.detach().to("cpu", torch.float32).contiguous()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    hf = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "initializer_range": 0.02, "tie_word_embeddings": True,
+    }
+    if cfg.vocab_size == 50257:  # GPT-2's own vocabulary: its end-of-text token
+        hf.update(bos_token_id=50256, eos_token_id=50256)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return folder
+
+
+def main(checkpoint: Path, folder: Path) -> None:
+    """Export CHECKPOINT (a .pt written by train.py) to FOLDER in Hugging Face GPT-2 format."""
+    try:
+        export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,121 @@
+"""GPT-2 compatibility, proven against an independent implementation (transformers):
+the same logits, the same greedy tokens, and exports that transformers loads."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint, model_from_checkpoint
+from data.prepare import prepare
+from gpt2 import GPT2FormatError, export_hf_gpt2, load_hf_gpt2
+from train import train
+from train_config import load_config
+
+transformers = pytest.importorskip("transformers")  # test-only dependency
+REPO = Path(__file__).resolve().parent.parent
+
+SHAPES = [
+    dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100),
+    dict(n_layer=3, n_head=4, n_embd=64, n_positions=128, vocab_size=50257),
+]
+
+
+def hf_model(tmp_path: Path, safe: bool = True, **shape) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape)).eval()
+    model.save_pretrained(tmp_path, safe_serialization=safe)
+    return model
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pytorch_model.bin"])
+def test_loaded_gpt2_gives_the_same_logits(tmp_path, shape, safe):
+    reference = hf_model(tmp_path, safe, **shape)
+    ours = load_hf_gpt2(tmp_path)
+    idx = torch.randint(0, shape["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], reference(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_equals_transformers_generate(tmp_path):
+    reference = hf_model(tmp_path, **SHAPES[1])
+    ours = load_hf_gpt2(tmp_path)
+    prompt = torch.randint(0, 50257, (1, 6), generator=torch.Generator().manual_seed(2))
+    expected = reference.generate(prompt, max_new_tokens=50, do_sample=False, use_cache=True,
+                                  pad_token_id=50256)
+    assert torch.equal(ours.generate(prompt, 50, temperature=0.0), expected)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path, shape):
+    hf_model(tmp_path / "src", **shape)
+    ours = load_hf_gpt2(tmp_path / "src")
+    export_hf_gpt2(ours, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    idx = torch.randint(0, shape["vocab_size"], (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_block_size_crops_the_position_table(tmp_path):
+    hf_model(tmp_path, **SHAPES[0])
+    full, cropped = load_hf_gpt2(tmp_path), load_hf_gpt2(tmp_path, block_size=16)
+    assert cropped.config.block_size == 16 and cropped.transformer.wpe.weight.shape == (16, 32)
+    idx = torch.randint(0, 100, (1, 16))
+    assert torch.equal(full(idx)[0], cropped(idx)[0])
+
+
+def test_broken_folders_are_named(tmp_path):
+    hf_model(tmp_path / "good", **SHAPES[0])
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    with pytest.raises(GPT2FormatError, match="has neither model.safetensors nor pytorch_model.bin"):
+        load_hf_gpt2(tmp_path / "no_weights")
+    with pytest.raises(GPT2FormatError, match="has no config.json"):
+        load_hf_gpt2(tmp_path)
+    config = json.loads((tmp_path / "good" / "config.json").read_text())
+    (tmp_path / "good" / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
+    with pytest.raises(GPT2FormatError, match=r"do not match its config.json: transformer.wte.weight is \(100, 32\) but config.json implies \(100, 64\)"):
+        load_hf_gpt2(tmp_path / "good")
+
+
+def test_sample_cli_samples_from_a_gpt2_folder(tmp_path):
+    hf_model(tmp_path, **SHAPES[1])
+    result = subprocess.run([sys.executable, "sample.py", "--init-from", str(tmp_path), "--prompt",
+                             "Hello, my name is", "--max-new-tokens", "20", "--temperature", "0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hello, my name is") and len(result.stdout) > 20
+
+
+def test_training_fine_tunes_a_gpt2_folder(tmp_path):
+    hf_model(tmp_path / "gpt2", **SHAPES[1])
+    prepare("To be, or not to be, that is the question.\n" * 200, "gpt2", tmp_path / "data", "test")
+    cfg = load_config(REPO / "config" / "tiny.toml", {
+        "init_from": str(tmp_path / "gpt2"), "data_dir": str(tmp_path / "data"),
+        "out_dir": str(tmp_path / "runs"), "block_size": 32, "max_iters": 30, "eval_interval": 30,
+        "learning_rate": 1e-3, "sample_tokens": 0})
+    result = train(cfg)
+    assert result.best_val_loss < math.log(50257) - 2  # random weights start near ln(vocab)
+    assert load_checkpoint(result.run_dir / "best.pt")["model_args"]["n_embd"] == 64
+
+
+def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, char_data):
+    subprocess.run([sys.executable, "train.py", "--config", "config/tiny.toml", "--data-dir",
+                    str(char_data), "--out-dir", str(tmp_path), "--max-iters", "5"],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    result = subprocess.run([sys.executable, "gpt2.py", str(tmp_path / "tiny" / "best.pt"),
+                             str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    ours = model_from_checkpoint(load_checkpoint(tmp_path / "tiny" / "best.pt"))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, ours.config.vocab_size, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
