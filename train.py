@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import shutil
 import signal
 import threading
@@ -27,9 +28,11 @@ from typing import Annotated, Any, Optional
 import numpy as np
 import torch
 import typer
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+import distributed
 from checkpoint import CheckpointError, load_checkpoint, save_checkpoint, unwrap_state_dict
 from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
@@ -65,13 +68,12 @@ class TrainResult:
     wall_time: float
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The configured device; under torchrun, each process takes the GPU of its local rank."""
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device is cuda but no CUDA GPU is available; use --device cpu")
@@ -124,20 +126,23 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, splits: dict[str, np.ndarray], cfg: TrainConfig,
-                  device: torch.device, autocast: Any) -> dict[str, float]:
+                  device: torch.device, autocast: Any,
+                  dist: distributed.Dist = distributed.Dist()) -> dict[str, float]:
     """Mean loss over eval_iters batches per split (call it in eval mode). The batches are
     the same at every evaluation (a fixed seed), so the curve shows the model changing,
-    not the sample."""
+    not the sample. Under torchrun the processes share the batches out and average."""
     out = {}
     for name, data in splits.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)
-        losses = torch.zeros(cfg.eval_iters)
+        total = torch.zeros(2, device=device)  # (sum of losses, batches)
         for k in range(cfg.eval_iters):
             x, y = get_batch(data, cfg.block_size, cfg.batch_size, generator)
-            with autocast:
-                _, loss = model(to_device(x, device), to_device(y, device))
-            losses[k] = loss.item()
-        out[name] = losses.mean().item()
+            if k % dist.world_size == dist.rank:
+                with autocast:
+                    _, loss = model(to_device(x, device), to_device(y, device))
+                total += torch.stack([loss.float(), torch.ones((), device=device)])
+        loss_sum, count = distributed.all_sum(total, dist).tolist()
+        out[name] = loss_sum / count
     return out
 
 
@@ -163,12 +168,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prepare_data(cfg: TrainConfig) -> tuple[dict, dict[str, np.ndarray]]:
-    """The dataset's meta and memmapped splits, preparing a built-in dataset if missing."""
+def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, np.ndarray]]:
+    """The dataset's meta and memmapped splits, preparing a built-in dataset if missing
+    (by rank 0 alone, while the other processes wait)."""
     data_dir = Path(cfg.data_dir)
-    if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
+    if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN and dist.is_main:
         tqdm.write(f"preparing {data_dir} (first run only)")
         prepare_builtin(data_dir.name, data_dir)
+    distributed.barrier(dist)
     meta = load_meta(data_dir)
     splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
     for split, data in splits.items():
@@ -264,7 +271,21 @@ def text_block(text: str) -> str:
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Run the training loop described by cfg; returns where it wrote and how it ended."""
     t_start = time.time()
-    device = resolve_device(cfg.device)
+    dist = distributed.setup(use_cuda=resolve_device(cfg.device).type == "cuda")
+    try:
+        return train_process(cfg, resume, dist, t_start)
+    finally:
+        distributed.teardown(dist)
+
+
+def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
+                  t_start: float) -> TrainResult:
+    """The loop as each process runs it (the only one, or one of torchrun's)."""
+    if cfg.gradient_accumulation_steps % dist.world_size != 0:
+        raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
+                          f"must be divisible by the number of processes ({dist.world_size})")
+    accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
+    device = resolve_device(cfg.device, dist.local_rank)
     dtype = resolve_dtype(cfg.dtype, device)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("dtype bfloat16 is not supported on this GPU; use --dtype float16")
@@ -275,16 +296,16 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     autocast = (nullcontext() if dtype == torch.float32
                 else torch.autocast(device_type=device.type, dtype=dtype))
 
-    meta, splits = prepare_data(cfg)
+    meta, splits = prepare_data(cfg, dist)
     tokenizer = load_tokenizer(meta["tokenizer"])
     sample_ids = tokenizer.encode(cfg.sample_prompt) if cfg.sample_tokens else []
     if cfg.sample_tokens and not sample_ids:
         raise ConfigError("sample_prompt encodes to no tokens; give a non-empty prompt")
 
-    run_dir = choose_run_dir(cfg, resume)
+    run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)
     model = build_model(cfg, meta).to(device)
-    # fp32 weights plus AdamW's two moments
-    check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
+    if dist.is_main:  # fp32 weights plus AdamW's two moments
+        check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
     optimizer = configure_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
@@ -297,38 +318,66 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
         batch_gen.set_state(ckpt["rng"]["batches"])
         del ckpt
     raw_model = model  # checkpoints save the plain module's weights, never the compiled one's
     if cfg.compile:
         model = torch.compile(model)
+    if dist.enabled:  # gradients are averaged across processes during backward
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     flops_per_iter = raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
     peak_flops = measure_peak_flops(device, dtype)
-    # on resume, drop the events a run logged after its last checkpoint (steps > iter_num)
-    writer = SummaryWriter(run_dir, purge_step=iter_num + 1 if resume else None)
-    if not resume:
-        writer.add_text("config", text_block("\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())))
-    tqdm.write(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
-               f"device {device}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
+    say = tqdm.write if dist.is_main else (lambda message: None)
+    writer = None
+    if dist.is_main:
+        # on resume, drop the events a run logged after its last checkpoint (steps > iter_num)
+        writer = SummaryWriter(run_dir, purge_step=iter_num + 1 if resume else None)
+        if not resume:
+            settings = "\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())
+            writer.add_text("config", text_block(settings))
+    processes = f" x {dist.world_size} processes" if dist.enabled else ""
+    say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
+        f"device {device}{processes}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's next micro-batch. All processes draw the same stream and take
+        every world_size-th batch, so N processes see exactly the batches that one
+        process with N times the accumulation would."""
+        for r in range(dist.world_size):
+            batch = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
+            if r == dist.rank:
+                mine = batch
+        return mine
 
     def evaluate(it: int) -> dict[str, float]:
         model.eval()  # no dropout while measuring or sampling
-        losses = estimate_loss(model, splits, cfg, device, autocast)
-        for split, loss in losses.items():
-            writer.add_scalar(f"loss/{split}", loss, it)
-        if cfg.sample_tokens:
-            sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-            prompt = torch.tensor([sample_ids], dtype=torch.long, device=device)
-            with autocast:
-                out = raw_model.generate(prompt, cfg.sample_tokens, generator=sample_gen)
-            writer.add_text("sample", text_block(tokenizer.decode(out[0].tolist())), it)
+        losses = estimate_loss(model, splits, cfg, device, autocast, dist)
+        if dist.is_main:
+            for split, loss in losses.items():
+                writer.add_scalar(f"loss/{split}", loss, it)
+            if cfg.sample_tokens:
+                sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+                prompt = torch.tensor([sample_ids], dtype=torch.long, device=device)
+                with autocast:
+                    out = raw_model.generate(prompt, cfg.sample_tokens, generator=sample_gen)
+                writer.add_text("sample", text_block(tokenizer.decode(out[0].tolist())), it)
         model.train()
-        tqdm.write(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        say(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         return losses
 
     def checkpoint(it: int, losses: dict[str, float], is_best: bool) -> None:
+        if not dist.is_main:
+            return
+        rng = {"torch": torch.get_rng_state(),
+               # the generator as it was before drawing the batch still pending, so a
+               # resumed run draws exactly the batches this run would have drawn next
+               "batches": pending_batch_state}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
         state = {
             "model_args": vars(raw_model.config).copy(),
             "model": raw_model.state_dict(),
@@ -339,9 +388,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             "val_loss": losses.get("val", math.nan),
             "config": cfg.to_dict(),
             "tokenizer": meta["tokenizer"],
-            # the generator as it was before drawing the batch still pending, so a resumed
-            # run draws exactly the batches this run would have drawn next
-            "rng": {"torch": torch.get_rng_state(), "batches": pending_batch_state},
+            "rng": rng,
         }
         for name in ("last.pt", "best.pt") if is_best else ("last.pt",):
             try:
@@ -352,9 +399,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
     losses = evaluate(iter_num) if iter_num == 0 else {}
     pending_batch_state = batch_gen.get_state()
-    x, y = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
+    x, y = next_batch()
     # disable=None: a live bar on a terminal, no carriage-return noise in logs and pipes
-    bar = tqdm(total=cfg.max_iters, initial=iter_num, unit="it", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=cfg.max_iters, initial=iter_num, unit="it", dynamic_ncols=True,
+               disable=None if dist.is_main else True)
     t_log, iters_since_log, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
     with stop_signals() as stop:
         try:
@@ -362,14 +410,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 lr = get_lr(iter_num, cfg)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                for _ in range(cfg.gradient_accumulation_steps):
-                    with autocast:
-                        _, loss = model(to_device(x, device), to_device(y, device))
-                    loss = loss / cfg.gradient_accumulation_steps
-                    # draw the next batch before backward so a GPU has work while the CPU gathers
-                    pending_batch_state = batch_gen.get_state()
-                    x, y = get_batch(splits["train"], cfg.block_size, cfg.batch_size, batch_gen)
-                    scaler.scale(loss).backward()
+                for micro_step in range(accum_steps):
+                    # under DDP, average gradients across processes only after the last
+                    # micro-step: the earlier all-reduces would be wasted work
+                    last = micro_step == accum_steps - 1
+                    sync = model.no_sync() if dist.enabled and not last else nullcontext()
+                    with sync:
+                        with autocast:
+                            _, loss = model(to_device(x, device), to_device(y, device))
+                        loss = loss / accum_steps
+                        # draw the next batch before backward: a GPU has work while the CPU gathers
+                        pending_batch_state = batch_gen.get_state()
+                        x, y = next_batch()
+                        scaler.scale(loss).backward()
                     loss_sum += loss.detach()
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
@@ -383,19 +436,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
                 if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                     # .item() waits for the device: only at log points
-                    train_loss = loss_sum.item() / iters_since_log
+                    train_loss = distributed.all_sum(loss_sum, dist).item() / (
+                        iters_since_log * dist.world_size)
                     if not math.isfinite(train_loss):
                         raise TrainingError(f"training loss became {train_loss} at iter "
                                             f"{iter_num}; the last good checkpoint is kept: "
                                             f"lower learning_rate or set grad_clip")
                     elapsed = time.perf_counter() - t_log
                     tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-                    mfu = iters_since_log * flops_per_iter / elapsed / peak_flops
-                    writer.add_scalar("train/loss_step", train_loss, iter_num)
-                    writer.add_scalar("train/lr", lr, iter_num)
-                    writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
-                    writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)
-                    writer.add_scalar("perf/mfu", mfu, iter_num)
+                    mfu = iters_since_log * flops_per_iter / elapsed / (peak_flops * dist.world_size)
+                    if dist.is_main:
+                        writer.add_scalar("train/loss_step", train_loss, iter_num)
+                        writer.add_scalar("train/lr", lr, iter_num)
+                        writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
+                        writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)
+                        writer.add_scalar("perf/mfu", mfu, iter_num)
                     bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
                                     mfu=f"{mfu:.0%}")
                     t_log, iters_since_log = time.perf_counter(), 0
@@ -411,16 +466,20 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     best_val_loss = min(best_val_loss, losses["val"])
                     checkpoint(iter_num, losses, is_best)
                     t_log = time.perf_counter()  # evaluation time is not training throughput
-                if stop:  # SIGINT/SIGTERM: this step is done, save it and leave
+                # SIGINT/SIGTERM: this step is done; save it and leave, all processes together
+                if distributed.any_true(bool(stop), dist, device):
                     checkpoint(iter_num, losses, is_best=False)
-                    raise Interrupted(f"stopped by {signal.Signals(stop['signal']).name} at "
-                                      f"iter {iter_num}; saved {run_dir / 'last.pt'}; continue "
-                                      f"with the same command and --resume", stop["signal"])
-            writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": best_val_loss},
-                               run_name=".", global_step=iter_num)
+                    signum = stop.get("signal", signal.SIGTERM)
+                    raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter "
+                                      f"{iter_num}; saved {run_dir / 'last.pt'}; continue with "
+                                      f"the same command and --resume", signum)
+            if dist.is_main:
+                writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": best_val_loss},
+                                   run_name=".", global_step=iter_num)
         finally:
             bar.close()
-            writer.close()
+            if writer is not None:
+                writer.close()
     return TrainResult(run_dir, iter_num, best_val_loss, losses, time.time() - t_start)
 
 
@@ -446,6 +505,8 @@ def build_cli() -> typer.Typer:
                 raise
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1)
+        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
+            return
         typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
                    f"best val loss {result.best_val_loss:.4f}\n"
                    f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"

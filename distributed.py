@@ -1,0 +1,81 @@
+"""Data-parallel training: which process this is, and the few collectives the loop needs.
+
+Usage:
+    torchrun --standalone --nproc_per_node=2 train.py --config config/quickstart.toml
+
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE (and MASTER_ADDR/MASTER_PORT); without them
+this is a single process and every helper here is a no-op. NCCL on CUDA, gloo on the CPU.
+If one process dies, torchrun ends the others, so a crash never leaves the run hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints, logs to TensorBoard and writes checkpoints."""
+        return self.rank == 0
+
+
+def setup(use_cuda: bool) -> Dist:
+    """Join the process group torchrun describes in the environment, if any."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist()
+    info = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return info
+
+
+def teardown(info: Dist) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: Dist) -> None:
+    """Wait until every process gets here."""
+    if info.enabled:
+        dist.barrier()
+
+
+def all_sum(values: torch.Tensor, info: Dist) -> torch.Tensor:
+    """The element-wise sum of `values` over all processes (a copy; the input is untouched)."""
+    total = values.clone()
+    if info.enabled:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
+def any_true(flag: bool, info: Dist, device: torch.device) -> bool:
+    """True on every process if it is true on any: keeps all processes leaving together."""
+    if not info.enabled:
+        return flag
+    return bool(all_sum(torch.tensor([float(flag)], device=device), info).item() > 0)
+
+
+def from_main(value: Any, info: Dist) -> Any:
+    """Rank 0's `value`, on every process."""
+    if not info.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,95 @@
+"""Data-parallel training with torchrun on the CPU (gloo): the same run as one process,
+one writer, resumable, and no hang when a process dies."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from checkpoint import load_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
+    return subprocess.run([*launcher, str(REPO / "train.py"), "--config",
+                           str(REPO / "config" / "tiny.toml"), "--sample-tokens", "0", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data):
+    common = ("--data-dir", str(char_data), "--gradient-accumulation-steps", "4",
+              "--max-iters", "20", "--eval-interval", "10", "--eval-iters", "4")
+    one = run(1, *common, "--out-dir", str(tmp_path / "one"))
+    two = run(2, *common, "--out-dir", str(tmp_path / "two"))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("done: 20 iters") == 1  # only rank 0 reports
+    a = load_checkpoint(tmp_path / "one" / "tiny" / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+    for tag in ("train/loss_step", "loss/val"):
+        steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag))
+        steps_two, values_two = zip(*losses(tmp_path / "two" / "tiny", tag))
+        assert steps_one == steps_two
+        torch.testing.assert_close(torch.tensor(values_one), torch.tensor(values_two),
+                                   rtol=1e-5, atol=1e-5)
+    # one writer: a single run folder, one set of checkpoints, one events stream
+    assert [p.name for p in (tmp_path / "two").iterdir()] == ["tiny"]
+    files = sorted(p.name for p in (tmp_path / "two" / "tiny").iterdir())
+    assert [name for name in files if name.endswith(".pt")] == ["best.pt", "last.pt"]
+    assert sum(name.startswith("events.out.tfevents") for name in files) == 2  # + hparams
+    assert len(files) == 4
+
+
+def test_resume_under_two_processes_continues_the_curve(tmp_path, char_data):
+    common = ("--data-dir", str(char_data), "--gradient-accumulation-steps", "2",
+              "--eval-interval", "10", "--eval-iters", "4", "--lr-decay-iters", "20")
+    straight = run(2, *common, "--out-dir", str(tmp_path / "a"), "--max-iters", "20")
+    first = run(2, *common, "--out-dir", str(tmp_path / "b"), "--max-iters", "10")
+    resumed = run(2, *common, "--out-dir", str(tmp_path / "b"), "--max-iters", "20", "--resume")
+    assert straight.returncode == first.returncode == resumed.returncode == 0, resumed.stderr[-2000:]
+    a = load_checkpoint(tmp_path / "a" / "tiny" / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "b" / "tiny" / "last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "a" / "tiny", "loss/val") == losses(tmp_path / "b" / "tiny", "loss/val")
+
+
+def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", str(REPO / "train.py"), "--config",
+                             str(REPO / "config" / "tiny.toml"), "--data-dir", str(char_data),
+                             "--out-dir", str(tmp_path), "--gradient-accumulation-steps", "2",
+                             "--max-iters", "1000000", "--eval-interval", "100000"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    for line in proc.stdout:
+        if "iter 0:" in line:
+            break
+    time.sleep(1.0)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"],
+                                              capture_output=True, text=True).stdout.split()]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    started = time.time()
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:  # hung: clean up before failing
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert time.time() - started < 90
