@@ -99,6 +99,18 @@ def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_toke
     yield held[:cut]
 
 
+def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path) -> None:
+    """PATH.html and PATH.png for the last block_size tokens of `ids`."""
+    from attention import attention_maps, token_labels, write_html, write_png
+    ids = ids[-model.config.block_size:]
+    maps = attention_maps(model.float(), ids)
+    labels = token_labels(tokenizer, ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    html = write_html(maps, labels, path.with_suffix(".html"))
+    png = write_png(maps, labels, path.with_suffix(".png"))
+    print(f"attention: {html} and {png}", file=sys.stderr)
+
+
 def main(
     prompt: Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")] = "",
     prompt_file: Annotated[Optional[Path], typer.Option(
@@ -123,6 +135,10 @@ def main(
     kv_cache: Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")] = True,
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
+    attention: Annotated[Optional[Path], typer.Option(
+        help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
+             "heatmaps): the attention of every layer and head over the prompt and the "
+             "first sample (its last block_size tokens).")] = None,
     benchmark: Annotated[bool, typer.Option(
         help="Measure cached vs uncached decoding speed instead of sampling.")] = False,
     preset: Annotated[Optional[str], typer.Option(
@@ -169,13 +185,17 @@ def main(
                                top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
                                generator=generator, stop=tuple(stop or ()))
         sys.stdout.write(text)
-        if stream:
-            for piece in pieces:
+        generated = []
+        for piece in pieces:
+            generated.append(piece)
+            if stream:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-        else:
-            sys.stdout.write("".join(pieces))
+        if not stream:
+            sys.stdout.write("".join(generated))
         sys.stdout.write("\n" if i == num_samples - 1 else "\n---------------\n")
+        if attention is not None and i == 0:
+            write_attention(model, tokenizer, ids + tokenizer.encode("".join(generated)), attention)
     sys.stdout.flush()
 
 

@@ -33,6 +33,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 import distributed
+from attention import LayerPictures, attention_maps, head_entropy, token_labels
 from checkpoint import CheckpointError, load_checkpoint, save_checkpoint, unwrap_state_dict
 from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
@@ -263,6 +264,31 @@ def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
                           f"vocabulary than {meta['tokenizer']['kind']} data in the data_dir")
 
 
+def probe_tokens(cfg: TrainConfig, tokenizer: Any, val: np.ndarray) -> list[int]:
+    """The token ids whose attention is logged at each evaluation."""
+    if not cfg.attention_probe:
+        return val[:min(32, cfg.block_size)].tolist()
+    try:
+        ids = tokenizer.encode(cfg.attention_probe)
+    except ValueError as e:
+        raise ConfigError(f"attention_probe: {e}") from None
+    if not ids:
+        raise ConfigError("attention_probe encodes to no tokens; give some text or leave it empty")
+    return ids[-cfg.block_size:]
+
+
+def log_attention(writer: SummaryWriter, model: GPT, ids: list[int], pictures: LayerPictures,
+                  step: int) -> None:
+    """An image per layer (heads side by side, queries down, keys across) and each head's
+    attention entropy: collapsing or diffuse heads show up as curves."""
+    maps = attention_maps(model, ids)
+    for layer in range(maps.size(0)):
+        writer.add_image(f"attention/layer_{layer + 1}", pictures.draw(maps[layer]), step,
+                         dataformats="HWC")
+    for (layer, head), entropy in np.ndenumerate(head_entropy(maps).numpy()):
+        writer.add_scalar(f"attention_entropy/layer_{layer + 1}_head_{head + 1}", entropy, step)
+
+
 def text_block(text: str) -> str:
     """TensorBoard renders text as markdown; indenting keeps line breaks and spacing."""
     return "\n".join("    " + line for line in text.splitlines())
@@ -301,6 +327,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     sample_ids = tokenizer.encode(cfg.sample_prompt) if cfg.sample_tokens else []
     if cfg.sample_tokens and not sample_ids:
         raise ConfigError("sample_prompt encodes to no tokens; give a non-empty prompt")
+    probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
 
     run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)
     model = build_model(cfg, meta).to(device)
@@ -339,6 +366,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
         if not resume:
             settings = "\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())
             writer.add_text("config", text_block(settings))
+    pictures = (LayerPictures(token_labels(tokenizer, probe_ids), raw_model.config.n_head)
+                if cfg.log_attention and dist.is_main else None)
     processes = f" x {dist.world_size} processes" if dist.enabled else ""
     say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
         f"device {device}{processes}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
@@ -365,6 +394,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                 with autocast:
                     out = raw_model.generate(prompt, cfg.sample_tokens, generator=sample_gen)
                 writer.add_text("sample", text_block(tokenizer.decode(out[0].tolist())), it)
+            if cfg.log_attention:
+                log_attention(writer, raw_model, probe_ids, pictures, it)
         model.train()
         say(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         return losses
@@ -480,6 +511,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
             bar.close()
             if writer is not None:
                 writer.close()
+            if pictures is not None:
+                pictures.close()
     return TrainResult(run_dir, iter_num, best_val_loss, losses, time.time() - t_start)
 
 

@@ -63,6 +63,10 @@ class TrainConfig:
     log_interval: int = opt(10, "steps between training-loss log points")
     sample_prompt: str = opt("\n", "prompt of the text sample logged at each evaluation")
     sample_tokens: int = opt(200, "tokens in that sample; 0 disables sampling")
+    log_attention: bool = opt(True, "log attention heatmaps (an image per layer) and per-head "
+                              "attention entropy at each evaluation")
+    attention_probe: str = opt("", "text whose attention is logged; default: the first 32 "
+                               "tokens of the val split")
     out_dir: str = opt("runs", "parent folder of run folders (TensorBoard events, checkpoints)")
     run_name: str = opt("", "run folder name; default: the config file's name")
     # system

@@ -50,3 +50,13 @@ def tiny_config(tmp_path, char_data):
 def tiny_model() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """For bit-for-bit comparisons: with several threads, math libraries may split the work
+    differently when the machine is busy, which changes the order of float additions."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

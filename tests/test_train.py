@@ -84,7 +84,7 @@ def test_broken_checkpoints_are_named(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
-def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, tmp_path):
+def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread):
     # the schedule is pinned by lr_decay_iters, so stopping at 20 does not change it
     cfg = dataclasses.replace(tiny_config, max_iters=40, eval_interval=20, lr_decay_iters=40,
                               dropout=0.1)
