@@ -17,11 +17,15 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from model import GPT
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 HTML_TEMPLATE = Path(__file__).with_name("attention.html")
 
@@ -122,6 +126,18 @@ def draw_grid(maps: torch.Tensor, labels: list[str]) -> np.ndarray:
     image = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
     return image
+
+
+def log_attention(writer: SummaryWriter, model: GPT, ids: list[int], pictures: LayerPictures,
+                  step: int) -> None:
+    """An image per layer (heads side by side, queries down, keys across) and each head's
+    attention entropy: collapsing or diffuse heads show up as curves."""
+    maps = attention_maps(model, ids)
+    for layer in range(maps.size(0)):
+        writer.add_image(f"attention/layer_{layer + 1}", pictures.draw(maps[layer]), step,
+                         dataformats="HWC")
+    for (layer, head), entropy in np.ndenumerate(head_entropy(maps).numpy()):
+        writer.add_scalar(f"attention_entropy/layer_{layer + 1}_head_{head + 1}", entropy, step)
 
 
 def write_png(maps: torch.Tensor, labels: list[str], path: str | Path) -> Path:

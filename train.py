@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -33,15 +33,15 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 import distributed
-from attention import LayerPictures, attention_maps, head_entropy, token_labels
+from attention import LayerPictures, log_attention, token_labels
 from checkpoint import CheckpointError, load_checkpoint, save_checkpoint, unwrap_state_dict
 from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
 from model import GPT
+from perf import measure_peak_flops
 from tokenizer import load_tokenizer
-from train_config import ConfigError, TrainConfig, field_default, field_help, load_config
-
+from train_config import ConfigError, TrainConfig, cli_parameters, load_config
 
 
 class TrainingError(RuntimeError):
@@ -147,28 +147,6 @@ def estimate_loss(model: torch.nn.Module, splits: dict[str, np.ndarray], cfg: Tr
     return out
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """This machine's matmul throughput in FLOP/s (median of a few square matmuls): the
-    yardstick for MFU, measured rather than looked up so it is honest on any CPU."""
-    n = 2048 if device.type == "cuda" else 1024
-    generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    times = []
-    for _ in range(6):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / float(np.median(times[1:]))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, np.ndarray]]:
     """The dataset's meta and memmapped splits, preparing a built-in dataset if missing
     (by rank 0 alone, while the other processes wait)."""
@@ -254,14 +232,15 @@ def build_model(cfg: TrainConfig, meta: dict) -> GPT:
 
 
 def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
-    """Refuse to resume into a different model shape or tokenizer."""
+    """Refuse to resume with other data or a different model shape."""
+    if ckpt["tokenizer"] != meta["tokenizer"]:
+        raise ConfigError(f"cannot resume: {path} was trained with another tokenizer or "
+                          f"vocabulary than the {meta['tokenizer']['kind']} data in data_dir; "
+                          f"use the run's original data_dir")
     for key, value in ckpt["model_args"].items():
         if getattr(model.config, key) != value:
             raise ConfigError(f"cannot resume: {key} is {getattr(model.config, key)} in the "
                               f"config but {value} in {path}; use the run's original settings")
-    if ckpt["tokenizer"] != meta["tokenizer"]:
-        raise ConfigError(f"cannot resume: {path} was trained with another tokenizer or "
-                          f"vocabulary than {meta['tokenizer']['kind']} data in the data_dir")
 
 
 def probe_tokens(cfg: TrainConfig, tokenizer: Any, val: np.ndarray) -> list[int]:
@@ -275,18 +254,6 @@ def probe_tokens(cfg: TrainConfig, tokenizer: Any, val: np.ndarray) -> list[int]
     if not ids:
         raise ConfigError("attention_probe encodes to no tokens; give some text or leave it empty")
     return ids[-cfg.block_size:]
-
-
-def log_attention(writer: SummaryWriter, model: GPT, ids: list[int], pictures: LayerPictures,
-                  step: int) -> None:
-    """An image per layer (heads side by side, queries down, keys across) and each head's
-    attention entropy: collapsing or diffuse heads show up as curves."""
-    maps = attention_maps(model, ids)
-    for layer in range(maps.size(0)):
-        writer.add_image(f"attention/layer_{layer + 1}", pictures.draw(maps[layer]), step,
-                         dataformats="HWC")
-    for (layer, head), entropy in np.ndenumerate(head_entropy(maps).numpy()):
-        writer.add_scalar(f"attention_entropy/layer_{layer + 1}_head_{head + 1}", entropy, step)
 
 
 def text_block(text: str) -> str:
@@ -556,14 +523,8 @@ def build_cli() -> typer.Typer:
         inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False,
                           annotation=Annotated[bool, typer.Option(
                               help="Show tracebacks for configuration and data errors.")]),
+        *cli_parameters(),
     ]
-    for f in fields(TrainConfig):
-        kind = type(field_default(f.name))
-        params.append(inspect.Parameter(
-            f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-            annotation=Annotated[Optional[kind], typer.Option(
-                help=f"{field_help(f.name)} [default: {field_default(f.name)!r}]",
-                show_default=False, rich_help_panel="Config fields")]))
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}
     command.__doc__ = "Train a GPT. Settings: TrainConfig defaults < --config file < options."

@@ -12,10 +12,13 @@ The defaults below are the only defaults: train.py's --help is generated from th
 from __future__ import annotations
 
 import difflib
+import inspect
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
+
+import typer
 
 from model import GPTConfig
 
@@ -156,3 +159,15 @@ def load_config(path: str | Path | None = None,
     values.update(overrides or {})
     checked = {key: check_value(key, value) for key, value in values.items()}
     return TrainConfig(**checked)
+
+
+def cli_parameters() -> list[inspect.Parameter]:
+    """One typer option per field, for a command's signature. Each defaults to None, so
+    that only what is given on the command line overrides the config file."""
+    params = []
+    for f in fields(TrainConfig):
+        option = typer.Option(help=f"{field_help(f.name)} [default: {field_default(f.name)!r}]",
+                              show_default=False, rich_help_panel="Config fields")
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[Optional[type(f.default)], option]))
+    return params

@@ -17,6 +17,7 @@ import model as model_module
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
 from train import TrainingError, train
+from train_config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml")]
@@ -196,3 +197,13 @@ def test_prepare_refuses_unusable_corpora(tmp_path, content, message):
     assert result.returncode == 1
     assert message.format(path=path) in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_data_of_another_vocabulary_is_refused(tiny_config, tmp_path):
+    from data.prepare import prepare
+    train(dataclasses.replace(tiny_config, max_iters=5, eval_interval=5, sample_tokens=0))
+    other = tmp_path / "other_data"
+    prepare("completely different text, with digits 0123456789!\n" * 50, "char", other, "other")
+    with pytest.raises(ConfigError, match="cannot resume: .* was trained with another tokenizer or vocabulary"):
+        train(dataclasses.replace(tiny_config, data_dir=str(other), max_iters=10,
+                                  sample_tokens=0, log_attention=False), resume=True)
