@@ -128,7 +128,8 @@ def main(
     top_p: Annotated[Optional[float], typer.Option(
         help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1].")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(
-        help="End a sample at this string (repeatable); found even across tokens.")] = None,
+        help="End a sample at this string (repeatable; \\n and \\t mean newline and tab); "
+             "found even across tokens.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16 or float16.")] = "float32",
@@ -179,11 +180,14 @@ def main(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
 
+    # a shell passes "\n" as backslash and n; a stop string almost always means a newline
+    stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop or ())
     generator = torch.Generator(device=device).manual_seed(seed)
+    first_sample = ""
     for i in range(num_samples):
         pieces = generate_text(model, tokenizer, ids, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
-                               generator=generator, stop=tuple(stop or ()))
+                               generator=generator, stop=stops)
         sys.stdout.write(text)
         generated = []
         for piece in pieces:
@@ -194,9 +198,10 @@ def main(
         if not stream:
             sys.stdout.write("".join(generated))
         sys.stdout.write("\n" if i == num_samples - 1 else "\n---------------\n")
-        if attention is not None and i == 0:
-            write_attention(model, tokenizer, ids + tokenizer.encode("".join(generated)), attention)
+        first_sample = first_sample or "".join(generated)
     sys.stdout.flush()
+    if attention is not None:
+        write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,14 @@ def test_cli_streaming_prints_the_same_text_as_non_streaming(trained_run):
     assert uncached.stdout == greedy.stdout
 
 
+def test_cli_stop_string_understands_backslash_n(trained_run):
+    full = run_sample("--run", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "200")
+    cut = run_sample("--run", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "200",
+                     "--stop", "\\n")
+    assert full.stdout.count("\n") > 1  # the model does write newlines
+    assert cut.returncode == 0 and cut.stdout == full.stdout[:full.stdout.index("\n")] + "\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (("--prompt", "ROMEO: ~^"), "error: prompt: 2 character(s) not in this model's vocabulary: '^', '~'"),
     (("--temperature", "-1"), "error: temperature must be >= 0"),
