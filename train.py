@@ -492,20 +492,22 @@ def build_cli() -> typer.Typer:
     def command(**kwargs: Any) -> None:
         config, resume, debug = kwargs.pop("config"), kwargs.pop("resume"), kwargs.pop("debug")
         overrides = {key: value for key, value in kwargs.items() if value is not None}
+        is_main = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports
         try:
             cfg = load_config(config, overrides)
             if not cfg.run_name:
                 cfg.run_name = config.stem if config else "run"
             result = train(cfg, resume)
         except Interrupted as e:
-            typer.echo(f"interrupted: {e}", err=True)
+            if is_main:
+                typer.echo(f"interrupted: {e}", err=True)
             raise typer.Exit(e.exit_code)
         except USER_ERRORS as e:
             if debug:
                 raise
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1)
-        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
+        if not is_main:
             return
         typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
                    f"best val loss {result.best_val_loss:.4f}\n"
