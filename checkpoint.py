@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,23 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def link_checkpoint(src: str | Path, dst: str | Path) -> None:
+    """Make dst the same checkpoint as src without writing it again: a hard link (a copy
+    where the file system has none), put in place by an atomic rename like any save."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

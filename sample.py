@@ -69,6 +69,11 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return [0]
 
 
+def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where the earliest stop string begins in text, or None."""
+    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
+
+
 def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   use_kv_cache: bool = True, generator: torch.Generator | None = None,
@@ -87,16 +92,15 @@ def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_toke
         if token_id == tokenizer.eot_token:
             break
         held += stream.push([token_id])
-        cut = min((i for i in (held.find(s) for s in stop) if i >= 0), default=-1)
-        if cut >= 0:
+        cut = first_stop(held, stop)
+        if cut is not None:
             yield held[:cut]
             return
         if len(held) > hold:
             yield held[:len(held) - hold]
             held = held[len(held) - hold:]
     held += stream.flush()
-    cut = min((i for i in (held.find(s) for s in stop) if i >= 0), default=len(held))
-    yield held[:cut]
+    yield held[:first_stop(held, stop)]
 
 
 def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path) -> None:

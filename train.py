@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 import distributed
 from attention import LayerPictures, log_attention, token_labels
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint, unwrap_state_dict
+from checkpoint import (CheckpointError, link_checkpoint, load_checkpoint, save_checkpoint,
+                        unwrap_state_dict)
 from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
@@ -388,12 +389,13 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
             "tokenizer": meta["tokenizer"],
             "rng": rng,
         }
-        for name in ("last.pt", "best.pt") if is_best else ("last.pt",):
-            try:
-                save_checkpoint(state, run_dir / name)
-            except OSError as e:
-                raise TrainingError(f"could not write {run_dir / name} ({e.strerror}); the "
-                                    f"previous checkpoint is intact") from None
+        try:
+            save_checkpoint(state, run_dir / "last.pt")
+            if is_best:  # the same file under a second name: no second write
+                link_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
+        except OSError as e:
+            raise TrainingError(f"could not write a checkpoint in {run_dir} ({e.strerror}); "
+                                f"the previous one is intact") from None
 
     losses = evaluate(iter_num) if iter_num == 0 else {}
     pending_batch_state = batch_gen.get_state()
@@ -464,8 +466,12 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                     best_val_loss = min(best_val_loss, losses["val"])
                     checkpoint(iter_num, losses, is_best)
                     t_log = time.perf_counter()  # evaluation time is not training throughput
-                # SIGINT/SIGTERM: this step is done; save it and leave, all processes together
-                if distributed.any_true(bool(stop), dist, device):
+                # SIGINT/SIGTERM: this step is done; save it and leave. Processes must agree
+                # on when to leave; under DDP they compare notes only at log points, where
+                # the loop waits for the device anyway, never on every step.
+                at_log_point = iter_num % cfg.log_interval == 0
+                if (stop if not dist.enabled else
+                        at_log_point and distributed.any_true(bool(stop), dist, device)):
                     checkpoint(iter_num, losses, is_best=False)
                     signum = stop.get("signal", signal.SIGTERM)
                     raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter "

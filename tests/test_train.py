@@ -12,7 +12,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import (CheckpointError, link_checkpoint, load_checkpoint,
+                        model_from_checkpoint, save_checkpoint)
 from data.loader import load_meta, load_split
 from model import GPT, GPTConfig
 from train import estimate_loss, get_lr, train
@@ -66,6 +67,18 @@ def test_checkpoint_round_trips_to_identical_logits(tmp_path):
     loaded = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt"))
     idx = torch.randint(0, 30, (2, 8))
     assert torch.equal(model(idx)[0], loaded(idx)[0])
+
+
+def test_best_is_linked_not_rewritten_and_survives_the_next_save(tmp_path):
+    def state(it):
+        return {"model_args": {}, "model": {"w": torch.full((4,), float(it))}, "iter_num": it,
+                "config": {}, "tokenizer": {}}
+    save_checkpoint(state(1), tmp_path / "last.pt")
+    link_checkpoint(tmp_path / "last.pt", tmp_path / "best.pt")
+    save_checkpoint(state(2), tmp_path / "last.pt")  # a rename: best.pt keeps the old file
+    assert load_checkpoint(tmp_path / "best.pt")["iter_num"] == 1
+    assert load_checkpoint(tmp_path / "last.pt")["iter_num"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
 
 
 def test_broken_checkpoints_are_named(tmp_path):
