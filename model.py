@@ -63,29 +63,34 @@ PRESETS = {
 class KVCache:
     """Preallocated keys and values of every layer, written in place as decoding goes on.
 
-    Buffers are (n_layer, B, n_head, max_len, head_dim); `pos` counts the filled positions.
-    The model writes at `pos` but never moves it: the caller advances `pos` after each forward.
+    Each forward writes its keys/values at the window positions it is given (`input_pos`) and
+    attends over the whole buffer under a mask, so a one-token decode step has the same shapes
+    at every position; that is what lets torch.compile build it once. The same mask hides
+    entries left over from before a re-prefill. The cache keeps no position of its own: the
+    caller says where each forward's tokens go.
     """
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        head_dim = config.n_embd // config.n_head
-        shape = (config.n_layer, batch_size, config.n_head, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.pos = 0
+        shape = (batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        # one tensor per layer rather than one stacked buffer: compiled code writes into
+        # separate inputs in place, but copied the whole buffer to write into a view of it
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
 
     @property
     def max_len(self) -> int:
-        return self.k.size(3)
+        return self.key_pos.numel()
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store (B, n_head, T, head_dim) keys/values at `pos`; return everything up to pos + T."""
-        end = self.pos + k.size(2)
-        assert end <= self.max_len, "KV cache overflow: the caller must re-prefill first"
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store (B, n_head, T, head_dim) keys/values at input_pos (T,); return all keys and
+        values, (B, n_head, max_len, head_dim), and the (T, max_len) mask of what each query sees."""
+        self.k[layer][:, :, input_pos] = k
+        self.v[layer][:, :, input_pos] = v
+        mask = input_pos[:, None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
+        return self.k[layer], self.v[layer], mask
 
 
 class CausalSelfAttention(nn.Module):
@@ -101,6 +106,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         B, T, C = x.size()
         qkv = self.c_attn(x)  # (B, T, 3C)
@@ -108,45 +114,37 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        offset = 0
+        mask = None  # None: plain causal attention over these T tokens
         if kv_cache is not None:
-            offset = kv_cache.pos
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, offset + T, hd)
+            k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, nh, max_len, hd)
 
         dropout_p = self.dropout if self.training else 0.0
         if attn_weights is None:
-            y = sdpa_attention(q, k, v, offset, dropout_p)
+            y = sdpa_attention(q, k, v, mask, dropout_p)
         else:
-            y, att = explicit_attention(q, k, v, offset, dropout_p)
+            y, att = explicit_attention(q, k, v, mask, dropout_p)
             attn_weights.append(att)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
-def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
-    """(t_q, t_k) bool mask, True where query i (at absolute position t_k - t_q + i) may look."""
-    q_pos = torch.arange(t_k - t_q, t_k, device=device)
-    return q_pos[:, None] >= torch.arange(t_k, device=device)[None, :]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
-                   dropout_p: float) -> torch.Tensor:
-    """Fused attention; queries sit at positions offset.. of the keys."""
-    t_q, t_k = q.size(2), k.size(2)
-    if offset == 0 and t_q == t_k:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """Fused attention; mask is a (T_q, T_k) bool of allowed pairs, None for causal."""
+    if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if t_q == 1:  # one new token may look at every cached key: no mask needed
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-    mask = causal_mask(t_q, t_k, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None,
                        dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(QK^T / sqrt(d_k)) V written out, returning the (B, nh, T_q, T_k) weights too."""
     t_q, t_k = q.size(2), k.size(2)
+    if mask is None:
+        mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril()
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
-    att = att.masked_fill(~causal_mask(t_q, t_k, q.device), float("-inf"))
+    att = att.masked_fill(~mask, float("-inf"))
     att = F.softmax(att, dim=-1)
     y = F.dropout(att, p=dropout_p) @ v  # (B, nh, T_q, hd)
     return y, att
@@ -175,8 +173,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, attn_weights)
+        x = x + self.attn(self.ln_1(x), kv_cache, input_pos, attn_weights)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -192,6 +191,7 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.compiled_decode = None  # set by compile_decode()
         # weight tying: the output projection reads tokens with the same table that embeds them
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
@@ -231,26 +231,26 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                kv_cache: KVCache | None = None,
+                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
 
-        kv_cache: read and write keys/values at `kv_cache.pos` (the caller advances it).
+        kv_cache: write this pass's keys/values into the cache and attend over all it holds.
+        input_pos: (T,) positions of idx's tokens in the context window, 0.. by default; with
+            a cache, the caller advances them and keeps them below block_size.
         attn_weights: pass a list to run the explicit attention path and receive each
             layer's (B, n_head, T, T_k) weights in it.
         last_only: compute logits for the last position only (sampling needs no more).
         """
         B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}"
-            )
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        if input_pos is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+            input_pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(input_pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, kv_cache, attn_weights)
+            x = block(x, kv_cache, input_pos, attn_weights)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, vocab)
@@ -260,6 +260,18 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, [-1], :]  # (B, 1, C): a list index keeps the time dimension
         return self.lm_head(x), None
+
+    def compile_decode(self) -> None:
+        """Compile the one-token decode step that `stream` uses with a KV cache.
+
+        Every decode step has the same shapes (see KVCache), so torch.compile builds one graph,
+        on the first step, in tens of seconds on a CPU. Call it after moving the model to its
+        device and dtype. On the CPU the graph is driven from generated C++ (cpp_wrapper),
+        which takes the per-kernel Python calls out of each step.
+        """
+        options = {"cpp_wrapper": True} if self.lm_head.weight.device.type == "cpu" else None
+        self.compiled_decode = torch.compile(self.forward, fullgraph=True, dynamic=False,
+                                             options=options)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache in this model's dtype and device."""
@@ -287,6 +299,7 @@ class GPT(nn.Module):
         seq[:, :n] = idx
         start = max(0, n - block_size)  # first token inside the window
         cache = self.new_kv_cache(B) if use_kv_cache else None
+        decode = self.compiled_decode or self
         fresh = True  # the cache holds nothing of the current window yet
         for _ in range(max_new_tokens):
             if n - start > block_size:
@@ -294,14 +307,12 @@ class GPT(nn.Module):
                 fresh = True
             if cache is None:
                 logits, _ = self(seq[:, start:n], last_only=True)
-            elif fresh:  # prefill: the whole window in one pass
-                cache.pos = 0
+            elif fresh:  # prefill: the whole window in one pass, at positions 0..
                 logits, _ = self(seq[:, start:n], kv_cache=cache, last_only=True)
-                cache.pos = n - start
                 fresh = False
             else:  # decode: only the newest token, attending over the cache
-                logits, _ = self(seq[:, n - 1:n], kv_cache=cache)
-                cache.pos += 1
+                input_pos = torch.tensor([n - 1 - start], device=idx.device)
+                logits, _ = decode(next_token, kv_cache=cache, input_pos=input_pos)
             next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             seq[:, n] = next_token[:, 0]
             n += 1

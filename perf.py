@@ -4,11 +4,13 @@ machine's own matmul peak, the yardstick for model FLOPs utilisation (MFU).
 Usage:
     from perf import measure_peak_flops, sync
     peak = measure_peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s
+    reset_peak_memory(device); ...; now, peak = memory_mb(device)   # MB, peak of "..."
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -35,3 +37,28 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times[1:])  # the first run warms up
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window for memory_mb."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif sys.platform == "linux":
+        # the CPU allocator keeps no statistics, but Linux tracks the process's resident
+        # high-water mark, and writing 5 to clear_refs lowers it to the current resident size
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def memory_mb(device: torch.device) -> tuple[float, float] | None:
+    """(now, peak since reset_peak_memory) in MB: allocated tensors on CUDA, the resident
+    size of the whole process (weights included) on a Linux CPU; None where unknown."""
+    if device.type == "cuda":
+        return (torch.cuda.memory_allocated(device) / 2**20,
+                torch.cuda.max_memory_allocated(device) / 2**20)
+    if sys.platform == "linux":
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+                  if k in ("VmRSS", "VmHWM")}
+        return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
+    return None

@@ -51,12 +51,17 @@ def test_attention_rows_sum_to_one_and_hide_the_future(tiny_model):
         assert torch.all(att[..., future] == 0)
 
 
-def test_attention_functions_agree_with_an_offset():
-    # queries at positions 5..7 of 8 keys, as when a cache already holds 5 tokens
+def test_attention_functions_agree_under_a_cache_mask():
+    # 3 queries at positions 5..7 over a cache of 10 slots, as in a prefill after 5 tokens;
+    # slots 8 and 9 hold stale values that the mask must hide
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 8, 8))
-    y_explicit, _ = explicit_attention(q, k, v, offset=5, dropout_p=0.0)
-    torch.testing.assert_close(sdpa_attention(q, k, v, offset=5, dropout_p=0.0), y_explicit)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 10, 10))
+    mask = torch.arange(5, 8)[:, None] >= torch.arange(10)
+    y_explicit, att = explicit_attention(q, k, v, mask, dropout_p=0.0)
+    torch.testing.assert_close(sdpa_attention(q, k, v, mask, dropout_p=0.0), y_explicit)
+    assert torch.all(att[..., 0, 6:] == 0) and torch.all(att[..., 2, 8:] == 0)
+    y_prefix, _ = explicit_attention(q, k[:, :, :8], v[:, :, :8], mask[:, :8], dropout_p=0.0)
+    torch.testing.assert_close(y_explicit, y_prefix)  # stale slots change nothing
 
 
 def test_initial_loss_is_close_to_uniform_guess():

@@ -56,6 +56,17 @@ def test_greedy_cached_and_uncached_tokens_are_identical(model):
     assert cached.shape == (1, 63) and torch.equal(cached, uncached)
 
 
+def test_compiled_decode_step_gives_the_same_tokens_and_compiles_once(model):
+    prompt = torch.randint(0, 40, (1, 3), generator=torch.Generator().manual_seed(6))
+    eager = [model.generate(prompt, 40, temperature=0.0),  # 43 tokens: two re-prefills
+             model.generate(prompt[:, :2], 25, temperature=0.0)]
+    model.compile_decode()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for every position
+        compiled = [model.generate(prompt, 40, temperature=0.0),
+                    model.generate(prompt[:, :2], 25, temperature=0.0)]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
 def test_a_batch_equals_its_sequences_one_by_one(model):
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(3))
     batch = model.generate(prompts, 30, temperature=0.0)
@@ -179,5 +190,5 @@ def test_cli_benchmark_writes_figures(tmp_path):
                         "--json", str(path))
     assert result.returncode == 0, result.stderr
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["new_tokens"], r["kv_cache"]) for r in rows] == [(8, True), (8, False)]
+    assert [(r["new_tokens"], r["path"]) for r in rows] == [(8, "cached"), (8, "uncached")]
     assert all(r["identical"] and r["tokens_per_s"] > 0 for r in rows)
