@@ -298,7 +298,11 @@ class GPT(nn.Module):
         seq = torch.empty(B, n + max_new_tokens, dtype=idx.dtype, device=idx.device)
         seq[:, :n] = idx
         start = max(0, n - block_size)  # first token inside the window
-        cache = self.new_kv_cache(B) if use_kv_cache else None
+        # every step attends over every slot of the cache, so give it no more slots than
+        # this generation can fill, rounded up to a power of two so that a compiled decode
+        # step (built for one cache size) is rebuilt for only a few sizes
+        cache_len = min(block_size, 1 << (n + max_new_tokens - 1).bit_length())
+        cache = self.new_kv_cache(B, cache_len) if use_kv_cache else None
         decode = self.compiled_decode or self
         fresh = True  # the cache holds nothing of the current window yet
         for _ in range(max_new_tokens):
