@@ -79,14 +79,11 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
 
-    @property
-    def max_len(self) -> int:
-        return self.key_pos.numel()
-
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store (B, n_head, T, head_dim) keys/values at input_pos (T,); return all keys and
-        values, (B, n_head, max_len, head_dim), and the (T, max_len) mask of what each query sees."""
+        """Store (B, n_head, T, head_dim) keys/values at input_pos (T,). Return all keys and
+        values, (B, n_head, max_len, head_dim), and the (T, max_len) mask of what each
+        query may see."""
         self.k[layer][:, :, input_pos] = k
         self.v[layer][:, :, input_pos] = v
         mask = input_pos[:, None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
@@ -246,9 +243,11 @@ class GPT(nn.Module):
         B, T = idx.size()
         if input_pos is None:
             if T > self.config.block_size:
-                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+                raise ValueError(
+                    f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(input_pos))  # (B, T, C)
+        x = self.transformer.wte(idx) + self.transformer.wpe(input_pos)  # (B, T, C)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, kv_cache, input_pos, attn_weights)
         x = self.transformer.ln_f(x)
@@ -264,10 +263,11 @@ class GPT(nn.Module):
     def compile_decode(self) -> None:
         """Compile the one-token decode step that `stream` uses with a KV cache.
 
-        Every decode step has the same shapes (see KVCache), so torch.compile builds one graph,
-        on the first step, in tens of seconds on a CPU. Call it after moving the model to its
-        device and dtype. On the CPU the graph is driven from generated C++ (cpp_wrapper),
-        which takes the per-kernel Python calls out of each step.
+        Every decode step has the same shapes (see KVCache), so torch.compile builds one graph
+        per cache size and batch size, on the first step (seconds to tens of seconds on a
+        CPU). Call it after moving the model to its device and dtype. On the CPU the graph is
+        driven from generated C++ (cpp_wrapper), which takes the per-kernel Python calls out
+        of each step.
         """
         options = {"cpp_wrapper": True} if self.lm_head.weight.device.type == "cpu" else None
         self.compiled_decode = torch.compile(self.forward, fullgraph=True, dynamic=False,

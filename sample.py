@@ -141,8 +141,8 @@ def main(
     kv_cache: Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")] = True,
     compile_decode: Annotated[bool, typer.Option(
-        "--compile", help="Compile the cached decode step with torch.compile: faster per token, after a "
-             "one-off compile of tens of seconds on a CPU.")] = False,
+        "--compile", help="Compile the cached decode step with torch.compile: faster per "
+             "token, after a one-off compile of seconds to tens of seconds on a CPU.")] = False,
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
     attention: Annotated[Optional[Path], typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "

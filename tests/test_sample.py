@@ -168,6 +168,7 @@ def test_cli_stop_string_understands_backslash_n(trained_run):
     (("--top-p", "0"), "error: top_p must be in (0, 1]"),
     (("--top-k", "0"), "error: top_k must be at least 1"),
     (("--dtype", "int8"), "error: dtype must be one of float32, bfloat16, float16"),
+    (("--compile", "--no-kv-cache"), "error: --compile speeds up the cached decode step"),
 ])
 def test_cli_refuses_bad_sampling_input(trained_run, args, message):
     result = run_sample("--run", str(trained_run), *args)
