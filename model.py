@@ -274,9 +274,14 @@ class GPT(nn.Module):
                                              options=options)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty cache in this model's dtype and device."""
+        """An empty cache on this model's device, in the dtype its keys and values come out
+        in: the weights' dtype, or the autocast dtype when autocast is on (as it is when a
+        bf16 training run samples at an evaluation)."""
         p = self.lm_head.weight
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, p.dtype, p.device)
+        dtype = p.dtype
+        if torch.is_autocast_enabled(p.device.type):
+            dtype = torch.get_autocast_dtype(p.device.type)
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, dtype, p.device)
 
     @torch.inference_mode()
     def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

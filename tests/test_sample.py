@@ -49,6 +49,20 @@ def test_cached_logits_equal_uncached_at_every_step_past_block_size(model):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cache_takes_the_autocast_dtype(model, dtype):
+    # a bf16 or fp16 training run samples at every evaluation under autocast, where keys and
+    # values come out of the projections in the low-precision dtype, not the weights' fp32
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.autocast("cpu", dtype=dtype):
+        assert model.new_kv_cache(2, 8).k[0].dtype == dtype
+        cached = step_logits(model, prompt, 20, use_kv_cache=True)
+        uncached = step_logits(model, prompt, 20, use_kv_cache=False)
+    assert model.new_kv_cache(2, 8).k[0].dtype == torch.float32
+    for step, (a, b) in enumerate(zip(cached, uncached)):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2, msg=f"step {step}")
+
+
 def test_greedy_cached_and_uncached_tokens_are_identical(model):
     prompt = torch.randint(0, 40, (1, 3), generator=torch.Generator().manual_seed(2))
     cached = model.generate(prompt, 60, temperature=0.0, use_kv_cache=True)

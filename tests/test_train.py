@@ -45,6 +45,18 @@ def test_tiny_model_loss_falls_and_lands_in_tensorboard(tiny_config):
     assert "sample/text_summary" in acc.Tags()["tensors"]
 
 
+def test_bf16_autocast_run_trains_and_samples(tiny_config):
+    # the default on a GPU with bf16; on the CPU the same autocast path runs, sampling included
+    cfg = dataclasses.replace(tiny_config, dtype="bfloat16", max_iters=20, eval_interval=20)
+    result = train(cfg)
+    val = scalars(result.run_dir, "loss/val")
+    assert [step for step, _ in val] == [0, 20] and val[1][1] < val[0][1]
+    acc = EventAccumulator(str(result.run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert len(acc.Tensors("sample/text_summary")) == 2
+    assert load_checkpoint(result.run_dir / "last.pt")["model"]["lm_head.weight"].dtype == torch.float32
+
+
 def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     result = train(tiny_config)
     ckpt = load_checkpoint(result.run_dir / "last.pt")
