@@ -1,9 +1,9 @@
-"""Measuring speed honestly: wait for the device before reading the clock, and measure the
-machine's own matmul peak, the yardstick for model FLOPs utilisation (MFU).
+"""Measuring speed honestly: wait for the device before reading the clock, and know the
+peak that model FLOPs utilisation (MFU) is measured against.
 
 Usage:
-    from perf import measure_peak_flops, sync
-    peak = measure_peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s
+    from perf import peak_flops, sync
+    peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and whence
     reset_peak_memory(device); ...; now, peak = memory_mb(device)   # MB, peak of "..."
 """
 
@@ -22,10 +22,42 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s: the yardstick the field
+# quotes GPU MFU against. Matched in order against the device name, so longer names first.
+GPU_BF16_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+)
+
+
+def datasheet_peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named like torch.cuda.get_device_name(), if known."""
+    return next((flops for key, flops in GPU_BF16_PEAK_FLOPS if key in device_name), None)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The FLOP/s that MFU is measured against, and where the figure comes from: a known
+    GPU's datasheet bf16 peak (whatever the training dtype, as is usual), else this
+    machine's measured matmul throughput in `dtype`."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        flops = datasheet_peak_flops(name)
+        if flops is not None:
+            return flops, f"datasheet bf16 peak of the {name}"
+    return measure_peak_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} matmul"
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """This machine's matmul throughput in FLOP/s (median of a few square matmuls),
-    measured rather than looked up so that MFU is honest on any CPU or GPU."""
-    n = 2048 if device.type == "cuda" else 1024
+    """This machine's matmul throughput in FLOP/s: the median over a few timings of square
+    matmuls. On a GPU each timing spans several large matmuls so that launch and sync
+    costs do not count."""
+    n, per_timing = (8192, 10) if device.type == "cuda" else (1024, 1)
     generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
@@ -33,10 +65,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     for _ in range(6):
         sync(device)
         t0 = time.perf_counter()
-        a @ b
+        for _ in range(per_timing):
+            a @ b
         sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times[1:])  # the first run warms up
+        times.append((time.perf_counter() - t0) / per_timing)
+    return 2 * n**3 / statistics.median(times[1:])  # the first timing warms up
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -40,7 +40,7 @@ from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
 from model import GPT
-from perf import measure_peak_flops
+from perf import peak_flops
 from tokenizer import load_tokenizer
 from train_config import ConfigError, TrainConfig, cli_parameters, load_config
 
@@ -325,7 +325,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
 
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     flops_per_iter = raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
-    peak_flops = measure_peak_flops(device, dtype)
+    peak, peak_source = peak_flops(device, dtype)
     say = tqdm.write if dist.is_main else (lambda message: None)
     writer = None
     if dist.is_main:
@@ -339,6 +339,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     processes = f" x {dist.world_size} processes" if dist.enabled else ""
     say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
         f"device {device}{processes}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
+    say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         """This process's next micro-batch. All processes draw the same stream and take
@@ -444,7 +445,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                                             f"lower learning_rate or set grad_clip")
                     elapsed = time.perf_counter() - t_log
                     tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-                    mfu = iters_since_log * flops_per_iter / elapsed / (peak_flops * dist.world_size)
+                    mfu = iters_since_log * flops_per_iter / elapsed / (peak * dist.world_size)
                     if dist.is_main:
                         writer.add_scalar("train/loss_step", train_loss, iter_num)
                         writer.add_scalar("train/lr", lr, iter_num)

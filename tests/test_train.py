@@ -16,6 +16,7 @@ from checkpoint import (CheckpointError, link_checkpoint, load_checkpoint,
                         model_from_checkpoint, save_checkpoint)
 from data.loader import load_meta, load_split
 from model import GPT, GPTConfig
+from perf import datasheet_peak_flops, peak_flops
 from train import estimate_loss, get_lr, train
 from train_config import ConfigError, load_config
 
@@ -128,6 +129,16 @@ def test_a_new_run_never_overwrites_an_old_one(tiny_config):
     cfg = dataclasses.replace(tiny_config, max_iters=5, eval_interval=5, sample_tokens=0)
     first, second = train(cfg), train(cfg)
     assert (first.run_dir.name, second.run_dir.name) == ("tiny", "tiny-2")
+
+
+def test_mfu_yardstick_is_the_datasheet_peak_on_known_gpus_else_measured():
+    assert datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM figure
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert datasheet_peak_flops("NVIDIA L40S") == 362e12 and datasheet_peak_flops("NVIDIA L4") == 121e12
+    assert datasheet_peak_flops("Tesla T4") is None
+    flops, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert source == "measured float32 matmul" and 1e9 < flops < 1e14
 
 
 def test_lr_warms_up_then_decays_to_min_lr(tiny_config):
