@@ -1,42 +1,61 @@
-"""Training speed and quality on a text file, with the settings of the quickstart preset.
+"""Training speed and quality of a preset, read back from the run's own TensorBoard file.
 
 Usage:
-    python -m benchmarks.train --input path/to/input.txt [--json train.json] [-- override=...]
+    python -m benchmarks.train --input tinyshakespeare/input.txt     # quickstart settings, CPU
+    python -m benchmarks.train --config config/baby_gpt.toml         # on a GPU: bf16, compiled
+    python -m benchmarks.train --config config/gpt2_small.toml --max-iters 200 --no-compile
 
-Prepares the text char-level into a temporary folder, trains config/quickstart.toml on it
-(4 layers, 4 heads, 128 wide, block 64, batch 12, 2000 iterations, eval 20 batches every
-250), then reads the run's TensorBoard file back and prints median ms/iter, MFU against
-this machine's measured matmul peak, wall time, the final val loss and peak memory.
+Trains the preset (by default config/quickstart.toml: 4 layers, 4 heads, 128 wide, block 64,
+batch 12, 2000 iterations) into a temporary folder, on the text of --input (prepared
+char-level there) or else on the preset's own data_dir. Then prints median ms/iter and
+tokens/s, median MFU, the wall time of the whole run (evaluations included), the final val
+loss and peak memory: allocated tensors on CUDA, the process's resident size on the CPU.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from data.prepare import prepare
 from data.sources import read_text
-from train import train
+from perf import memory_mb, reset_peak_memory
+from train import resolve_device, resolve_dtype, train
 from train_config import load_config
 
-PRESET = Path(__file__).resolve().parent.parent / "config" / "quickstart.toml"
+QUICKSTART = Path("config/quickstart.toml")
 
 
-def main(input: Path, json_path: Path = typer.Option(None, "--json"),
-         max_iters: int = 2000, dtype: str = "float32") -> None:
-    """Train the quickstart preset on INPUT and print the figures."""
+def main(
+    config: Annotated[Path, typer.Option(help="Preset to train.")] = QUICKSTART,
+    input: Annotated[Optional[Path], typer.Option(
+        help="Train on this text (char-level) instead of the preset's data_dir.")] = None,
+    max_iters: Annotated[Optional[int], typer.Option(help="Override the preset's.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="Override the preset's.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="Override the preset's.")] = None,
+    compile: Annotated[Optional[bool], typer.Option(
+        "--compile/--no-compile", help="Override the preset's.")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write figures here.")] = None,
+) -> None:
+    """Train a preset and print its speed, MFU, memory and final loss."""
+    overrides = {"max_iters": max_iters, "dtype": dtype, "device": device, "compile": compile}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir = Path(tmp) / "data"
-        prepare(read_text(input), "char", data_dir, source=str(input))
-        cfg = load_config(PRESET, {"data_dir": str(data_dir), "out_dir": tmp, "run_name": "bench",
-                                   "max_iters": max_iters, "dtype": dtype, "sample_tokens": 0})
+        if input is not None:
+            overrides["data_dir"] = str(Path(tmp) / "data")
+            prepare(read_text(input), "char", overrides["data_dir"], source=str(input))
+        cfg = load_config(config, {**overrides, "out_dir": tmp, "run_name": "bench",
+                                   "sample_tokens": 0})
+        run_device = resolve_device(cfg.device)
+        reset_peak_memory(run_device)
         result = train(cfg)
+        memory = memory_mb(run_device)
         acc = EventAccumulator(str(result.run_dir), size_guidance={"scalars": 0})
         acc.Reload()
         tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
@@ -44,16 +63,21 @@ def main(input: Path, json_path: Path = typer.Option(None, "--json"),
         mfu = [e.value for e in acc.Scalars("perf/mfu")]
         val = acc.Scalars("loss/val")[-1]
     figures = {
+        "config": config.name,
+        "device": str(run_device),
+        "dtype": str(resolve_dtype(cfg.dtype, run_device)).removeprefix("torch."),
+        "compile": cfg.compile,
+        "iters": result.iter_num,
         "median_ms_per_iter": 1000 * tokens_per_iter / statistics.median(tok_s),
         "median_tokens_per_s": statistics.median(tok_s),
         "median_mfu": statistics.median(mfu),
         "wall_time_s": result.wall_time,
         "val_loss": val.value,
         "val_loss_step": val.step,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_memory_mb": memory[1] if memory else None,
     }
     for key, value in figures.items():
-        print(f"{key:>20}: {value:.4g}")
+        print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -2,6 +2,7 @@
 bad configs get the promised one-line messages, and the CLI works as a subprocess."""
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -179,6 +180,29 @@ def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}  # help lines unwrapped
     return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=300)
+
+
+def test_every_preset_is_a_valid_config():
+    presets = sorted((REPO / "config").glob("*.toml"))
+    assert len(presets) >= 6
+    for path in presets:
+        cfg = load_config(path)
+        assert cfg.model_config(vocab_size=65).n_embd == cfg.n_embd, path.name
+
+
+def test_training_benchmark_reads_its_figures_back(tmp_path, corpus_file):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--config", "config/tiny.toml",
+                           "--input", str(corpus_file), "--max-iters", "20", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    assert figures["iters"] == 20 and figures["val_loss_step"] == 20
+    assert figures["dtype"] == "float32" and figures["device"] == "cpu"
+    assert figures["median_tokens_per_s"] > 0 and 0 < figures["median_mfu"] < 1
+    uniform_guess = math.log(len(set(corpus_file.read_text())))
+    assert figures["val_loss"] < uniform_guess and figures["peak_memory_mb"] > 0
+    assert "median_ms_per_iter" in proc.stdout
 
 
 def test_cli_help_documents_every_config_field():
