@@ -57,7 +57,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """This machine's matmul throughput in FLOP/s: the median over a few timings of square
     matmuls. On a GPU each timing spans several large matmuls so that launch and sync
     costs do not count."""
-    n, per_timing = (8192, 10) if device.type == "cuda" else (1024, 1)
+    n, per_timing = (4096, 10) if device.type == "cuda" else (1024, 1)
     generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
