@@ -158,7 +158,13 @@ def main(
         "--json", help="With --benchmark: write figures here.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
-    """Sample text from a checkpoint, or benchmark the KV cache (--benchmark)."""
+    """Sample text from a checkpoint, or benchmark the KV cache (--benchmark).
+
+    Context window: the model sees at most block_size tokens. When the next token would not
+    fit, the window jumps forward to keep the most recent block_size // 2 tokens, and the
+    KV cache is rebuilt from them in one prefill. --no-kv-cache uses the same window, so
+    both give the same text.
+    """
     try:
         if dtype not in DTYPES:
             raise SampleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
