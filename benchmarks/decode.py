@@ -82,8 +82,9 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     cfg = model.config
     cache_mb = 2 * cfg.n_layer * cfg.block_size * cfg.n_embd * DTYPES[dtype].itemsize / 1e6
+    # a generation's cache holds the power of two above its length, at most block_size slots
     print(f"{source}: {model.num_params() / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
-          f"weights, KV cache {cache_mb:.1f} MB, block_size {cfg.block_size}, {dtype}, "
+          f"weights, KV cache at most {cache_mb:.1f} MB, block_size {cfg.block_size}, {dtype}, "
           f"{device}, {torch.get_num_threads()} threads")
 
     # (path, use_kv_cache, compiled decode step or None)
