@@ -265,12 +265,28 @@ class GPT(nn.Module):
 
         Every decode step has the same shapes (see KVCache), so torch.compile builds one graph
         per cache size and batch size, on the first step (seconds to tens of seconds on a
-        CPU). Call it after moving the model to its device and dtype. On the CPU the graph is
-        driven from generated C++ (cpp_wrapper), which takes the per-kernel Python calls out
-        of each step.
+        CPU). Call it after moving the model to its device and dtype.
         """
-        options = {"cpp_wrapper": True} if self.lm_head.weight.device.type == "cpu" else None
-        self.compiled_decode = torch.compile(self.forward, fullgraph=True, dynamic=False,
+        if self.lm_head.weight.device.type != "cpu":
+            self.compiled_decode = torch.compile(self.forward, fullgraph=True, dynamic=False)
+            return
+
+        def decode_step(idx: torch.Tensor, kv_cache: KVCache,
+                        input_pos: torch.Tensor) -> tuple[torch.Tensor, None]:
+            # the written-out attention path (its weights are dropped): for a single query,
+            # inductor turns QK^T and AV into loops fused with the softmax, where SDPA stays
+            # a library call, and a slow one in bf16 on CPUs without bf16 arithmetic
+            return self(idx, kv_cache=kv_cache, input_pos=input_pos, attn_weights=[])
+
+        options = {
+            # drive the graph from generated C++, not Python: no per-kernel Python calls
+            "cpp_wrapper": True,
+            # with one row of activations every matmul is a matrix-vector product bound by
+            # reading the weights; as generated loops it fuses with its bias, GELU and
+            # residual add instead of being one library call each
+            "post_grad_fusion_options": {"decompose_mm_pass": {}},
+        }
+        self.compiled_decode = torch.compile(decode_step, fullgraph=True, dynamic=False,
                                              options=options)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
