@@ -81,6 +81,23 @@ def test_compiled_decode_step_gives_the_same_tokens_and_compiles_once(model):
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
+def test_compiled_bf16_decode_step_matches_eager(model):
+    # on the CPU the compiled step computes differently (fused loops, attention written
+    # out); in bf16 its logits must still agree with eager's to within bf16 rounding
+    model = model.to(torch.bfloat16)
+    prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(8))
+    cache = model.new_kv_cache(1, 16)
+    with torch.inference_mode():
+        model(prompt, kv_cache=cache, input_pos=torch.arange(5))  # prefill
+        model.compile_decode()
+        for pos in (5, 6, 15):  # writing the same key/value twice changes nothing
+            token, input_pos = prompt[:, pos % 5:pos % 5 + 1], torch.tensor([pos])
+            eager, _ = model(token, kv_cache=cache, input_pos=input_pos)
+            compiled, _ = model.compiled_decode(token, kv_cache=cache, input_pos=input_pos)
+            torch.testing.assert_close(compiled.float(), eager.float(), rtol=0, atol=2e-2,
+                                       msg=f"position {pos}")
+
+
 def test_a_batch_equals_its_sequences_one_by_one(model):
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(3))
     batch = model.generate(prompts, 30, temperature=0.0)
