@@ -7,10 +7,8 @@ Usage:
     python sample.py --benchmark --preset baby_gpt             # random weights, no training
     python sample.py --prompt "ROMEO:" --compile               # compiled decode step
 
-Context window: the model sees at most block_size tokens. When the next token would not
-fit, the window jumps forward to keep the most recent block_size // 2 tokens, and the KV
-cache is rebuilt from them in one prefill. The uncached path (--no-kv-cache) uses the
-same window, so both produce the same text.
+The context-window policy past block_size is stated in main's docstring, which is what
+`python sample.py --help` prints (one paragraph: typer keeps the line breaks of later ones).
 """
 
 from __future__ import annotations
@@ -159,7 +157,6 @@ def main(
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
     """Sample text from a checkpoint, or benchmark the KV cache (--benchmark).
-
     Context window: the model sees at most block_size tokens. When the next token would not
     fit, the window jumps forward to keep the most recent block_size // 2 tokens, and the
     KV cache is rebuilt from them in one prefill. --no-kv-cache uses the same window, so
