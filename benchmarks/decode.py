@@ -92,10 +92,13 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     compile_s = None
     if compile_decode:
         model.compile_decode()
+        # the step is built for one cache size, and a generation's cache size follows its
+        # length: compile for the first length measured (other sizes compile in their warm-up)
         t0 = time.perf_counter()
-        timed_generation(model, prompt, 3, use_kv_cache=True)  # the first decode step compiles
+        timed_generation(model, prompt, lengths[0], use_kv_cache=True)
         compile_s = time.perf_counter() - t0
-        print(f"compiled the decode step in {compile_s:.1f} s")
+        print(f"compiled the decode step in {compile_s:.1f} s (the first generation of "
+              f"{lengths[0]} tokens, compile included)")
         paths.append(("compiled", True, model.compiled_decode))
     paths.append(("uncached", False, None))
 
