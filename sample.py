@@ -37,7 +37,12 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
     if checkpoint:
         return Path(checkpoint)
     if run:
-        return Path(run) / "best.pt"
+        path = Path(run) / "best.pt"
+        if not path.is_file():  # most likely a mistyped run name: offer its neighbours
+            runs = ", ".join(str(p.parent) for p in sorted(path.parent.parent.glob("*/best.pt")))
+            raise SampleError(f"no checkpoint at {path}; runs in {path.parent.parent}/ that "
+                              f"have one: {runs or 'none'}")
+        return path
     candidates = sorted(Path(out_dir).glob("*/best.pt"), key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise SampleError(f"no checkpoint found under {out_dir}/; train first "

@@ -225,6 +225,14 @@ def test_cli_names_a_missing_or_broken_checkpoint(tmp_path):
     assert bad.returncode == 1 and "truncated or not a checkpoint" in bad.stderr
 
 
+def test_cli_names_the_runs_when_run_has_no_checkpoint(trained_run):
+    result = run_sample("--run", str(trained_run.parent / "no-such-run"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"no checkpoint at {trained_run.parent / 'no-such-run' / 'best.pt'}" in line
+    assert line.endswith(f"runs in {trained_run.parent}/ that have one: {trained_run}")
+
+
 def test_cli_benchmark_writes_figures(tmp_path):
     path = tmp_path / "decode.json"
     result = run_sample("--benchmark", "--preset", "baby_gpt", "--lengths", "8", "--repeats", "1",
