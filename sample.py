@@ -37,10 +37,13 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
     if checkpoint:
         return Path(checkpoint)
     if run:
-        path = Path(run) / "best.pt"
+        folder = Path(run)
+        if not folder.exists() and len(folder.parts) == 1:
+            folder = Path(out_dir) / run  # a bare run name, e.g. --run quickstart
+        path = folder / "best.pt"
         if not path.is_file():  # most likely a mistyped run name: offer its neighbours
-            runs = ", ".join(str(p.parent) for p in sorted(path.parent.parent.glob("*/best.pt")))
-            raise SampleError(f"no checkpoint at {path}; runs in {path.parent.parent}/ that "
+            runs = ", ".join(str(p.parent) for p in sorted(folder.parent.glob("*/best.pt")))
+            raise SampleError(f"no checkpoint at {path}; runs in {folder.parent}/ that "
                               f"have one: {runs or 'none'}")
         return path
     candidates = sorted(Path(out_dir).glob("*/best.pt"), key=lambda p: p.stat().st_mtime)
@@ -124,7 +127,8 @@ def main(
     prompt_file: Annotated[Optional[Path], typer.Option(
         exists=True, dir_okay=False, help="Read the prompt from this file instead.")] = None,
     run: Annotated[Optional[str], typer.Option(
-        help="Run folder whose best.pt to load; default: the newest under runs/.")] = None,
+        help="Run folder, or run name under runs/, whose best.pt to load; default: the "
+             "newest run.")] = None,
     checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint file to load.")] = None,
     init_from: Annotated[Optional[str], typer.Option(
         help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, filter_top_k, filter_top_p
-from sample import generate_text
+from sample import SampleError, generate_text, resolve_checkpoint
 from tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
 
 REPO = Path(__file__).resolve().parent.parent
@@ -231,6 +231,13 @@ def test_cli_names_the_runs_when_run_has_no_checkpoint(trained_run):
     line = result.stderr.strip().splitlines()[-1]
     assert f"no checkpoint at {trained_run.parent / 'no-such-run' / 'best.pt'}" in line
     assert line.endswith(f"runs in {trained_run.parent}/ that have one: {trained_run}")
+
+
+def test_a_bare_run_name_is_looked_up_in_the_runs_folder(trained_run):
+    runs = trained_run.parent
+    assert resolve_checkpoint(trained_run.name, None, out_dir=str(runs)) == trained_run / "best.pt"
+    with pytest.raises(SampleError, match=f"runs in {runs}/ that have one: {trained_run}$"):
+        resolve_checkpoint("no-such-run", None, out_dir=str(runs))
 
 
 def test_cli_benchmark_writes_figures(tmp_path):
