@@ -260,13 +260,22 @@ class GPT(nn.Module):
             x = x[:, [-1], :]  # (B, 1, C): a list index keeps the time dimension
         return self.lm_head(x), None
 
-    def compile_decode(self) -> None:
+    def compile_decode(self, backend: str = "inductor") -> None:
         """Compile the one-token decode step that `stream` uses with a KV cache.
 
-        Every decode step has the same shapes (see KVCache), so torch.compile builds one graph
-        per cache size and batch size, on the first step (seconds to tens of seconds on a
-        CPU). Call it after moving the model to its device and dtype.
+        backend "inductor": torch.compile. Every decode step has the same shapes (see
+            KVCache), so it builds one graph per cache size and batch size, on the first step
+            (seconds to tens of seconds on a CPU).
+        backend "c": the hand-written C function of decode_step.c (CPU; float32 or bfloat16
+            weights), built by the system C compiler in about a second, then cached.
+        Call it after moving the model to its device and dtype.
         """
+        if backend == "c":
+            from decode_step import CDecodeStep  # needs a C compiler, so only when asked for
+            self.compiled_decode = CDecodeStep(self)
+            return
+        if backend != "inductor":
+            raise ValueError(f"unknown decode backend {backend!r}; choose inductor or c")
         if self.lm_head.weight.device.type != "cpu":
             self.compiled_decode = torch.compile(self.forward, fullgraph=True, dynamic=False)
             return

@@ -6,6 +6,7 @@ Usage:
     python sample.py --benchmark                               # cached vs uncached speed
     python sample.py --benchmark --preset baby_gpt             # random weights, no training
     python sample.py --prompt "ROMEO:" --compile               # compiled decode step
+    python sample.py --prompt "ROMEO:" --c-decode              # hand-written C decode step
 
 The context-window policy past block_size is stated in main's docstring, which is what
 `python sample.py --help` prints (one paragraph: typer keeps the line breaks of later ones).
@@ -22,6 +23,7 @@ import torch
 import typer
 
 from checkpoint import load_checkpoint, model_from_checkpoint
+from decode_step import BuildError
 from model import GPT, check_sampling
 from tokenizer import TextStream, Tokenizer, load_tokenizer
 
@@ -150,6 +152,10 @@ def main(
     compile_decode: Annotated[bool, typer.Option(
         "--compile", help="Compile the cached decode step with torch.compile: faster per "
              "token, after a one-off compile of seconds to tens of seconds on a CPU.")] = False,
+    c_decode: Annotated[bool, typer.Option(
+        "--c-decode", help="Run the cached decode step as the hand-written C function of "
+             "decode_step.c: the fastest path on a CPU (float32 or bfloat16), built by the "
+             "system C compiler in about a second.")] = False,
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
     attention: Annotated[Optional[Path], typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
@@ -179,13 +185,17 @@ def main(
         except (RuntimeError, ValueError):
             raise SampleError(f"device {device!r} is not available here; use --device cpu") from None
         check_sampling(temperature, top_k, top_p)
-        if compile_decode and not kv_cache:
-            raise SampleError("--compile speeds up the cached decode step; drop --no-kv-cache")
+        if compile_decode and c_decode and not benchmark:
+            raise SampleError("--compile and --c-decode are two ways to run the decode step "
+                              "(only --benchmark takes both); choose one")
+        if (compile_decode or c_decode) and not kv_cache:
+            flag = "--compile" if compile_decode else "--c-decode"
+            raise SampleError(f"{flag} speeds up the cached decode step; drop --no-kv-cache")
         if benchmark:
             from benchmarks.decode import run_benchmark  # keeps the sampling path light
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                          json_path, compile_decode)
+                          json_path, compile_decode, c_decode)
             return
         if init_from:
             from gpt2 import load_hf_gpt2
@@ -196,9 +206,10 @@ def main(
             model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
         text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
-        if compile_decode:
-            model.compile_decode()
-    except ValueError as e:  # SampleError, CheckpointError and the model's sampling checks
+        if compile_decode or c_decode:
+            model.compile_decode(backend="c" if c_decode else "inductor")
+    # SampleError, CheckpointError, the model's sampling checks, and a C step that cannot build
+    except (ValueError, BuildError) as e:
         if debug:
             raise
         typer.echo(f"error: {e}", err=True)

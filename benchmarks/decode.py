@@ -3,6 +3,7 @@
 Usage:
     python sample.py --benchmark --preset baby_gpt --lengths 64,248,1024 --json decode.json
     python sample.py --benchmark --preset baby_gpt --compile     # adds the compiled decode step
+    python sample.py --benchmark --preset baby_gpt --c-decode    # adds the C decode step
     python -m benchmarks.decode --preset gpt2 --lengths 64
 
 Batch 1, greedy, an 8-token prompt. For every length and path: one warm-up, then the median
@@ -67,7 +68,7 @@ def measure(model: GPT, prompt: torch.Tensor, n_new: int, use_kv_cache: bool,
 
 def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
                   lengths: list[int], repeats: int, json_path: Path | None,
-                  compile_decode: bool = False) -> list[dict]:
+                  compile_decode: bool = False, c_decode: bool = False) -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked."""
     if preset is not None:
         torch.manual_seed(0)
@@ -100,6 +101,9 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         print(f"compiled the decode step in {compile_s:.1f} s (the first generation of "
               f"{lengths[0]} tokens, compile included)")
         paths.append(("compiled", True, model.compiled_decode))
+    if c_decode:
+        model.compile_decode(backend="c")
+        paths.append(("C step", True, model.compiled_decode))
     paths.append(("uncached", False, None))
 
     print(f"{'new tokens':>10} {'path':>9} {'tokens/s':>9} {'prefill ms':>11} {'ms/token':>9} "
@@ -130,10 +134,11 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 
 def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
-         compile_decode: Annotated[bool, typer.Option("--compile")] = False) -> None:
+         compile_decode: Annotated[bool, typer.Option("--compile")] = False,
+         c_decode: Annotated[bool, typer.Option("--c-decode")] = False) -> None:
     """Benchmark a random-weight model shape (see model.PRESETS)."""
     run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, compile_decode)
+                  json, compile_decode, c_decode)
 
 
 if __name__ == "__main__":

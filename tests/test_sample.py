@@ -179,10 +179,11 @@ def test_cli_streaming_prints_the_same_text_as_non_streaming(trained_run):
     streamed, whole = run_sample(*args), run_sample(*args, "--no-stream")
     uncached = run_sample(*args, "--no-kv-cache", "--temperature", "0")
     greedy = run_sample(*args, "--temperature", "0")
+    c_step = run_sample(*args, "--temperature", "0", "--c-decode")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == whole.stdout and streamed.stdout.startswith("ROMEO:")
     assert len(streamed.stdout) > 80
-    assert uncached.stdout == greedy.stdout
+    assert uncached.stdout == greedy.stdout == c_step.stdout
 
 
 def test_cli_stop_string_understands_backslash_n(trained_run):
@@ -200,6 +201,8 @@ def test_cli_stop_string_understands_backslash_n(trained_run):
     (("--top-k", "0"), "error: top_k must be at least 1"),
     (("--dtype", "int8"), "error: dtype must be one of float32, bfloat16, float16"),
     (("--compile", "--no-kv-cache"), "error: --compile speeds up the cached decode step"),
+    (("--c-decode", "--no-kv-cache"), "error: --c-decode speeds up the cached decode step"),
+    (("--c-decode", "--compile"), "error: --compile and --c-decode are two ways"),
 ])
 def test_cli_refuses_bad_sampling_input(trained_run, args, message):
     result = run_sample("--run", str(trained_run), *args)
@@ -243,8 +246,9 @@ def test_a_bare_run_name_is_looked_up_in_the_runs_folder(trained_run):
 def test_cli_benchmark_writes_figures(tmp_path):
     path = tmp_path / "decode.json"
     result = run_sample("--benchmark", "--preset", "baby_gpt", "--lengths", "8", "--repeats", "1",
-                        "--json", str(path))
+                        "--c-decode", "--json", str(path))
     assert result.returncode == 0, result.stderr
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["new_tokens"], r["path"]) for r in rows] == [(8, "cached"), (8, "uncached")]
+    assert [(r["new_tokens"], r["path"]) for r in rows] == [(8, "cached"), (8, "C step"),
+                                                           (8, "uncached")]
     assert all(r["identical"] and r["tokens_per_s"] > 0 for r in rows)

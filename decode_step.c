@@ -1,0 +1,166 @@
+/* One KV-cache decode step of model.py's GPT, written out as plain loops.
+ *
+ * With one new token per sequence every Linear is a matrix-vector product, and the step is
+ * bound by streaming the weights from memory. Written as one C function, the whole step is
+ * one call with one parallel region: no per-operation dispatch, no tensors allocated, and
+ * each product fused with its bias, GELU or residual add.
+ *
+ * decode_step.py builds this file twice, with WEIGHT as float and as uint16_t (bfloat16
+ * bits), and calls it through ctypes. Weights and the cache are in WEIGHT; activations
+ * stay in float. Shapes and layouts are those of model.py: Linear weights (out, in),
+ * cache (B, n_head, max_len, head_dim), all contiguous.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef WEIGHT
+#define WEIGHT float
+#endif
+
+/* bfloat16 is the top half of a float32: widening is a shift, rounding keeps the nearest */
+static inline float load(const WEIGHT *p, size_t i) {
+#ifdef WEIGHT_BF16
+    union { uint32_t u; float f; } v = { (uint32_t)p[i] << 16 };
+    return v.f;
+#else
+    return p[i];
+#endif
+}
+
+static inline void store(WEIGHT *p, size_t i, float x) {
+#ifdef WEIGHT_BF16
+    union { float f; uint32_t u; } v = { x };
+    p[i] = (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);  /* round to nearest even */
+#else
+    p[i] = x;
+#endif
+}
+
+/* the parameters of one Block, in the order decode_step.py passes them */
+enum { LN1_W, LN1_B, ATTN_W, ATTN_B, ATTN_PROJ_W, ATTN_PROJ_B,
+       LN2_W, LN2_B, FC_W, FC_B, MLP_PROJ_W, MLP_PROJ_B, N_BLOCK_PARAMS };
+
+/* out[b] = LayerNorm(x[b]) for each of B rows of n; a NULL bias means none */
+static void layer_norm(float *out, const float *x, const WEIGHT *w, const WEIGHT *bias,
+                       int B, int n) {
+    #pragma omp for
+    for (int b = 0; b < B; b++) {
+        const float *xb = x + (size_t)b * n;
+        float mean = 0.0f, var = 0.0f;
+        for (int i = 0; i < n; i++) mean += xb[i];
+        mean /= n;
+        for (int i = 0; i < n; i++) var += (xb[i] - mean) * (xb[i] - mean);
+        float rstd = 1.0f / sqrtf(var / n + 1e-5f);
+        for (int i = 0; i < n; i++)
+            out[(size_t)b * n + i] = (xb[i] - mean) * rstd * load(w, i) + (bias ? load(bias, i) : 0.0f);
+    }
+}
+
+/* GPT-2's GELU, 0.5 x (1 + tanh(u)), as the equal x sigmoid(2u): one expf, which is much
+ * cheaper than tanhf */
+static float gelu_tanh(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    return x / (1.0f + expf(-2.0f * u));
+}
+
+enum { SET, ADD, SET_GELU };  /* what a product does with its output */
+
+/* y[b] (op)= W x[b] + bias for B rows: W is (n_out, n_in). Rows of W are split between the
+ * threads, and each row is read once for all B inputs. */
+static void matvec(float *restrict y, const float *restrict x, const WEIGHT *restrict W,
+                   const WEIGHT *restrict bias,
+                   int B, int n_in, int n_out, int op) {
+    #pragma omp for schedule(static)
+    for (int i = 0; i < n_out; i++) {
+        const WEIGHT *row = W + (size_t)i * n_in;
+        /* ask for the weights 4 KB ahead: the hardware prefetcher alone leaves the memory
+         * bus idle at the start of each row */
+        for (int j = 0; j < n_in; j += 64 / sizeof(WEIGHT))
+            __builtin_prefetch(row + 4096 / sizeof(WEIGHT) + j);
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + (size_t)b * n_in;
+            float s = bias ? load(bias, i) : 0.0f;
+            #pragma omp simd reduction(+:s)
+            for (int j = 0; j < n_in; j++) s += load(row, j) * xb[j];
+            float *out = y + (size_t)b * n_out + i;
+            *out = op == ADD ? *out + s : op == SET_GELU ? gelu_tanh(s) : s;
+        }
+    }
+}
+
+/* Store this token's keys and values at slot `pos`, then attend over slots 0..pos.
+ * qkv: (B, 3C) as c_attn makes it; y: (B, C), heads side by side as c_proj expects. */
+static void attention(float *restrict y, const float *restrict qkv, WEIGHT *restrict k_cache,
+                      WEIGHT *restrict v_cache, float *restrict scores, int B, int n_head, int head_dim, int max_len, int pos) {
+    int C = n_head * head_dim;
+    float scale = 1.0f / sqrtf((float)head_dim);
+    #pragma omp for
+    for (int bh = 0; bh < B * n_head; bh++) {
+        int b = bh / n_head, h = bh % n_head;
+        const float *q = qkv + (size_t)b * 3 * C + h * head_dim;
+        WEIGHT *k = k_cache + (size_t)bh * max_len * head_dim;  /* (max_len, head_dim) */
+        WEIGHT *v = v_cache + (size_t)bh * max_len * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            store(k, (size_t)pos * head_dim + d, q[C + d]);
+            store(v, (size_t)pos * head_dim + d, q[2 * C + d]);
+        }
+        float *att = scores + (size_t)bh * max_len;
+        float max = -INFINITY;
+        for (int t = 0; t <= pos; t++) {
+            float s = 0.0f;
+            #pragma omp simd reduction(+:s)
+            for (int d = 0; d < head_dim; d++) s += q[d] * load(k, (size_t)t * head_dim + d);
+            att[t] = s * scale;
+            max = att[t] > max ? att[t] : max;
+        }
+        float sum = 0.0f;
+        for (int t = 0; t <= pos; t++) {
+            att[t] = expf(att[t] - max);
+            sum += att[t];
+        }
+        float *yh = y + (size_t)b * C + h * head_dim;
+        for (int d = 0; d < head_dim; d++) yh[d] = 0.0f;
+        for (int t = 0; t <= pos; t++) {
+            float p = att[t] * (1.0f / sum);
+            #pragma omp simd
+            for (int d = 0; d < head_dim; d++) yh[d] += p * load(v, (size_t)t * head_dim + d);
+        }
+    }
+}
+
+/* Logits (B, vocab_size) for one new token per sequence at window position `pos`.
+ * blocks: n_layer * N_BLOCK_PARAMS pointers; k_cache, v_cache: one pointer per layer.
+ * work: scratch of B * (9 * n_embd + n_head * max_len) floats. */
+void decode_step(float *logits, const int64_t *tokens, int pos,
+                 const WEIGHT *wte, const WEIGHT *wpe, const WEIGHT *const *blocks,
+                 const WEIGHT *ln_f_w, const WEIGHT *ln_f_b,
+                 WEIGHT *const *k_cache, WEIGHT *const *v_cache, float *work,
+                 int B, int n_layer, int n_head, int n_embd, int vocab_size, int max_len,
+                 int n_threads) {
+    int C = n_embd;
+    float *x = work;              /* (B, C) the residual stream */
+    float *h = x + B * C;         /* (B, C) a LayerNorm's output */
+    float *qkv = h + B * C;       /* (B, 3C) */
+    float *y = qkv + B * 3 * C;   /* (B, C) attention output; also (B, 4C) MLP hidden */
+    float *scores = y + B * 4 * C;  /* (B * n_head, max_len) */
+    #pragma omp parallel num_threads(n_threads)
+    {
+        #pragma omp for
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < C; i++)
+                x[b * C + i] = load(wte, (size_t)tokens[b] * C + i) + load(wpe, (size_t)pos * C + i);
+        for (int l = 0; l < n_layer; l++) {
+            const WEIGHT *const *p = blocks + (size_t)l * N_BLOCK_PARAMS;
+            layer_norm(h, x, p[LN1_W], p[LN1_B], B, C);
+            matvec(qkv, h, p[ATTN_W], p[ATTN_B], B, C, 3 * C, SET);
+            attention(y, qkv, k_cache[l], v_cache[l], scores, B, n_head, C / n_head, max_len, pos);
+            matvec(x, y, p[ATTN_PROJ_W], p[ATTN_PROJ_B], B, C, C, ADD);
+            layer_norm(h, x, p[LN2_W], p[LN2_B], B, C);
+            matvec(y, h, p[FC_W], p[FC_B], B, C, 4 * C, SET_GELU);
+            matvec(x, y, p[MLP_PROJ_W], p[MLP_PROJ_B], B, 4 * C, C, ADD);
+        }
+        layer_norm(h, x, ln_f_w, ln_f_b, B, C);
+        matvec(logits, h, wte, NULL, B, C, vocab_size, SET);  /* weight tying: lm_head is wte */
+    }
+}

@@ -1,0 +1,96 @@
+"""The hand-written C decode step (decode_step.c) computes what the PyTorch model computes,
+builds from source with the system compiler, and refuses what it cannot run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_step import BuildError, CDecodeStep
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_gpt(**overrides) -> GPT:
+    torch.manual_seed(0)
+    shape = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    return GPT(GPTConfig(**{**shape, **overrides})).eval()
+
+
+def decode_logits(model: GPT, prompt: torch.Tensor, n: int, backend: str | None) -> list[torch.Tensor]:
+    """Greedy generation, recording the logits of every decode step (prefills excluded):
+    backend None runs the steps through the eager model."""
+    if backend is None:
+        step = model.forward
+    else:
+        model.compile_decode(backend=backend)
+        step = model.compiled_decode
+    seen = []
+
+    def recording_step(*args, **kwargs):
+        logits, loss = step(*args, **kwargs)
+        seen.append(logits[:, -1].float().clone())
+        return logits, loss
+
+    model.compiled_decode = recording_step
+    try:
+        list(model.stream(prompt, n, temperature=0.0))
+    finally:
+        model.compiled_decode = None
+    return seen
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias):
+    model = small_gpt(bias=bias)
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = decode_logits(model, prompt, 40, None)  # 45 tokens, block_size 16: re-prefills
+    c = decode_logits(model, prompt, 40, "c")
+    assert len(c) == len(eager) == 35  # 40 steps less the first prefill and four re-prefills
+    for step, (a, b) in enumerate(zip(c, eager)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+def test_c_step_greedy_tokens_equal_eager_for_a_batch():
+    model = small_gpt()
+    prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
+    eager = model.generate(prompts, 50, temperature=0.0)
+    model.compile_decode(backend="c")
+    assert torch.equal(model.generate(prompts, 50, temperature=0.0), eager)
+
+
+def test_c_step_bf16_matches_eager_to_bf16_rounding():
+    # eager rounds every activation to bf16; the C step keeps activations in float32
+    model = small_gpt().to(torch.bfloat16)
+    prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(3))
+    eager = decode_logits(model, prompt, 30, None)
+    c = decode_logits(model, prompt, 30, "c")
+    for step, (a, b) in enumerate(zip(c, eager)):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2, msg=f"step {step}")
+
+
+def test_c_step_refuses_what_it_cannot_run():
+    with pytest.raises(BuildError, match="float32 or bfloat16 weights on the CPU, not float16"):
+        CDecodeStep(small_gpt().half())
+    model = small_gpt()
+    step = CDecodeStep(model)
+    cache = model.new_kv_cache(1, 8)
+    with pytest.raises(IndexError, match="position 8 or a token"):  # past the cache's 8 slots
+        step(torch.tensor([[1]]), cache, torch.tensor([8]))
+    with pytest.raises(IndexError, match=r"a token of \[40\]"):  # outside the vocabulary
+        step(torch.tensor([[40]]), cache, torch.tensor([0]))
+
+
+def test_without_a_compiler_the_cli_says_so(tmp_path):
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "GPTLAB_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "sample.py", "--benchmark", "--preset", "baby_gpt",
+                             "--c-decode"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: the C decode step needs a C compiler, and '{tmp_path / 'no-such-cc'}' was "
+        f"not found; install gcc or clang (or set CC), or use --compile instead")
