@@ -39,7 +39,8 @@ class BuildError(RuntimeError):
 
 def build(dtype: torch.dtype) -> ctypes.CDLL:
     """Compile decode_step.c for weights of `dtype` (or reuse the cached build) and load it."""
-    compiler = os.environ.get("CC") or "cc"
+    found = [c for c in ("cc", "gcc", "clang") if shutil.which(c)]
+    compiler = os.environ.get("CC") or (found[0] if found else "cc")
     if shutil.which(compiler) is None:
         raise BuildError(f"the C decode step needs a C compiler, and {compiler!r} was not "
                          f"found; install gcc or clang (or set CC), or use --compile instead")
