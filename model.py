@@ -267,7 +267,7 @@ class GPT(nn.Module):
             KVCache), so it builds one graph per cache size and batch size, on the first step
             (seconds to tens of seconds on a CPU).
         backend "c": the hand-written C function of decode_step.c (CPU; float32 or bfloat16
-            weights), built by the system C compiler in about a second, then cached.
+            weights), built by the system C compiler in under a second, then cached.
         Call it after moving the model to its device and dtype.
         """
         if backend == "c":

@@ -155,7 +155,7 @@ def main(
     c_decode: Annotated[bool, typer.Option(
         "--c-decode", help="Run the cached decode step as the hand-written C function of "
              "decode_step.c: the fastest path on a CPU (float32 or bfloat16), built by the "
-             "system C compiler in about a second.")] = False,
+             "system C compiler in under a second.")] = False,
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
     attention: Annotated[Optional[Path], typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
