@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from data.sources import cache_dir
-from model import KVCache
+from model import GPT, KVCache
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 WEIGHT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}
@@ -93,30 +93,27 @@ class CDecodeStep:
     """A callable with the signature of GPT.forward for decode steps: (B, 1) tokens, a
     KVCache and a one-element input_pos in; ((B, 1, vocab_size) logits, None) out."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        params = dict(model.named_parameters(remove_duplicate=False))
-        wte = params["transformer.wte.weight"]
-        if wte.device.type != "cpu" or wte.dtype not in WEIGHT_TYPES:
+    def __init__(self, model: GPT) -> None:
+        params = dict(model.named_parameters(remove_duplicate=False))  # wte is also lm_head
+        self.wte = params["transformer.wte.weight"]
+        if self.wte.device.type != "cpu" or self.wte.dtype not in WEIGHT_TYPES:
             raise BuildError(f"the C decode step runs float32 or bfloat16 weights on the CPU, "
-                             f"not {str(wte.dtype).removeprefix('torch.')} on "
-                             f"{wte.device.type}; use --compile instead")
+                             f"not {str(self.wte.dtype).removeprefix('torch.')} on "
+                             f"{self.wte.device.type}; use --compile instead")
         self.config = model.config
-        self.dtype = wte.dtype
+        self.dtype = self.wte.dtype
         self.lib = build(self.dtype)
-
-        def param(name: str) -> torch.Tensor | None:
-            return params.get(name)  # absent: a bias of a model built with bias=False
-
-        blocks = [param(f"transformer.h.{i}.{name}")
-                  for i in range(self.config.n_layer) for name in BLOCK_PARAMS]
-        # keep the tensors alive: the C function gets only their addresses
-        self.tensors = [wte, params["transformer.wpe.weight"],
-                        params["transformer.ln_f.weight"], param("transformer.ln_f.bias"),
-                        *blocks]
+        # the C function gets only addresses: these references keep the tensors alive
+        self.wpe = params["transformer.wpe.weight"]
+        self.ln_f_w = params["transformer.ln_f.weight"]
+        self.ln_f_b = params.get("transformer.ln_f.bias")  # None in a model without biases
+        self.block_params = [params.get(f"transformer.h.{i}.{name}")
+                             for i in range(self.config.n_layer) for name in BLOCK_PARAMS]
+        tensors = [self.wte, self.wpe, self.ln_f_w, self.ln_f_b, *self.block_params]
         if not all(t.is_contiguous() and t.dtype == self.dtype
-                   for t in self.tensors if t is not None):
+                   for t in tensors if t is not None):
             raise BuildError("the C decode step needs contiguous parameters of one dtype")
-        self.blocks = pointers(blocks)
+        self.blocks = pointers(self.block_params)
 
     def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
                  ) -> tuple[torch.Tensor, None]:
@@ -133,10 +130,10 @@ class CDecodeStep:
             raise ValueError("the cache's dtype or batch size differs from the step's")
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         work = torch.empty(B * (9 * cfg.n_embd + cfg.n_head * max_len), dtype=torch.float32)
-        wte, wpe, ln_f_w, ln_f_b = self.tensors[:4]
         self.lib.decode_step(
-            address(logits), address(tokens), pos, address(wte), address(wpe), self.blocks,
-            address(ln_f_w), address(ln_f_b), pointers(kv_cache.k), pointers(kv_cache.v),
+            address(logits), address(tokens), pos, address(self.wte), address(self.wpe),
+            self.blocks, address(self.ln_f_w), address(self.ln_f_b),
+            pointers(kv_cache.k), pointers(kv_cache.v),
             address(work), B, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, max_len,
             torch.get_num_threads())
         return logits.to(self.dtype).view(B, 1, cfg.vocab_size), None
