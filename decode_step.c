@@ -66,6 +66,69 @@ static float gelu_tanh(float x) {
     return x / (1.0f + expf(-2.0f * u));
 }
 
+/* Every product comes down to dot products of weight rows with a vector x. With AVX-512 or
+ * AVX2 (decode_step.py builds with -march=native) they are written with intrinsics: gcc
+ * vectorizes the plain loop too, but a bf16 step ran 20% slower that way. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+typedef __m512 vec;
+static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vec_load_weights(const WEIGHT *p) {
+#ifdef WEIGHT_BF16
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+typedef __m256 vec;
+static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vec_sum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec vec_load_weights(const WEIGHT *p) {
+#ifdef WEIGHT_BF16
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+#endif
+
+/* dot(w, x) over n elements */
+static inline float dot(const WEIGHT *restrict w, const float *restrict x, int n) {
+    float s = 0.0f;
+    int j = 0;
+#ifdef LANES
+    /* four sums in flight, so that each fma need not wait for the one before */
+    vec a = vec_zero(), b = a, c = a, d = a;
+    for (; j + 4 * LANES <= n; j += 4 * LANES) {
+        a = vec_fma(vec_load_weights(w + j), vec_load(x + j), a);
+        b = vec_fma(vec_load_weights(w + j + LANES), vec_load(x + j + LANES), b);
+        c = vec_fma(vec_load_weights(w + j + 2 * LANES), vec_load(x + j + 2 * LANES), c);
+        d = vec_fma(vec_load_weights(w + j + 3 * LANES), vec_load(x + j + 3 * LANES), d);
+    }
+    for (; j + LANES <= n; j += LANES) a = vec_fma(vec_load_weights(w + j), vec_load(x + j), a);
+    s = vec_sum((a + b) + (c + d));
+#else
+    #pragma omp simd reduction(+:s)
+#endif
+    for (int k = j; k < n; k++) s += load(w, k) * x[k];
+    return s;
+}
+
 enum { SET, ADD, SET_GELU };  /* what a product does with its output */
 
 /* y[b] (op)= W x[b] + bias for B rows: W is (n_out, n_in). Rows of W are split between the
@@ -80,10 +143,7 @@ static void matvec(float *restrict y, const float *restrict x, const WEIGHT *res
         for (int j = 0; j < n_in; j += 64 / sizeof(WEIGHT))
             __builtin_prefetch(row + 4096 / sizeof(WEIGHT) + j);
         for (int b = 0; b < B; b++) {
-            const float *xb = x + (size_t)b * n_in;
-            float s = bias ? load(bias, i) : 0.0f;
-            #pragma omp simd reduction(+:s)
-            for (int j = 0; j < n_in; j++) s += load(row, j) * xb[j];
+            float s = dot(row, x + (size_t)b * n_in, n_in) + (bias ? load(bias, i) : 0.0f);
             float *out = y + (size_t)b * n_out + i;
             *out = op == ADD ? *out + s : op == SET_GELU ? gelu_tanh(s) : s;
         }
@@ -110,10 +170,7 @@ static void attention(float *restrict y, const float *restrict qkv, WEIGHT *rest
         float *att = scores + (size_t)bh * max_len;
         float max = -INFINITY;
         for (int t = 0; t <= pos; t++) {
-            float s = 0.0f;
-            #pragma omp simd reduction(+:s)
-            for (int d = 0; d < head_dim; d++) s += q[d] * load(k, (size_t)t * head_dim + d);
-            att[t] = s * scale;
+            att[t] = dot(k + (size_t)t * head_dim, q, head_dim) * scale;
             max = att[t] > max ? att[t] : max;
         }
         float sum = 0.0f;

@@ -37,8 +37,11 @@ class BuildError(RuntimeError):
     """The C step cannot be built or cannot run this model; the message says what to do."""
 
 
-def build(dtype: torch.dtype) -> ctypes.CDLL:
-    """Compile decode_step.c for weights of `dtype` (or reuse the cached build) and load it."""
+def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
+    """Compile decode_step.c for weights of `dtype` (or reuse the cached build) and load it.
+
+    march: the instruction set to build for, as gcc's -march names it; "native" is this CPU.
+    """
     found = [c for c in ("cc", "gcc", "clang") if shutil.which(c)]
     compiler = os.environ.get("CC") or (found[0] if found else "cc")
     if shutil.which(compiler) is None:
@@ -50,11 +53,11 @@ def build(dtype: torch.dtype) -> ctypes.CDLL:
     base = ["-O3", "-shared", "-fPIC", *defines]
     # the library is built on the machine that runs it, so it may use all of this CPU;
     # full-width AVX-512 reads the weights about 4% faster than gcc's default half width
-    native = ["-march=native"]
+    arch = [f"-march={march}"]
     if platform.machine() == "x86_64":
-        native.append("-mprefer-vector-width=512")
+        arch.append("-mprefer-vector-width=512")
     # threads need OpenMP; a compiler without it (Apple's clang) builds a one-thread step
-    attempts = [[*base, *native, "-fopenmp"], [*base, "-fopenmp"], base]
+    attempts = [[*base, *arch, "-fopenmp"], [*base, "-fopenmp"], base]
     key = hashlib.sha256(" ".join([compiler, *attempts[0]]).encode() + SOURCE.read_bytes())
     out = cache_dir() / "decode_step" / f"{key.hexdigest()[:16]}.so"
     if not out.exists():
@@ -93,7 +96,7 @@ class CDecodeStep:
     """A callable with the signature of GPT.forward for decode steps: (B, 1) tokens, a
     KVCache and a one-element input_pos in; ((B, 1, vocab_size) logits, None) out."""
 
-    def __init__(self, model: GPT) -> None:
+    def __init__(self, model: GPT, march: str = "native") -> None:
         params = dict(model.named_parameters(remove_duplicate=False))  # wte is also lm_head
         self.wte = params["transformer.wte.weight"]
         if self.wte.device.type != "cpu" or self.wte.dtype not in WEIGHT_TYPES:
@@ -102,7 +105,7 @@ class CDecodeStep:
                              f"{self.wte.device.type}; use --compile instead")
         self.config = model.config
         self.dtype = self.wte.dtype
-        self.lib = build(self.dtype)
+        self.lib = build(self.dtype, march)
         # the C function gets only addresses: these references keep the tensors alive
         self.wpe = params["transformer.wpe.weight"]
         self.ln_f_w = params["transformer.ln_f.weight"]

@@ -2,6 +2,7 @@
 builds from source with the system compiler, and refuses what it cannot run."""
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +17,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def small_gpt(**overrides) -> GPT:
+    # widths that are not multiples of the vector width, so that every loop of the C step's
+    # dot product runs: 72 = 64 + 8 and head_dim 18 = 16 + 2
     torch.manual_seed(0)
-    shape = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    shape = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=72)
     return GPT(GPTConfig(**{**shape, **overrides})).eval()
 
 
-def decode_logits(model: GPT, prompt: torch.Tensor, n: int, backend: str | None) -> list[torch.Tensor]:
+def cpu_has(*flags: str) -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and set(flags) <= set(cpuinfo.read_text().split())
+
+
+X86 = platform.machine() == "x86_64"
+# decode_step.c has an AVX-512 dot product, an AVX2 one and a plain loop for other CPUs
+MARCHES = [
+    "native",
+    pytest.param("haswell", marks=pytest.mark.skipif(not (X86 and cpu_has("avx2", "fma")),
+                                                     reason="needs an x86 CPU with AVX2")),
+    pytest.param("x86-64", marks=pytest.mark.skipif(not X86, reason="needs an x86 CPU")),
+]
+
+
+def decode_logits(model: GPT, prompt: torch.Tensor, n: int, step=None) -> list[torch.Tensor]:
     """Greedy generation, recording the logits of every decode step (prefills excluded):
-    backend None runs the steps through the eager model."""
-    if backend is None:
-        step = model.forward
-    else:
-        model.compile_decode(backend=backend)
-        step = model.compiled_decode
+    step None runs the steps through the eager model."""
+    step = step or model.forward
     seen = []
 
     def recording_step(*args, **kwargs):
@@ -44,12 +58,13 @@ def decode_logits(model: GPT, prompt: torch.Tensor, n: int, backend: str | None)
     return seen
 
 
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias):
+def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias, march):
     model = small_gpt(bias=bias)
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
-    eager = decode_logits(model, prompt, 40, None)  # 45 tokens, block_size 16: re-prefills
-    c = decode_logits(model, prompt, 40, "c")
+    eager = decode_logits(model, prompt, 40)  # 45 tokens, block_size 16: re-prefills
+    c = decode_logits(model, prompt, 40, CDecodeStep(model, march))
     assert len(c) == len(eager) == 35  # 40 steps less the first prefill and four re-prefills
     for step, (a, b) in enumerate(zip(c, eager)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
@@ -63,12 +78,13 @@ def test_c_step_greedy_tokens_equal_eager_for_a_batch():
     assert torch.equal(model.generate(prompts, 50, temperature=0.0), eager)
 
 
-def test_c_step_bf16_matches_eager_to_bf16_rounding():
+@pytest.mark.parametrize("march", MARCHES)
+def test_c_step_bf16_matches_eager_to_bf16_rounding(march):
     # eager rounds every activation to bf16; the C step keeps activations in float32
     model = small_gpt().to(torch.bfloat16)
     prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(3))
-    eager = decode_logits(model, prompt, 30, None)
-    c = decode_logits(model, prompt, 30, "c")
+    eager = decode_logits(model, prompt, 30)
+    c = decode_logits(model, prompt, 30, CDecodeStep(model, march))
     for step, (a, b) in enumerate(zip(c, eager)):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2, msg=f"step {step}")
 
