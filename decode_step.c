@@ -1,4 +1,4 @@
-/* One KV-cache decode step of model.py's GPT, written out as plain loops.
+/* One KV-cache decode step of model.py's GPT, written out in C.
  *
  * With one new token per sequence every Linear is a matrix-vector product, and the step is
  * bound by streaming the weights from memory. Written as one C function, the whole step is
@@ -68,7 +68,8 @@ static float gelu_tanh(float x) {
 
 /* Every product comes down to dot products of weight rows with a vector x. With AVX-512 or
  * AVX2 (decode_step.py builds with -march=native) they are written with intrinsics: gcc
- * vectorizes the plain loop too, but a bf16 step ran 20% slower that way. */
+ * vectorizes the plain loop too, but adds up its vector sums one float at a time through
+ * memory, and a bf16 step took 1.12 ms that way against 0.78 ms with these. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
