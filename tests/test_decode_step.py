@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_step import BuildError, CDecodeStep
+from decode_step import BuildError, CDecodeStep, cpu_identity
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,17 +24,12 @@ def small_gpt(**overrides) -> GPT:
     return GPT(GPTConfig(**{**shape, **overrides})).eval()
 
 
-def cpu_has(*flags: str) -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and set(flags) <= set(cpuinfo.read_text().split())
-
-
 X86 = platform.machine() == "x86_64"
+AVX2 = X86 and {"avx2", "fma"} <= set(cpu_identity().split())
 # decode_step.c has an AVX-512 dot product, an AVX2 one and a plain loop for other CPUs
 MARCHES = [
     "native",
-    pytest.param("haswell", marks=pytest.mark.skipif(not (X86 and cpu_has("avx2", "fma")),
-                                                     reason="needs an x86 CPU with AVX2")),
+    pytest.param("haswell", marks=pytest.mark.skipif(not AVX2, reason="needs AVX2 and FMA")),
     pytest.param("x86-64", marks=pytest.mark.skipif(not X86, reason="needs an x86 CPU")),
 ]
 
