@@ -40,7 +40,9 @@ from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
 from model import GPT
+from optimizer import configure_optimizers, lr_multiplier, set_lr
 from perf import peak_flops
+from precision import DTYPES, DeviceError, resolve_device, resolve_dtype
 from tokenizer import load_tokenizer
 from train_config import ConfigError, TrainConfig, cli_parameters, load_config
 
@@ -58,7 +60,7 @@ class Interrupted(TrainingError):
         self.exit_code = 128 + signum  # the shell's convention for death by signal
 
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, TrainingError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError, TrainingError)
 
 
 @dataclass
@@ -68,56 +70,6 @@ class TrainResult:
     best_val_loss: float
     final_losses: dict[str, float]
     wall_time: float
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """The configured device; under torchrun, each process takes the GPU of its local rank."""
-    if name in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    if name == "auto":
-        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device is cuda but no CUDA GPU is available; use --device cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device is mps but MPS is not available; use --device cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def get_lr(it: int, cfg: TrainConfig) -> float:
-    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters."""
-    if not cfg.decay_lr:
-        return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    if it >= decay_iters:
-        return cfg.min_lr
-    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
-    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
-
-
-def configure_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (Linear and embedding weights) only: decaying
-    biases and LayerNorm gains towards zero only hurts."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    # the fused kernel does the whole update in one pass over the parameters
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=fused)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -232,8 +184,13 @@ def build_model(cfg: TrainConfig, meta: dict) -> GPT:
         raise ConfigError(f"init_from: {e}") from None
 
 
-def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
-    """Refuse to resume with other data or a different model shape."""
+def check_resumable(ckpt: dict, model: GPT, meta: dict, cfg: TrainConfig, path: Path) -> None:
+    """Refuse to resume with other data, a different model shape or another optimizer."""
+    saved_optimizer = ckpt["config"].get("optimizer", "adamw")
+    if saved_optimizer != cfg.optimizer:
+        raise ConfigError(f"cannot resume: {path} was trained with optimizer = "
+                          f"{saved_optimizer}, not {cfg.optimizer}; resume with --optimizer "
+                          f"{saved_optimizer}, or start a new run")
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise ConfigError(f"cannot resume: {path} was trained with another tokenizer or "
                           f"vocabulary than the {meta['tokenizer']['kind']} data in data_dir; "
@@ -242,6 +199,17 @@ def check_resumable(ckpt: dict, model: GPT, meta: dict, path: Path) -> None:
         if getattr(model.config, key) != value:
             raise ConfigError(f"cannot resume: {key} is {getattr(model.config, key)} in the "
                               f"config but {value} in {path}; use the run's original settings")
+
+
+def run_dtype(cfg: TrainConfig, device: torch.device, ckpt: dict | None,
+              dist: distributed.Dist) -> tuple[torch.dtype, str]:
+    """The compute dtype and why. A resumed run keeps the dtype that auto chose when it
+    started (a new measurement could differ); under torchrun rank 0's choice holds for all."""
+    if cfg.dtype == "auto" and ckpt is not None and "dtype" in ckpt:
+        return DTYPES[ckpt["dtype"]], "auto: as the run being resumed chose"
+    return distributed.from_main(
+        resolve_dtype(cfg.dtype, device, cfg.batch_size * cfg.block_size, cfg.n_embd)
+        if dist.is_main else None, dist)
 
 
 def probe_tokens(cfg: TrainConfig, tokenizer: Any, val: np.ndarray) -> list[int]:
@@ -280,15 +248,10 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                           f"must be divisible by the number of processes ({dist.world_size})")
     accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
     device = resolve_device(cfg.device, dist.local_rank)
-    dtype = resolve_dtype(cfg.dtype, device)
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("dtype bfloat16 is not supported on this GPU; use --dtype float16")
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls
         torch.backends.cudnn.allow_tf32 = True
-    autocast = (nullcontext() if dtype == torch.float32
-                else torch.autocast(device_type=device.type, dtype=dtype))
 
     meta, splits = prepare_data(cfg, dist)
     tokenizer = load_tokenizer(meta["tokenizer"])
@@ -298,18 +261,24 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
 
     run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)
+    ckpt = load_checkpoint(run_dir / "last.pt", map_location=device) if resume else None
+    dtype, dtype_reason = run_dtype(cfg, device, ckpt, dist)
+    autocast = (nullcontext() if dtype == torch.float32
+                else torch.autocast(device_type=device.type, dtype=dtype))
     model = build_model(cfg, meta).to(device)
     if dist.is_main:  # fp32 weights plus AdamW's two moments
         check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
-    optimizer = configure_optimizer(model, cfg, device)
+    optimizers = configure_optimizers(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
     iter_num, best_val_loss = 0, float("inf")
-    if resume:
-        ckpt = load_checkpoint(run_dir / "last.pt", map_location=device)
-        check_resumable(ckpt, model, meta, run_dir / "last.pt")
+    if ckpt is not None:
+        check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
         model.load_state_dict(unwrap_state_dict(ckpt["model"]))
-        optimizer.load_state_dict(ckpt["optimizer"])
+        states = ckpt["optimizer"]  # a list since optimizer = muon; one dict before
+        for opt, state in zip(optimizers, states if isinstance(states, list) else [states],
+                              strict=True):
+            opt.load_state_dict(state)
         scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         torch.set_rng_state(ckpt["rng"]["torch"])
@@ -338,7 +307,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                 if cfg.log_attention and dist.is_main else None)
     processes = f" x {dist.world_size} processes" if dist.enabled else ""
     say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
-        f"device {device}{processes}, {str(dtype).removeprefix('torch.')}, writing to {run_dir}/")
+        f"device {device}{processes}, optimizer {cfg.optimizer}, writing to {run_dir}/")
+    say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
     say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,9 +351,10 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
         state = {
             "model_args": vars(raw_model.config).copy(),
             "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": [opt.state_dict() for opt in optimizers],
             "scaler": scaler.state_dict(),
             "iter_num": it,
+            "dtype": str(dtype).removeprefix("torch."),
             "best_val_loss": best_val_loss,
             "val_loss": losses.get("val", math.nan),
             "config": cfg.to_dict(),
@@ -408,9 +379,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     with stop_signals() as stop:
         try:
             while iter_num < cfg.max_iters:
-                lr = get_lr(iter_num, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                lr_scale = lr_multiplier(iter_num, cfg)
+                set_lr(optimizers, lr_scale)
                 for micro_step in range(accum_steps):
                     # under DDP, average gradients across processes only after the last
                     # micro-step: the earlier all-reduces would be wasted work
@@ -425,12 +395,15 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                         x, y = next_batch()
                         scaler.scale(loss).backward()
                     loss_sum += loss.detach()
-                scaler.unscale_(optimizer)
+                for opt in optimizers:
+                    scaler.unscale_(opt)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
                                                            cfg.grad_clip or math.inf)
-                scaler.step(optimizer)
+                for opt in optimizers:
+                    scaler.step(opt)
                 scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
                 iter_num += 1
                 iters_since_log += 1
                 bar.update(1)
@@ -448,7 +421,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                     mfu = iters_since_log * flops_per_iter / elapsed / (peak * dist.world_size)
                     if dist.is_main:
                         writer.add_scalar("train/loss_step", train_loss, iter_num)
-                        writer.add_scalar("train/lr", lr, iter_num)
+                        writer.add_scalar("train/lr", cfg.learning_rate * lr_scale, iter_num)
                         writer.add_scalar("train/grad_norm", grad_norm.item(), iter_num)
                         writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, iter_num)
                         writer.add_scalar("perf/mfu", mfu, iter_num)

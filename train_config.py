@@ -51,12 +51,17 @@ class TrainConfig:
     batch_size: int = opt(12, "sequences per micro-batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
     max_iters: int = opt(2000, "optimizer steps in total")
-    learning_rate: float = opt(1e-3, "peak learning rate")
-    min_lr: float = opt(1e-4, "learning rate at the end of the cosine decay")
+    optimizer: str = opt("adamw", "adamw (GPT-2's recipe) or muon (Muon on the matrices inside "
+                         "the blocks, AdamW on the rest); see optimizer.py")
+    learning_rate: float = opt(1e-3, "peak AdamW learning rate")
+    min_lr: float = opt(1e-4, "AdamW learning rate at the end of the cosine decay; every "
+                        "group decays to the same fraction of its peak")
+    muon_lr: float = opt(0.02, "peak Muon learning rate (optimizer = muon)")
+    muon_momentum: float = opt(0.95, "Muon momentum (optimizer = muon)")
     warmup_iters: int = opt(100, "steps of linear warmup from 0 to learning_rate")
     lr_decay_iters: int = opt(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
     decay_lr: bool = opt(True, "warmup then cosine decay; false keeps learning_rate constant")
-    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not on biases, norms)")
+    weight_decay: float = opt(0.1, "decoupled weight decay on matrices (not on biases, norms)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the gradient norm to this; 0 disables clipping")
@@ -86,7 +91,7 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        non_negative = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters",
+        non_negative = ("learning_rate", "min_lr", "muon_lr", "warmup_iters", "lr_decay_iters",
                         "weight_decay", "grad_clip", "sample_tokens")
         for key in non_negative:
             if getattr(self, key) < 0:
@@ -98,7 +103,9 @@ class TrainConfig:
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed learning_rate "
                               f"({self.learning_rate})")
-        for key in ("beta1", "beta2"):
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        for key in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,35 +1,142 @@
-"""Training speed and quality of a preset, read back from the run's own TensorBoard file.
+"""Training speed and quality, read back from the runs' own TensorBoard files.
 
 Usage:
     python -m benchmarks.train --input tinyshakespeare/input.txt     # quickstart settings, CPU
     python -m benchmarks.train --config config/baby_gpt.toml         # on a GPU: bf16, compiled
     python -m benchmarks.train --config config/gpt2_small.toml --max-iters 200 --no-compile
+    python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
 
-Trains the preset (by default config/quickstart.toml: 4 layers, 4 heads, 128 wide, block 64,
-batch 12, 2000 iterations) into a temporary folder, on the text of --input (prepared
-char-level there) or else on the preset's own data_dir. Then prints median ms/iter and
-tokens/s, median MFU, the wall time of the whole run (evaluations included), the final val
-loss and peak memory: allocated tensors on CUDA, the process's resident size on the CPU.
+One preset (by default config/quickstart.toml) is trained in this process into a temporary
+folder, on the text of --input (prepared char-level there) or else on the preset's own
+data_dir. It prints median ms/iter and tokens/s, median MFU, the wall time of the whole run
+(evaluations included), the final val loss and peak memory: allocated tensors on CUDA, the
+process's resident size on the CPU.
+
+--time-to-loss races the training recipes of RECIPES instead, each as its own `train.py`
+process, as a user runs it, evaluating every 100 iterations. The recipes take turns,
+--repeats rounds of them, so that a machine's slow minute falls on all of them alike. One row
+per recipe: the medians of ms/iter, of the iterations and wall seconds (from process start)
+to the first evaluation at or below the target val loss, and of the final val loss, and the
+speed-up in wall time over the classic recipe.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
+import torch
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from data.prepare import prepare
 from data.sources import read_text
 from perf import memory_mb, reset_peak_memory
-from train import resolve_device, resolve_dtype, train
+from precision import cpu_flags, native_bf16, resolve_device, resolve_dtype
+from train import train
 from train_config import load_config
 
 QUICKSTART = Path("config/quickstart.toml")
+CLASSIC = Path("config/quickstart_adamw.toml")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    config: Path
+    overrides: dict[str, Any]
+
+
+# the classic recipe is nanoGPT's reference settings; the tuned AdamW is the best learning
+# rate found for it (see docs/performance.md); the Muon rows are config/quickstart.toml
+RECIPES = [
+    Recipe("adamw classic fp32", CLASSIC, {"dtype": "float32"}),
+    Recipe("adamw lr 3e-3 fp32", CLASSIC, {"dtype": "float32", "learning_rate": 3e-3,
+                                           "min_lr": 3e-4}),
+    Recipe("muon fp32", QUICKSTART, {"dtype": "float32"}),
+    Recipe("muon bf16", QUICKSTART, {"dtype": "bfloat16"}),
+]
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[Any]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
+
+
+def run_recipe(recipe: Recipe, data_dir: Path, out_dir: Path, run_name: str, target: float,
+               eval_interval: int, max_iters: int | None) -> dict[str, Any]:
+    """Train one recipe in a fresh process; its figures, timed from the process's start."""
+    overrides = {**recipe.overrides, "data_dir": str(data_dir), "out_dir": str(out_dir),
+                 "run_name": run_name, "eval_interval": eval_interval}
+    if max_iters is not None:
+        overrides["max_iters"] = max_iters
+    args = [sys.executable, "train.py", "--config", str(recipe.config)]
+    for key, value in overrides.items():
+        args.append(f"--{key.replace('_', '-')}={value}")
+    t0 = time.time()
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.time() - t0
+    scalars = read_scalars(out_dir / run_name)
+    cfg = load_config(recipe.config, overrides)
+    tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+    hit = next((e for e in scalars["loss/val"] if e.value <= target), None)
+    return {
+        "ms_per_iter": 1000 * tokens_per_iter / statistics.median(
+            e.value for e in scalars["perf/tokens_per_sec"]),
+        "iters_to_target": hit.step if hit else None,
+        "seconds_to_target": hit.wall_time - t0 if hit else None,
+        "final_val_loss": scalars["loss/val"][-1].value,
+        "wall_s": wall,
+    }
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median, or None if any run missed the target (its median would flatter it)."""
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+def time_to_loss(recipes: list[Recipe], data_dir: Path, target: float, repeats: int,
+                 eval_interval: int = 100, max_iters: int | None = None) -> list[dict]:
+    """Each recipe's median figures over `repeats` alternating rounds."""
+    runs: dict[str, list[dict]] = {r.name: [] for r in recipes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(repeats):
+            for i, recipe in enumerate(recipes):
+                figures = run_recipe(recipe, data_dir, Path(tmp), f"r{round_}-{i}", target,
+                                     eval_interval, max_iters)
+                runs[recipe.name].append(figures)
+                print(f"  round {round_ + 1}, {recipe.name}: {json.dumps(figures)}",
+                      file=sys.stderr)
+    rows = []
+    for recipe in recipes:
+        done = runs[recipe.name]
+        rows.append({"recipe": recipe.name,
+                     **{key: median_or_none([d[key] for d in done]) for key in done[0]}})
+    base = rows[0]["seconds_to_target"]
+    for row in rows:
+        mine = row["seconds_to_target"]
+        row["speedup"] = base / mine if base and mine else None
+    return rows
+
+
+def print_rows(rows: list[dict], target: float) -> None:
+    print(f"| recipe | ms/iter | iters to val <= {target} | seconds to it | final val | "
+          f"speed-up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        def fmt(key: str, spec: str) -> str:
+            return "missed" if row[key] is None else format(row[key], spec)
+        print(f"| {row['recipe']} | {fmt('ms_per_iter', '.1f')} | {fmt('iters_to_target', '.0f')}"
+              f" | {fmt('seconds_to_target', '.1f')} | {fmt('final_val_loss', '.3f')} | "
+              f"{fmt('speedup', '.2f')}x |")
 
 
 def main(
@@ -41,9 +148,30 @@ def main(
     device: Annotated[Optional[str], typer.Option(help="Override the preset's.")] = None,
     compile: Annotated[Optional[bool], typer.Option(
         "--compile/--no-compile", help="Override the preset's.")] = None,
+    time_to_loss_target: Annotated[Optional[float], typer.Option(
+        "--time-to-loss", help="Race the recipes to this val loss instead (needs --input).")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds of the race.")] = 2,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
-    """Train a preset and print its speed, MFU, memory and final loss."""
+    """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
+    if time_to_loss_target is not None:
+        if input is None:
+            raise typer.BadParameter("--time-to-loss needs --input FILE", param_hint="--input")
+        recipes = RECIPES
+        flag = native_bf16(cpu_flags())
+        if not flag:  # emulated bf16 is about three times slower: no contest
+            recipes = [r for r in RECIPES if r.overrides.get("dtype") != "bfloat16"]
+        print(f"CPU: {'native bf16 (' + flag + ')' if flag else 'no native bf16'}, "
+              f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare(read_text(input), "char", tmp, source=str(input))
+            rows = time_to_loss(recipes, Path(tmp), time_to_loss_target, repeats,
+                                max_iters=max_iters)
+        print_rows(rows, time_to_loss_target)
+        if json_path:
+            json_path.write_text(json.dumps(rows, indent=2) + "\n")
+        return
+
     overrides = {"max_iters": max_iters, "dtype": dtype, "device": device, "compile": compile}
     overrides = {key: value for key, value in overrides.items() if value is not None}
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,16 +184,16 @@ def main(
         reset_peak_memory(run_device)
         result = train(cfg)
         memory = memory_mb(run_device)
-        acc = EventAccumulator(str(result.run_dir), size_guidance={"scalars": 0})
-        acc.Reload()
+        scalars = read_scalars(result.run_dir)
         tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
-        tok_s = [e.value for e in acc.Scalars("perf/tokens_per_sec")]
-        mfu = [e.value for e in acc.Scalars("perf/mfu")]
-        val = acc.Scalars("loss/val")[-1]
+        tok_s = [e.value for e in scalars["perf/tokens_per_sec"]]
+        mfu = [e.value for e in scalars["perf/mfu"]]
+        val = scalars["loss/val"][-1]
     figures = {
         "config": config.name,
         "device": str(run_device),
-        "dtype": str(resolve_dtype(cfg.dtype, run_device)).removeprefix("torch."),
+        "dtype": str(resolve_dtype(cfg.dtype, run_device, tokens_per_iter, cfg.n_embd)[0]).removeprefix("torch."),
+        "optimizer": cfg.optimizer,
         "compile": cfg.compile,
         "iters": result.iter_num,
         "median_ms_per_iter": 1000 * tokens_per_iter / statistics.median(tok_s),

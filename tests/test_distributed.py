@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -31,8 +32,10 @@ def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data):
-    common = ("--data-dir", str(char_data), "--gradient-accumulation-steps", "4",
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data, optimizer):
+    common = ("--data-dir", str(char_data), "--optimizer", optimizer,
+              "--gradient-accumulation-steps", "4",
               "--max-iters", "20", "--eval-interval", "10", "--eval-iters", "4")
     one = run(1, *common, "--out-dir", str(tmp_path / "one"))
     two = run(2, *common, "--out-dir", str(tmp_path / "two"))
@@ -40,14 +43,18 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data)
     assert two.stdout.count("done: 20 iters") == 1  # only rank 0 reports
     a = load_checkpoint(tmp_path / "one" / "tiny" / "last.pt")["model"]
     b = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
+    # Muon orthogonalizes each update in bf16: float-order differences in the summed
+    # gradients flip some bf16 roundings and move the block matrices by up to about 5e-3
+    # over 20 steps, so with Muon the loss curves carry the comparison
+    weight_atol, loss_tol = (1e-5, 1e-5) if optimizer == "adamw" else (1e-2, 2e-4)
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=weight_atol, msg=key)
     for tag in ("train/loss_step", "loss/val"):
         steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag))
         steps_two, values_two = zip(*losses(tmp_path / "two" / "tiny", tag))
         assert steps_one == steps_two
         torch.testing.assert_close(torch.tensor(values_one), torch.tensor(values_two),
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=loss_tol, atol=loss_tol)
     # one writer: a single run folder, one set of checkpoints, one events stream
     assert [p.name for p in (tmp_path / "two").iterdir()] == ["tiny"]
     files = sorted(p.name for p in (tmp_path / "two" / "tiny").iterdir())

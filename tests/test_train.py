@@ -18,7 +18,7 @@ from checkpoint import (CheckpointError, link_checkpoint, load_checkpoint,
 from data.loader import load_meta, load_split
 from model import GPT, GPTConfig
 from perf import datasheet_peak_flops, peak_flops
-from train import estimate_loss, get_lr, train
+from train import estimate_loss, train
 from train_config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,10 +111,11 @@ def test_broken_checkpoints_are_named(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
-def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread, optimizer):
     # the schedule is pinned by lr_decay_iters, so stopping at 20 does not change it
     cfg = dataclasses.replace(tiny_config, max_iters=40, eval_interval=20, lr_decay_iters=40,
-                              dropout=0.1)
+                              dropout=0.1, optimizer=optimizer)
     straight = train(dataclasses.replace(cfg, run_name="straight"))
     train(dataclasses.replace(cfg, run_name="halves", max_iters=20))
     resumed = train(dataclasses.replace(cfg, run_name="halves"), resume=True)
@@ -140,17 +141,6 @@ def test_mfu_yardstick_is_the_datasheet_peak_on_known_gpus_else_measured():
     assert datasheet_peak_flops("Tesla T4") is None
     flops, source = peak_flops(torch.device("cpu"), torch.float32)
     assert source == "measured float32 matmul" and 1e9 < flops < 1e14
-
-
-def test_lr_warms_up_then_decays_to_min_lr(tiny_config):
-    cfg = dataclasses.replace(tiny_config, learning_rate=1.0, min_lr=0.1, warmup_iters=10,
-                              max_iters=110)
-    lrs = [get_lr(it, cfg) for it in range(120)]
-    assert lrs[0] < lrs[5] < lrs[9] < 1.0
-    assert lrs[10] == pytest.approx(1.0)
-    assert lrs[60] == pytest.approx(0.55)  # halfway through the cosine
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    assert lrs[110] == lrs[119] == 0.1
 
 
 @pytest.mark.parametrize("toml, overrides, message", [
@@ -235,3 +225,19 @@ def test_cli_bad_input_gives_one_line_and_exit_code(tmp_path, args, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
+    from benchmarks.train import Recipe, time_to_loss
+    tiny = REPO / "config" / "tiny.toml"
+    recipes = [Recipe("slow", tiny, {"learning_rate": 3e-4, "min_lr": 3e-5}),
+               Recipe("fast", tiny, {"optimizer": "muon"})]
+    rows = time_to_loss(recipes, char_data, target=2.6, repeats=1, eval_interval=10,
+                        max_iters=40)
+    assert [row["recipe"] for row in rows] == ["slow", "fast"]
+    slow, fast = rows
+    assert slow["iters_to_target"] is None and slow["speedup"] is None  # never got there
+    assert fast["iters_to_target"] in (10, 20, 30, 40)
+    assert 1 < fast["seconds_to_target"] < fast["wall_s"]  # the process start counts
+    assert fast["final_val_loss"] < 2.6 < slow["final_val_loss"]
+    assert slow["ms_per_iter"] > 0 and fast["ms_per_iter"] > 0

@@ -1,0 +1,138 @@
+"""Which device and number format to compute in: the one dtype table, and the choice
+that `--dtype auto` makes.
+
+Usage:
+    from precision import DTYPES, resolve_device, resolve_dtype
+    device = resolve_device("auto")
+    dtype, why = resolve_dtype("auto", device)      # torch.bfloat16, "the CPU has avx512_bf16"
+
+On a GPU, auto means bf16 autocast wherever the GPU supports it. On a CPU it is a question
+of hardware. Without native bf16 arithmetic (the avx512_bf16 or amx_bf16 flags) bf16 is
+emulated and about three times slower than fp32, so auto keeps fp32. With it, bf16 can be
+faster or slower: one CPU ran a small model's step 1.4 times faster in bf16, while another
+with avx512_bf16 (but no AMX) ran the same step twice as slowly. So there auto measures once
+per process: a Linear layer of the model's width, forward and backward, in each dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Linux /proc/cpuinfo flags of the x86 units that multiply bf16 in hardware
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# what bf16 must gain to be worth its rounding: within noise of fp32, keep fp32
+MIN_BF16_SPEEDUP = 1.15
+
+
+class DeviceError(ValueError):
+    """A device or dtype this machine does not have; the message names the alternative."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them; empty where there is no /proc/cpuinfo."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return frozenset()
+    line = next((line for line in cpuinfo.read_text().splitlines()
+                 if line.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_identity() -> str:
+    """The CPU's architecture and feature flags: what `-march=native` builds for."""
+    return f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
+
+
+def native_bf16(flags: frozenset[str] | set[str]) -> str | None:
+    """The flag that shows native bf16 arithmetic among `flags`, or None."""
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
+
+
+@functools.cache
+def bf16_speedup(tokens: int, width: int) -> float:
+    """How many times faster a bf16-autocast Linear(width, 4 * width) runs forward and
+    backward over `tokens` rows than the same in fp32, on this CPU: a one-off measurement
+    of some milliseconds (rows are capped at 2048 to keep it so)."""
+    generator = torch.Generator().manual_seed(0)  # leave the global RNG alone
+    x = torch.randn(min(tokens, 2048), width, generator=generator)
+    w = torch.randn(4 * width, width, generator=generator, requires_grad=True)
+
+    def step(dtype: torch.dtype) -> float:
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = x @ w.t()
+        y.float().sum().backward()
+        return time.perf_counter() - t0
+
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    for i in range(8):  # alternating, so that a busy moment costs both; two to warm up
+        for dtype, runs in times.items():
+            elapsed = step(dtype)
+            if i >= 2:
+                runs.append(elapsed)
+    return statistics.median(times[torch.float32]) / statistics.median(times[torch.bfloat16])
+
+
+def choose_cpu_dtype(flags: frozenset[str] | set[str],
+                     measure_speedup: Callable[[], float]) -> tuple[torch.dtype, str]:
+    """auto on a CPU with these feature flags: bf16 where it is native and measured faster
+    (measure_speedup is called only then), else fp32; and why."""
+    flag = native_bf16(flags)
+    if not flag:
+        return torch.float32, "auto: the CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
+    speedup = measure_speedup()
+    if speedup >= MIN_BF16_SPEEDUP:
+        return torch.bfloat16, f"auto: the CPU has {flag} and bf16 measured {speedup:.2f}x fp32"
+    return torch.float32, (f"auto: the CPU has {flag} but bf16 measured only {speedup:.2f}x "
+                           f"fp32; --dtype bfloat16 forces it")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The configured device; "auto" is CUDA, else MPS, else the CPU. Under torchrun each
+    process takes the GPU of its local rank."""
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    if name == "auto":
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"device {name!r} is not a device; use auto, cpu, cuda, cuda:N "
+                          f"or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device is {name} but no CUDA GPU is available to this torch; "
+                          f"use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"device is {name} but there are {torch.cuda.device_count()} CUDA "
+                          f"GPUs; use cuda:0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError("device is mps but MPS is not available; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, tokens: int = 768,
+                  width: int = 128) -> tuple[torch.dtype, str]:
+    """The compute dtype for `name` (auto, float32, bfloat16 or float16) on `device`, and
+    why, in a few words for the first lines of a run. On a CPU, auto may measure a layer
+    of `width` over `tokens` rows (see bf16_speedup)."""
+    if name != "auto":
+        if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise DeviceError("dtype bfloat16 is not supported on this GPU; use --dtype float16")
+        return DTYPES[name], "as configured"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: the GPU supports bf16"
+        return torch.float32, "auto: the GPU has no bf16"
+    if device.type == "cpu":
+        return choose_cpu_dtype(cpu_flags(), lambda: bf16_speedup(tokens, width))
+    return torch.float32, f"auto: float32 on {device.type}"

@@ -1,0 +1,123 @@
+"""The two training recipes (AdamW, Muon + AdamW), the schedule they share, and the CPU's
+choice of dtype: Muon trains the block matrices, its state survives a checkpoint, resuming
+with the other optimizer is refused, and auto picks bf16 only where it is native and
+measured faster. Bit-exact resume and torchrun with Muon are tested beside AdamW's, in
+test_train.py and test_distributed.py."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from checkpoint import load_checkpoint
+from data.loader import load_meta
+from model import GPT
+from optimizer import configure_optimizers, lr_multiplier, muon_parameters
+from precision import choose_cpu_dtype
+from train import train
+from train_config import ConfigError
+
+
+def val_losses(run_dir) -> list[float]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in acc.Scalars("loss/val")]
+
+
+def test_muon_trains_the_block_matrices_and_adamw_the_rest(tiny_config):
+    model = GPT(tiny_config.model_config(vocab_size=30))
+    muon_cfg = dataclasses.replace(tiny_config, optimizer="muon")
+    adamw, muon = configure_optimizers(model, muon_cfg, torch.device("cpu"))
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    names = {p: name for name, p in model.named_parameters()}
+    in_muon = sorted(names[p] for g in muon.param_groups for p in g["params"])
+    assert in_muon == sorted(n for n, p in model.named_parameters()
+                             if n.startswith("transformer.h.") and p.dim() == 2)
+    assert len(in_muon) == 4 * tiny_config.n_layer  # qkv, attention out, MLP in and out
+    in_adamw = {names[p] for g in adamw.param_groups for p in g["params"]}
+    assert "transformer.wte.weight" in in_adamw and "transformer.wpe.weight" in in_adamw
+    assert in_adamw.isdisjoint(in_muon) and len(in_adamw) + len(in_muon) == len(names)
+    decay = {names[p]: g["weight_decay"] for opt in (adamw, muon)
+             for g in opt.param_groups for p in g["params"]}
+    assert decay["transformer.h.0.ln_1.weight"] == decay["transformer.h.0.attn.c_attn.bias"] == 0
+    assert decay["transformer.wte.weight"] == decay["transformer.h.0.mlp.c_fc.weight"] == 0.1
+    assert muon.param_groups[0]["peak_lr"] == muon_cfg.muon_lr
+    assert configure_optimizers(model, tiny_config, torch.device("cpu"))[0].param_groups[0][
+        "peak_lr"] == tiny_config.learning_rate
+    assert len(configure_optimizers(model, tiny_config, torch.device("cpu"))) == 1
+
+
+def test_muon_loss_falls_and_its_state_lands_in_the_checkpoint(tiny_config):
+    cfg = dataclasses.replace(tiny_config, optimizer="muon", max_iters=60, eval_interval=30,
+                              sample_tokens=0, log_attention=False)
+    result = train(cfg)
+    val = val_losses(result.run_dir)
+    vocab_size = load_meta(cfg.data_dir)["vocab_size"]
+    assert val[0] == pytest.approx(math.log(vocab_size), abs=0.1)  # the uniform guess
+    assert val[-1] < 2.1
+    ckpt = load_checkpoint(result.run_dir / "last.pt")
+    adamw_state, muon_state = ckpt["optimizer"]
+    assert len(muon_state["state"]) == 4 * cfg.n_layer
+    assert all("momentum_buffer" in s for s in muon_state["state"].values())
+    # the loaded state equals what was saved, tensor for tensor
+    model = GPT(cfg.model_config(vocab_size))
+    optimizers = configure_optimizers(model, cfg, torch.device("cpu"))
+    for opt, saved in zip(optimizers, ckpt["optimizer"], strict=True):
+        opt.load_state_dict(saved)
+        for key, state in opt.state_dict()["state"].items():
+            for name, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved["state"][key][name]))
+
+
+def test_resuming_with_the_other_optimizer_is_one_clear_error(tiny_config):
+    cfg = dataclasses.replace(tiny_config, max_iters=5, eval_interval=5, sample_tokens=0,
+                              log_attention=False)
+    train(cfg)
+    with pytest.raises(ConfigError, match="was trained with optimizer = adamw, not muon; "
+                                          "resume with --optimizer adamw"):
+        train(dataclasses.replace(cfg, optimizer="muon", max_iters=10), resume=True)
+
+
+def test_unknown_optimizer_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match="optimizer must be adamw or muon, got 'sgd'"):
+        dataclasses.replace(tiny_config, optimizer="sgd")
+
+
+def test_schedule_warms_up_then_decays_every_group_to_the_same_fraction(tiny_config):
+    cfg = dataclasses.replace(tiny_config, learning_rate=1.0, min_lr=0.1, warmup_iters=10,
+                              max_iters=110)
+    m = [lr_multiplier(it, cfg) for it in range(120)]
+    assert m[0] < m[5] < m[9] < 1.0
+    assert m[10] == pytest.approx(1.0)
+    assert m[60] == pytest.approx(0.55)  # halfway through the cosine
+    assert all(a >= b for a, b in zip(m[10:], m[11:]))
+    assert m[110] == m[119] == pytest.approx(0.1)
+    assert lr_multiplier(50, dataclasses.replace(cfg, decay_lr=False)) == 1.0
+
+
+def test_muon_parameters_of_a_model_without_biases(tiny_config):
+    model = GPT(dataclasses.replace(tiny_config, bias=False).model_config(vocab_size=30))
+    assert all(p.dim() == 2 for p in muon_parameters(model))
+    assert len(muon_parameters(model)) == 4 * tiny_config.n_layer
+
+
+@pytest.mark.parametrize("flags, speedup, expected, reason", [
+    ({"avx2", "fma"}, None, torch.float32, "no native bf16"),
+    ({"avx512f", "avx512_bf16"}, 1.4, torch.bfloat16, "has avx512_bf16 and bf16 measured 1.40x"),
+    ({"avx512f", "avx512_bf16"}, 0.55, torch.float32, "bf16 measured only 0.55x fp32"),
+    ({"amx_bf16", "amx_tile"}, 2.5, torch.bfloat16, "has amx_bf16"),
+    (set(), None, torch.float32, "no native bf16"),  # no /proc/cpuinfo: macOS, Windows
+])
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(
+        flags, speedup, expected, reason):
+    measured = []
+
+    def measure() -> float:
+        measured.append(True)
+        return speedup
+
+    dtype, why = choose_cpu_dtype(flags, measure)
+    assert dtype == expected and reason in why
+    assert measured == ([True] if speedup is not None else [])  # no flag: nothing measured
