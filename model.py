@@ -3,10 +3,12 @@
 Usage:
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
-    logits, loss = model(idx, targets)                 # training
-    out = model.generate(idx, max_new_tokens=100)      # sampling, KV cache on by default
+    logits, loss = model(idx, targets)                          # training
+    cache = model.new_kv_cache(batch_size=1)                    # for generate.py's decoding
+    logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
 
-This file is about the model alone: no I/O, no CLI, no training state. Names follow GPT-2
+This file is about the model alone: no I/O, no CLI, no training state, no sampling (that is
+generate.py). Names follow GPT-2
 (`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`, `ln_f`) so its checkpoints map
 one to one.
 """
@@ -14,7 +16,6 @@ one to one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -188,7 +189,6 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.compiled_decode = None  # set by compile_decode()
         # weight tying: the output projection reads tokens with the same table that embeds them
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
@@ -260,44 +260,6 @@ class GPT(nn.Module):
             x = x[:, [-1], :]  # (B, 1, C): a list index keeps the time dimension
         return self.lm_head(x), None
 
-    def compile_decode(self, backend: str = "inductor") -> None:
-        """Compile the one-token decode step that `stream` uses with a KV cache.
-
-        backend "inductor": torch.compile. Every decode step has the same shapes (see
-            KVCache), so it builds one graph per cache size and batch size, on the first step
-            (seconds to tens of seconds on a CPU).
-        backend "c": the hand-written C function of decode_step.c (CPU; float32 or bfloat16
-            weights), built by the system C compiler in under a second, then cached.
-        Call it after moving the model to its device and dtype.
-        """
-        if backend == "c":
-            from decode_step import CDecodeStep  # needs a C compiler, so only when asked for
-            self.compiled_decode = CDecodeStep(self)
-            return
-        if backend != "inductor":
-            raise ValueError(f"unknown decode backend {backend!r}; choose inductor or c")
-        if self.lm_head.weight.device.type != "cpu":
-            self.compiled_decode = torch.compile(self.forward, fullgraph=True, dynamic=False)
-            return
-
-        def decode_step(idx: torch.Tensor, kv_cache: KVCache,
-                        input_pos: torch.Tensor) -> tuple[torch.Tensor, None]:
-            # the written-out attention path (its weights are dropped): for a single query,
-            # inductor turns QK^T and AV into loops fused with the softmax, where SDPA stays
-            # a library call, and a slow one in bf16 on CPUs without bf16 arithmetic
-            return self(idx, kv_cache=kv_cache, input_pos=input_pos, attn_weights=[])
-
-        options = {
-            # drive the graph from generated C++, not Python: no per-kernel Python calls
-            "cpp_wrapper": True,
-            # with one row of activations every matmul is a matrix-vector product bound by
-            # reading the weights; as generated loops it fuses with its bias, GELU and
-            # residual add instead of being one library call each
-            "post_grad_fusion_options": {"decompose_mm_pass": {}},
-        }
-        self.compiled_decode = torch.compile(decode_step, fullgraph=True, dynamic=False,
-                                             options=options)
-
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device, in the dtype its keys and values come out
         in: the weights' dtype, or the autocast dtype when autocast is on (as it is when a
@@ -307,97 +269,3 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(p.device.type):
             dtype = torch.get_autocast_dtype(p.device.type)
         return KVCache(self.config, batch_size, max_len or self.config.block_size, dtype, p.device)
-
-    @torch.inference_mode()
-    def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None,
-               use_kv_cache: bool = True,
-               generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
-        """Yield (B, 1) new tokens one step at a time, continuing the (B, T) prompt `idx`.
-
-        Context window: the model sees at most block_size tokens. When the next token would
-        not fit, the window jumps forward to keep the most recent block_size // 2 tokens
-        (and the cache is rebuilt from them by one prefill). Both the cached and uncached
-        paths use this same window, so they produce the same logits at every step.
-        """
-        check_sampling(temperature, top_k, top_p)
-        B, n = idx.size()  # n: tokens so far
-        if n == 0:
-            raise ValueError("generate needs a prompt of at least one token")
-        block_size = self.config.block_size
-        seq = torch.empty(B, n + max_new_tokens, dtype=idx.dtype, device=idx.device)
-        seq[:, :n] = idx
-        start = max(0, n - block_size)  # first token inside the window
-        # every step attends over every slot of the cache, so give it no more slots than
-        # this generation can fill, rounded up to a power of two so that a compiled decode
-        # step (built for one cache size) is rebuilt for only a few sizes
-        cache_len = min(block_size, 1 << (n + max_new_tokens - 1).bit_length())
-        cache = self.new_kv_cache(B, cache_len) if use_kv_cache else None
-        decode = self.compiled_decode or self
-        fresh = True  # the cache holds nothing of the current window yet
-        for _ in range(max_new_tokens):
-            if n - start > block_size:
-                start = n - block_size // 2
-                fresh = True
-            if cache is None:
-                logits, _ = self(seq[:, start:n], last_only=True)
-            elif fresh:  # prefill: the whole window in one pass, at positions 0..
-                logits, _ = self(seq[:, start:n], kv_cache=cache, last_only=True)
-                fresh = False
-            else:  # decode: only the newest token, attending over the cache
-                input_pos = torch.tensor([n - 1 - start], device=idx.device)
-                logits, _ = decode(next_token, kv_cache=cache, input_pos=input_pos)
-            next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-            seq[:, n] = next_token[:, 0]
-            n += 1
-            yield next_token
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
-                 use_kv_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Prompt plus max_new_tokens sampled tokens, (B, T + max_new_tokens). See `stream`."""
-        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p,
-                               use_kv_cache, generator))
-        return torch.cat([idx, *new], dim=1)
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError for sampling settings that mean nothing."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep exactly the k largest logits of each row (ties broken by index); -inf elsewhere."""
-    k = min(k, logits.size(-1))
-    values, indices = torch.topk(logits, k, dim=-1)
-    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
-
-
-def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    probs = F.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    sorted_logits[mass_before >= p] = float("-inf")  # the top token always has mass_before 0
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        logits = filter_top_k(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = filter_top_p(logits, top_p)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)

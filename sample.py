@@ -5,8 +5,7 @@ Usage:
     python sample.py --run runs/quickstart --num-samples 3 --temperature 0.8 --top-k 40
     python sample.py --benchmark                               # cached vs uncached speed
     python sample.py --benchmark --preset baby_gpt             # random weights, no training
-    python sample.py --prompt "ROMEO:" --compile               # compiled decode step
-    python sample.py --prompt "ROMEO:" --c-decode              # hand-written C decode step
+    python sample.py --prompt "ROMEO:" --decode eager          # or compile, c; default auto
 
 The context-window policy past block_size is stated in main's docstring, which is what
 `python sample.py --help` prints (one paragraph: typer keeps the line breaks of later ones).
@@ -15,19 +14,18 @@ The context-window policy past block_size is stated in main's docstring, which i
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
 import torch
 import typer
 
+from cdecode import BuildError
 from checkpoint import load_checkpoint, model_from_checkpoint
-from decode_step import BuildError
-from model import GPT, check_sampling
-from tokenizer import TextStream, Tokenizer, load_tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
+from model import GPT
+from precision import DTYPES
+from tokenizer import Tokenizer, load_tokenizer
 
 
 class SampleError(ValueError):
@@ -78,40 +76,6 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return [0]
 
 
-def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string begins in text, or None."""
-    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
-
-
-def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
-                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  use_kv_cache: bool = True, generator: torch.Generator | None = None,
-                  stop: tuple[str, ...] = ()) -> Iterator[str]:
-    """Yield the continuation of `ids` as text, piece by piece, ending before the
-    end-of-text token or the first stop string. A stop string split across tokens is
-    still found: text is only released once no stop string can begin inside it."""
-    device = model.lm_head.weight.device
-    stream = TextStream(tokenizer)
-    held = ""  # decoded text not yet released
-    hold = max((len(s) for s in stop), default=1) - 1
-    tokens = model.stream(torch.tensor([ids], device=device), max_new_tokens, temperature,
-                          top_k, top_p, use_kv_cache, generator)
-    for token in tokens:
-        token_id = token.item()
-        if token_id == tokenizer.eot_token:
-            break
-        held += stream.push([token_id])
-        cut = first_stop(held, stop)
-        if cut is not None:
-            yield held[:cut]
-            return
-        if len(held) > hold:
-            yield held[:len(held) - hold]
-            held = held[len(held) - hold:]
-    held += stream.flush()
-    yield held[:first_stop(held, stop)]
-
-
 def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path) -> None:
     """PATH.html and PATH.png for the last block_size tokens of `ids`."""
     from attention import attention_maps, token_labels, write_html, write_png
@@ -149,13 +113,11 @@ def main(
     dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16 or float16.")] = "float32",
     kv_cache: Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")] = True,
-    compile_decode: Annotated[bool, typer.Option(
-        "--compile", help="Compile the cached decode step with torch.compile: faster per "
-             "token, after a one-off compile of seconds to tens of seconds on a CPU.")] = False,
-    c_decode: Annotated[bool, typer.Option(
-        "--c-decode", help="Run the cached decode step as the hand-written C function of "
-             "decode_step.c: the fastest path on a CPU (float32 or bfloat16), built by the "
-             "system C compiler in under a second.")] = False,
+    decode: Annotated[str, typer.Option(
+        help="The cached decode step: auto (the C step on a CPU when it builds, else "
+             "eager), eager, compile (torch.compile: seconds to tens of seconds to build on a "
+             "CPU) or c (cdecode/decode_step.c, built by the system C compiler). With "
+             "--benchmark, compile or c adds that row.")] = "auto",
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
     attention: Annotated[Optional[Path], typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
@@ -185,17 +147,22 @@ def main(
         except (RuntimeError, ValueError):
             raise SampleError(f"device {device!r} is not available here; use --device cpu") from None
         check_sampling(temperature, top_k, top_p)
-        if compile_decode and c_decode and not benchmark:
-            raise SampleError("--compile and --c-decode are two ways to run the decode step "
-                              "(only --benchmark takes both); choose one")
-        if (compile_decode or c_decode) and not kv_cache:
-            flag = "--compile" if compile_decode else "--c-decode"
-            raise SampleError(f"{flag} speeds up the cached decode step; drop --no-kv-cache")
+        if decode not in DECODE_BACKENDS:
+            raise SampleError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, "
+                              f"got {decode!r}")
+        if decode != "auto" and not kv_cache:
+            raise SampleError(f"--decode {decode} chooses the cached decode step; drop "
+                              f"--no-kv-cache or --decode")
+        # a shell passes "\n" as backslash and n; a stop string almost always means a newline
+        stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop or ())
+        if any(not s for s in stops):
+            raise SampleError("--stop is empty, which would end every sample at once; give "
+                              "some text or drop it")
         if benchmark:
             from benchmarks.decode import run_benchmark  # keeps the sampling path light
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                          json_path, compile_decode, c_decode)
+                          json_path, decode)
             return
         if init_from:
             from gpt2 import load_hf_gpt2
@@ -206,8 +173,7 @@ def main(
             model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
         text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
-        if compile_decode or c_decode:
-            model.compile_decode(backend="c" if c_decode else "inductor")
+        step = decode_step(model, decode) if kv_cache else None
     # SampleError, CheckpointError, the model's sampling checks, and a C step that cannot build
     except (ValueError, BuildError) as e:
         if debug:
@@ -215,14 +181,12 @@ def main(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
 
-    # a shell passes "\n" as backslash and n; a stop string almost always means a newline
-    stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop or ())
     generator = torch.Generator(device=device).manual_seed(seed)
     first_sample = ""
     for i in range(num_samples):
         pieces = generate_text(model, tokenizer, ids, max_new_tokens, temperature=temperature,
                                top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
-                               generator=generator, stop=stops)
+                               generator=generator, stop=stops, decode=step or "eager")
         sys.stdout.write(text)
         generated = []
         for piece in pieces:

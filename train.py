@@ -39,6 +39,7 @@ from checkpoint import (CheckpointError, link_checkpoint, load_checkpoint, save_
 from data.loader import SPLITS, get_batch, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
+from generate import generate
 from model import GPT
 from optimizer import configure_optimizers, lr_multiplier, set_lr
 from perf import peak_flops
@@ -331,7 +332,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                 sample_gen = torch.Generator(device=device).manual_seed(cfg.seed)
                 prompt = torch.tensor([sample_ids], dtype=torch.long, device=device)
                 with autocast:
-                    out = raw_model.generate(prompt, cfg.sample_tokens, generator=sample_gen)
+                    out = generate(raw_model, prompt, cfg.sample_tokens, generator=sample_gen)
                 writer.add_text("sample", text_block(tokenizer.decode(out[0].tolist())), it)
             if cfg.log_attention:
                 log_attention(writer, raw_model, probe_ids, pictures, it)

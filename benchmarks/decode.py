@@ -1,66 +1,90 @@
-"""Decoding speed with and without the KV cache, on a checkpoint or a random-weight shape.
+"""Decoding speed of every path, on a checkpoint or a random-weight shape.
 
 Usage:
     python sample.py --benchmark --preset baby_gpt --lengths 64,248,1024 --json decode.json
-    python sample.py --benchmark --preset baby_gpt --compile     # adds the compiled decode step
-    python sample.py --benchmark --preset baby_gpt --c-decode    # adds the C decode step
+    python sample.py --benchmark --preset baby_gpt --decode compile   # adds the compiled step
     python -m benchmarks.decode --preset gpt2 --lengths 64
 
-Batch 1, greedy, an 8-token prompt. For every length and path: one warm-up, then the median
-of `repeats` timed runs; the first step (prefill of the prompt) and the rest (one token per
-step) are timed apart. Greedy outputs of all paths must be identical token for token.
-Memory is the peak while a path runs: allocated tensors on CUDA, the resident size of the
-whole process on the CPU (weights included), with its growth during that path.
+Batch 1, greedy, an 8-token prompt. The rows: the default path (decode="auto", labelled
+with what it chose), the eager cached step, the compiled or C step when --decode names
+it, the uncached path, and transformers' generate on the same weights when transformers
+is installed (up to block_size tokens: its position table ends there). For every length
+and path: one warm-up, then the median of `repeats` timed runs. Every row says whether
+its greedy tokens are identical to the uncached path's. Memory is the peak while a path runs:
+allocated tensors on CUDA, the resident size of the whole process on the CPU (weights
+included), with its growth during that path.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
 
 import torch
 import typer
 
+from cdecode import CDecodeStep
 from checkpoint import load_checkpoint, model_from_checkpoint
+from generate import DecodeStep, decode_step, stream
 from model import GPT, GPTConfig
 from perf import memory_mb, reset_peak_memory, sync
-from sample import DTYPES
+from precision import DTYPES
 
 PROMPT_LEN = 8
+Tokens = Callable[[torch.Tensor, int], list[int]]  # (prompt, n_new) -> the new token ids
 
 
-def timed_generation(model: GPT, prompt: torch.Tensor, n_new: int,
-                     use_kv_cache: bool) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode seconds, tokens) of one greedy generation."""
+def ours(model: GPT, step: DecodeStep | None) -> Tokens:
+    """Greedy generation through `stream` with this decode step; None is uncached."""
+    def run(prompt: torch.Tensor, n_new: int) -> list[int]:
+        tokens = stream(model, prompt, n_new, temperature=0.0, use_kv_cache=step is not None,
+                        decode=step or "eager")
+        return [t.item() for t in tokens]  # .item() waits for the device: honest clocks
+    return run
+
+
+def transformers_generate(model: GPT) -> Tokens | None:
+    """transformers' greedy generate on the same weights, or None if it is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    from gpt2 import export_hf_gpt2
+    with tempfile.TemporaryDirectory() as folder:
+        export_hf_gpt2(copy.deepcopy(model).float(), folder)  # a copy: .float() casts in place
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    p = model.lm_head.weight
+    theirs = theirs.to(device=p.device, dtype=p.dtype)
+
+    @torch.inference_mode()
+    def run(prompt: torch.Tensor, n_new: int) -> list[int]:
+        out = theirs.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, use_cache=True, pad_token_id=0)
+        return out[0, prompt.size(1):].tolist()
+    return run
+
+
+def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict:
+    """Median speed of `repeats` runs after one warm-up, and the memory they took."""
     device = prompt.device
-    tokens, stamps = [], []
-    sync(device)
-    t0 = time.perf_counter()
-    for token in model.stream(prompt, n_new, temperature=0.0, use_kv_cache=use_kv_cache):
-        tokens.append(token.item())  # .item() waits for the device, so stamps are honest
-        stamps.append(time.perf_counter())
-    return stamps[0] - t0, stamps[-1] - stamps[0], tokens
-
-
-def measure(model: GPT, prompt: torch.Tensor, n_new: int, use_kv_cache: bool,
-            repeats: int) -> dict:
-    device = prompt.device
-    timed_generation(model, prompt, n_new, use_kv_cache)  # warm-up
+    run(prompt, n_new)  # warm-up
     reset_peak_memory(device)
     before = memory_mb(device)
-    runs = [timed_generation(model, prompt, n_new, use_kv_cache) for _ in range(repeats)]
+    times, tokens = [], []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        tokens = run(prompt, n_new)
+        sync(device)
+        times.append(time.perf_counter() - t0)
     after = memory_mb(device)
-    total = statistics.median(r[0] + r[1] for r in runs)
-    row = {
-        "new_tokens": n_new,
-        "tokens_per_s": n_new / total,
-        "prefill_ms": statistics.median(r[0] for r in runs) * 1e3,
-        "decode_ms_per_token": statistics.median(r[1] for r in runs) * 1e3 / max(1, n_new - 1),
-        "tokens": runs[0][2],
-    }
+    row = {"new_tokens": n_new, "tokens_per_s": n_new / statistics.median(times),
+           "tokens": tokens}
     if before is not None and after is not None:
         row.update(peak_memory_mb=after[1], memory_growth_mb=after[1] - before[0])
     return row
@@ -68,7 +92,7 @@ def measure(model: GPT, prompt: torch.Tensor, n_new: int, use_kv_cache: bool,
 
 def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
                   lengths: list[int], repeats: int, json_path: Path | None,
-                  compile_decode: bool = False, c_decode: bool = False) -> list[dict]:
+                  decode: str = "auto") -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked."""
     if preset is not None:
         torch.manual_seed(0)
@@ -88,41 +112,42 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
           f"weights, KV cache at most {cache_mb:.1f} MB, block_size {cfg.block_size}, {dtype}, "
           f"{device}, {torch.get_num_threads()} threads")
 
-    # (path, use_kv_cache, compiled decode step or None)
-    paths = [("cached", True, None)]
+    default = decode_step(model)  # what a user gets without choosing
+    chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
+    paths: dict[str, Tokens] = {f"default ({chosen})": ours(model, default),
+                                "eager": ours(model, decode_step(model, "eager"))}
     compile_s = None
-    if compile_decode:
-        model.compile_decode()
+    if decode == "compile":
+        step = decode_step(model, "compile")
         # the step is built for one cache size, and a generation's cache size follows its
         # length: compile for the first length measured (other sizes compile in their warm-up)
         t0 = time.perf_counter()
-        timed_generation(model, prompt, lengths[0], use_kv_cache=True)
+        ours(model, step)(prompt, lengths[0])
         compile_s = time.perf_counter() - t0
         print(f"compiled the decode step in {compile_s:.1f} s (the first generation of "
               f"{lengths[0]} tokens, compile included)")
-        paths.append(("compiled", True, model.compiled_decode))
-    if c_decode:
-        model.compile_decode(backend="c")
-        paths.append(("C step", True, model.compiled_decode))
-    paths.append(("uncached", False, None))
+        paths["compiled"] = ours(model, step)
+    if decode == "c" and chosen != "C step":
+        paths["C step"] = ours(model, decode_step(model, "c"))
+    paths["uncached"] = ours(model, None)
+    theirs = transformers_generate(model)
 
-    print(f"{'new tokens':>10} {'path':>9} {'tokens/s':>9} {'prefill ms':>11} {'ms/token':>9} "
-          f"{'speed-up':>9} {'peak MB':>8} {'growth MB':>10} {'identical':>9}")
+    print(f"{'new tokens':>10} {'path':>18} {'tokens/s':>9} {'vs uncached':>11} "
+          f"{'peak MB':>8} {'growth MB':>10} {'identical':>9}")
     rows = []
     for n_new in lengths:
-        group = []
-        for path, use_kv_cache, decode in paths:
-            model.compiled_decode = decode
-            group.append({"path": path, **measure(model, prompt, n_new, use_kv_cache, repeats)})
-        uncached = group[-1]
-        identical = all(row["tokens"] == uncached["tokens"] for row in group)
+        group = [{"path": name, **measure(run, prompt, n_new, repeats)}
+                 for name, run in paths.items()]
+        if theirs is not None and PROMPT_LEN + n_new <= cfg.block_size:
+            group.append({"path": "transformers", **measure(theirs, prompt, n_new, repeats)})
+        uncached = next(row for row in group if row["path"] == "uncached")
         for row in group:
-            row.update(speedup=row["tokens_per_s"] / uncached["tokens_per_s"], identical=identical)
+            row.update(speedup=row["tokens_per_s"] / uncached["tokens_per_s"],
+                       identical=row["tokens"] == uncached["tokens"])
             memory = (f"{row['peak_memory_mb']:>8.0f} {row['memory_growth_mb']:>10.1f}"
                       if "peak_memory_mb" in row else f"{'-':>8} {'-':>10}")
-            print(f"{n_new:>10} {row['path']:>9} {row['tokens_per_s']:>9.1f} "
-                  f"{row['prefill_ms']:>11.2f} {row['decode_ms_per_token']:>9.2f} "
-                  f"{row['speedup']:>8.1f}x {memory} {str(identical):>9}")
+            print(f"{n_new:>10} {row['path']:>18} {row['tokens_per_s']:>9.1f} "
+                  f"{row['speedup']:>10.1f}x {memory} {str(row['identical']):>9}")
             rows.append({k: v for k, v in row.items() if k != "tokens"})
     if json_path:
         json_path.write_text(json.dumps({
@@ -134,11 +159,10 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 
 def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
-         compile_decode: Annotated[bool, typer.Option("--compile")] = False,
-         c_decode: Annotated[bool, typer.Option("--c-decode")] = False) -> None:
+         decode: str = "auto") -> None:
     """Benchmark a random-weight model shape (see model.PRESETS)."""
     run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, compile_decode, c_decode)
+                  json, decode)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,10 @@ def run_recipe(recipe: Recipe, data_dir: Path, out_dir: Path, run_name: str, tar
     for key, value in overrides.items():
         args.append(f"--{key.replace('_', '-')}={value}")
     t0 = time.time()
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"recipe {recipe.name!r} failed: {proc.stderr.strip()[-500:]}")
     scalars = read_scalars(out_dir / run_name)
     cfg = load_config(recipe.config, overrides)
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps

@@ -1,4 +1,4 @@
-"""The hand-written C decode step (decode_step.c) computes what the PyTorch model computes,
+"""The hand-written C decode step (cdecode/decode_step.c) computes what the PyTorch model computes,
 builds from source with the system compiler, and refuses what it cannot run."""
 
 import os
@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_step import BuildError, CDecodeStep, cpu_identity
+from cdecode import BuildError, CDecodeStep, block_param_names, build
+from generate import decode_step, generate, stream
 from model import GPT, GPTConfig
+from precision import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +27,7 @@ def small_gpt(**overrides) -> GPT:
 
 
 X86 = platform.machine() == "x86_64"
-AVX2 = X86 and {"avx2", "fma"} <= set(cpu_identity().split())
+AVX2 = X86 and {"avx2", "fma"} <= cpu_flags()
 # decode_step.c has an AVX-512 dot product, an AVX2 one and a plain loop for other CPUs
 MARCHES = [
     "native",
@@ -37,19 +39,15 @@ MARCHES = [
 def decode_logits(model: GPT, prompt: torch.Tensor, n: int, step=None) -> list[torch.Tensor]:
     """Greedy generation, recording the logits of every decode step (prefills excluded):
     step None runs the steps through the eager model."""
-    step = step or model.forward
+    step = step or decode_step(model, "eager")
     seen = []
 
-    def recording_step(*args, **kwargs):
-        logits, loss = step(*args, **kwargs)
+    def recording_step(*args):
+        logits = step(*args)
         seen.append(logits[:, -1].float().clone())
-        return logits, loss
+        return logits
 
-    model.compiled_decode = recording_step
-    try:
-        list(model.stream(prompt, n, temperature=0.0))
-    finally:
-        model.compiled_decode = None
+    list(stream(model, prompt, n, temperature=0.0, decode=recording_step))
     return seen
 
 
@@ -68,9 +66,8 @@ def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias, march):
 def test_c_step_greedy_tokens_equal_eager_for_a_batch():
     model = small_gpt()
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
-    eager = model.generate(prompts, 50, temperature=0.0)
-    model.compile_decode(backend="c")
-    assert torch.equal(model.generate(prompts, 50, temperature=0.0), eager)
+    eager = generate(model, prompts, 50, temperature=0.0, decode="eager")
+    assert torch.equal(generate(model, prompts, 50, temperature=0.0, decode="c"), eager)
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -96,12 +93,20 @@ def test_c_step_refuses_what_it_cannot_run():
         step(torch.tensor([[40]]), cache, torch.tensor([0]))
 
 
+def test_the_block_parameter_list_comes_from_the_c_source():
+    names = block_param_names(build(torch.float32))
+    assert names[:2] == ["ln_1.weight", "ln_1.bias"] and len(names) == 12
+    model_names = {n.removeprefix("transformer.h.0.") for n, _ in small_gpt().named_parameters()
+                   if n.startswith("transformer.h.0.")}
+    assert set(names) == model_names
+
+
 def test_without_a_compiler_the_cli_says_so(tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "GPTLAB_CACHE": str(tmp_path)}
     result = subprocess.run([sys.executable, "sample.py", "--benchmark", "--preset", "baby_gpt",
-                             "--c-decode"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+                             "--decode", "c"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: the C decode step needs a C compiler, and '{tmp_path / 'no-such-cc'}' was "
-        f"not found; install gcc or clang (or set CC), or use --compile instead")
+        f"not found; install gcc or clang (or set CC), or choose --decode eager")

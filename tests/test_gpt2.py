@@ -12,6 +12,7 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from data.prepare import prepare
+from generate import generate
 from gpt2 import GPT2FormatError, export_hf_gpt2, load_hf_gpt2
 from train import train
 from train_config import load_config
@@ -48,7 +49,7 @@ def test_greedy_generation_equals_transformers_generate(tmp_path):
     prompt = torch.randint(0, 50257, (1, 6), generator=torch.Generator().manual_seed(2))
     expected = reference.generate(prompt, max_new_tokens=50, do_sample=False, use_cache=True,
                                   pad_token_id=50256)
-    assert torch.equal(ours.generate(prompt, 50, temperature=0.0), expected)
+    assert torch.equal(generate(ours, prompt, 50, temperature=0.0), expected)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -5,8 +5,8 @@
  * one call with one parallel region: no per-operation dispatch, no tensors allocated, and
  * each product fused with its bias, GELU or residual add.
  *
- * decode_step.py builds this file twice, with WEIGHT as float and as uint16_t (bfloat16
- * bits), and calls it through ctypes. Weights and the cache are in WEIGHT; activations
+ * cdecode/__init__.py builds this file twice, with WEIGHT as float and as uint16_t
+ * (bfloat16 bits), and calls it through ctypes. Weights and the cache are in WEIGHT; activations
  * stay in float. Shapes and layouts are those of model.py: Linear weights (out, in),
  * cache (B, n_head, max_len, head_dim), all contiguous.
  */
@@ -37,9 +37,21 @@ static inline void store(WEIGHT *p, size_t i, float x) {
 #endif
 }
 
-/* the parameters of one Block, in the order decode_step.py passes them */
-enum { LN1_W, LN1_B, ATTN_W, ATTN_B, ATTN_PROJ_W, ATTN_PROJ_B,
-       LN2_W, LN2_B, FC_W, FC_B, MLP_PROJ_W, MLP_PROJ_B, N_BLOCK_PARAMS };
+/* The parameters of one Block, written once: this list makes the enum that indexes them
+ * here and the names (model.py's, under transformer.h.<layer>.) that Python reads from
+ * the library to pass them in this order. */
+#define BLOCK_PARAMS(X) \
+    X(LN1_W, "ln_1.weight") X(LN1_B, "ln_1.bias") \
+    X(ATTN_W, "attn.c_attn.weight") X(ATTN_B, "attn.c_attn.bias") \
+    X(ATTN_PROJ_W, "attn.c_proj.weight") X(ATTN_PROJ_B, "attn.c_proj.bias") \
+    X(LN2_W, "ln_2.weight") X(LN2_B, "ln_2.bias") \
+    X(FC_W, "mlp.c_fc.weight") X(FC_B, "mlp.c_fc.bias") \
+    X(MLP_PROJ_W, "mlp.c_proj.weight") X(MLP_PROJ_B, "mlp.c_proj.bias")
+#define AS_ENUM(id, name) id,
+#define AS_NAME(id, name) name,
+enum { BLOCK_PARAMS(AS_ENUM) N_BLOCK_PARAMS };
+const char *const block_param_names[] = { BLOCK_PARAMS(AS_NAME) };
+const int n_block_params = N_BLOCK_PARAMS;
 
 /* out[b] = LayerNorm(x[b]) for each of B rows of n; a NULL bias means none */
 static void layer_norm(float *out, const float *x, const WEIGHT *w, const WEIGHT *bias,
@@ -66,10 +78,18 @@ static float gelu_tanh(float x) {
     return x / (1.0f + expf(-2.0f * u));
 }
 
-/* Every product comes down to dot products of weight rows with a vector x. With AVX-512 or
- * AVX2 (decode_step.py builds with -march=native) they are written with intrinsics: gcc
- * vectorizes the plain loop too, but adds up its vector sums one float at a time through
- * memory, and a bf16 step took 1.12 ms that way against 0.78 ms with these. */
+/* Every product comes down to dot products of weight rows with a vector x. This is the
+ * reference loop: every build has it, and it finishes the tails of the vector loops. */
+static inline float dot_plain(const WEIGHT *restrict w, const float *restrict x, int n) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+:s)
+    for (int k = 0; k < n; k++) s += load(w, k) * x[k];
+    return s;
+}
+
+/* With AVX-512 or AVX2 (the build asks for -march=native) the same dot product is written
+ * with intrinsics: gcc vectorizes the plain loop too, but then adds up its vector sums one
+ * float at a time through memory, which for short rows costs as much as the products. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
@@ -108,13 +128,12 @@ static inline vec vec_load_weights(const WEIGHT *p) {
 }
 #endif
 
-/* dot(w, x) over n elements */
-static inline float dot(const WEIGHT *restrict w, const float *restrict x, int n) {
-    float s = 0.0f;
-    int j = 0;
 #ifdef LANES
-    /* four sums in flight, so that each fma need not wait for the one before */
+/* dot(w, x) over n elements, four vector sums in flight so that each fma need not wait for
+ * the one before */
+static inline float dot(const WEIGHT *restrict w, const float *restrict x, int n) {
     vec a = vec_zero(), b = a, c = a, d = a;
+    int j = 0;
     for (; j + 4 * LANES <= n; j += 4 * LANES) {
         a = vec_fma(vec_load_weights(w + j), vec_load(x + j), a);
         b = vec_fma(vec_load_weights(w + j + LANES), vec_load(x + j + LANES), b);
@@ -122,13 +141,11 @@ static inline float dot(const WEIGHT *restrict w, const float *restrict x, int n
         d = vec_fma(vec_load_weights(w + j + 3 * LANES), vec_load(x + j + 3 * LANES), d);
     }
     for (; j + LANES <= n; j += LANES) a = vec_fma(vec_load_weights(w + j), vec_load(x + j), a);
-    s = vec_sum((a + b) + (c + d));
-#else
-    #pragma omp simd reduction(+:s)
-#endif
-    for (int k = j; k < n; k++) s += load(w, k) * x[k];
-    return s;
+    return vec_sum((a + b) + (c + d)) + dot_plain(w + j, x + j, n - j);
 }
+#else
+#define dot dot_plain
+#endif
 
 enum { SET, ADD, SET_GELU };  /* what a product does with its output */
 
@@ -139,8 +156,8 @@ static void matvec(float *restrict y, const float *restrict x, const WEIGHT *res
     #pragma omp for schedule(static)
     for (int i = 0; i < n_out; i++) {
         const WEIGHT *row = W + (size_t)i * n_in;
-        /* ask for the weights 4 KB ahead of this row: about 10% faster here than leaving
-         * it all to the hardware prefetcher */
+        /* ask for the weights 4 KB ahead of this row: the hardware prefetcher alone does
+         * not run far enough ahead of a stream this fast */
         for (int j = 0; j < n_in; j += 64 / sizeof(WEIGHT))
             __builtin_prefetch(row + 4096 / sizeof(WEIGHT) + j);
         for (int b = 0; b < B; b++) {

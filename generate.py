@@ -1,0 +1,249 @@
+"""Generation: from a prompt's token ids to new tokens, and on to text.
+
+Usage:
+    from generate import generate, stream, generate_text, decode_step
+    out = generate(model, idx, max_new_tokens=100)             # (B, T + 100): the fast path
+    out = generate(model, idx, 100, temperature=0.0, decode="eager")
+    step = decode_step(model, "compile")                      # build a backend once, reuse it
+    for token in stream(model, idx, 100, decode=step): ...    # (B, 1) at a time
+    text = "".join(generate_text(model, tokenizer, ids, 200, stop=("\\n\\n",)))
+
+The pieces, in the order a token meets them (gpt-fast's layout):
+- prefill: the prompt's window in one forward pass, which fills the KV cache;
+- decode: one token per step, attending over the cache, run by a decode backend:
+  "eager" (model.forward), "compile" (torch.compile's inductor) or "c" (the hand-written C
+  step of cdecode/). "auto", the default everywhere, is the C step on a CPU when it builds
+  (else eager, with one line on stderr saying why and what to do), and eager elsewhere;
+- sampling: temperature, top-k and top-p as small pure functions;
+- the context window (see `stream`), the same for cached and uncached generation;
+- text: tokens decoded as they come, cut at end-of-text or a stop string.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch.nn import functional as F
+
+from model import GPT, KVCache
+from tokenizer import TextStream, Tokenizer
+
+DECODE_BACKENDS = ("auto", "eager", "compile", "c")
+
+
+class DecodeStep(Protocol):
+    """One cached decode step: (B, 1) token ids at window position input_pos (1,) in, their
+    keys and values written into the cache, (B, 1, vocab_size) logits out."""
+
+    def __call__(self, idx: torch.Tensor, kv_cache: KVCache,
+                 input_pos: torch.Tensor) -> torch.Tensor: ...
+
+
+# --- sampling ----------------------------------------------------------------------------
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError for sampling settings that mean nothing."""
+    if not temperature >= 0:  # also refuses nan
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep exactly the k largest logits of each row (ties broken by index); -inf elsewhere."""
+    k = min(k, logits.size(-1))
+    values, indices = torch.topk(logits, k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = F.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    sorted_logits[mass_before >= p] = float("-inf")  # the top token always has mass_before 0
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        logits = filter_top_k(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = filter_top_p(logits, top_p)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# --- decode backends ---------------------------------------------------------------------
+
+def eager_step(model: GPT) -> DecodeStep:
+    def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
+        return model(idx, kv_cache=kv_cache, input_pos=input_pos)[0]
+    return step
+
+
+def compiled_step(model: GPT) -> DecodeStep:
+    """The decode step through torch.compile. Every step has the same shapes (see KVCache),
+    so it builds one graph per cache size and batch size, on the first step: seconds to tens
+    of seconds on a CPU."""
+    def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
+        # the written-out attention path (its weights are dropped): for a single query,
+        # inductor turns QK^T and AV into loops fused with the softmax, where SDPA stays a
+        # library call, and a slow one in bf16 on CPUs without bf16 arithmetic
+        return model(idx, kv_cache=kv_cache, input_pos=input_pos, attn_weights=[])[0]
+
+    if model.lm_head.weight.device.type != "cpu":
+        return torch.compile(step, fullgraph=True, dynamic=False)
+    options = {
+        # drive the graph from generated C++, not Python: no per-kernel Python calls
+        "cpp_wrapper": True,
+        # with one row of activations every matmul is a matrix-vector product bound by
+        # reading the weights; as generated loops it fuses with its bias, GELU and
+        # residual add instead of being one library call each
+        "post_grad_fusion_options": {"decompose_mm_pass": {}},
+    }
+    return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+
+
+@functools.cache
+def say_once(message: str) -> None:
+    """One line on stderr, once per process however many generations meet the same case."""
+    print(message, file=sys.stderr)
+
+
+def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
+    """The decode backend `decode` (see DECODE_BACKENDS) for `model`, built now. Build it
+    after moving the model to its device and dtype; the C step reads the weights in place,
+    so it sees later updates of their values but not a move or a cast."""
+    if decode not in DECODE_BACKENDS:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+    if decode == "eager":
+        return eager_step(model)
+    if decode == "compile":
+        return compiled_step(model)
+    from cdecode import BuildError, CDecodeStep  # only now: its build needs a C compiler
+    if decode == "c":
+        return CDecodeStep(model)
+    weight = model.lm_head.weight
+    # the C step computes in the weights' dtype; under autocast (a bf16 training run
+    # sampling at an evaluation) only eager honours the autocast dtype
+    if weight.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return eager_step(model)
+    try:
+        return CDecodeStep(model)
+    except BuildError as e:
+        say_once(f"note: decoding with the slower eager step: {e}")
+        return eager_step(model)
+
+
+# --- prefill, decode and the context window ----------------------------------------------
+
+@torch.inference_mode()
+def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
+           generator: torch.Generator | None = None,
+           decode: str | DecodeStep = "auto") -> Iterator[torch.Tensor]:
+    """Yield (B, 1) new tokens one step at a time, continuing the (B, T) prompt `idx`.
+
+    Context window: the model sees at most block_size tokens. When the next token would
+    not fit, the window jumps forward to keep the most recent block_size // 2 tokens (and
+    the cache is rebuilt from them by one prefill). The cached and uncached paths use the
+    same window, so they produce the same logits at every step.
+    decode: a backend name (see decode_step) or a step built by decode_step; ignored when
+    use_kv_cache is False.
+    """
+    check_sampling(temperature, top_k, top_p)
+    B, n = idx.size()  # n: tokens so far
+    if n == 0:
+        raise ValueError("generate needs a prompt of at least one token")
+    block_size = model.config.block_size
+    seq = torch.empty(B, n + max_new_tokens, dtype=idx.dtype, device=idx.device)
+    seq[:, :n] = idx
+    start = max(0, n - block_size)  # first token inside the window
+    cache, step = None, None
+    if use_kv_cache:
+        # every step attends over every slot of the cache, so give it no more slots than
+        # this generation can fill, rounded up to a power of two so that a compiled decode
+        # step (built for one cache size) is rebuilt for only a few sizes
+        cache_len = min(block_size, 1 << (n + max_new_tokens - 1).bit_length())
+        cache = model.new_kv_cache(B, cache_len)
+        step = decode_step(model, decode) if isinstance(decode, str) else decode
+    fresh = True  # the cache holds nothing of the current window yet
+    for _ in range(max_new_tokens):
+        if n - start > block_size:
+            start = n - block_size // 2
+            fresh = True
+        if cache is None:
+            logits, _ = model(seq[:, start:n], last_only=True)
+        elif fresh:  # prefill: the whole window in one pass, at positions 0..
+            logits, _ = model(seq[:, start:n], kv_cache=cache, last_only=True)
+            fresh = False
+        else:  # decode: only the newest token, attending over the cache
+            input_pos = torch.tensor([n - 1 - start], device=idx.device)
+            logits = step(next_token, cache, input_pos)
+        next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+        seq[:, n] = next_token[:, 0]
+        n += 1
+        yield next_token
+
+
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
+             generator: torch.Generator | None = None,
+             decode: str | DecodeStep = "auto") -> torch.Tensor:
+    """Prompt plus max_new_tokens sampled tokens, (B, T + max_new_tokens). See `stream`."""
+    new = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, use_kv_cache,
+                      generator, decode))
+    return torch.cat([idx, *new], dim=1)
+
+
+# --- text --------------------------------------------------------------------------------
+
+def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where the earliest stop string begins in text, or None."""
+    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
+
+
+def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  use_kv_cache: bool = True, generator: torch.Generator | None = None,
+                  stop: tuple[str, ...] = (),
+                  decode: str | DecodeStep = "auto") -> Iterator[str]:
+    """Yield the continuation of `ids` as text, piece by piece, ending before the
+    end-of-text token or the first stop string. A stop string split across tokens is
+    still found: text is only released once no stop string can begin inside it."""
+    if any(not s for s in stop):
+        raise ValueError("a stop string is empty, which would end every sample at once; "
+                         "drop it or give some text")
+    device = model.lm_head.weight.device
+    text_stream = TextStream(tokenizer)
+    held = ""  # decoded text not yet released
+    hold = max((len(s) for s in stop), default=1) - 1
+    tokens = stream(model, torch.tensor([ids], device=device), max_new_tokens, temperature,
+                    top_k, top_p, use_kv_cache, generator, decode)
+    for token in tokens:
+        token_id = token.item()
+        if token_id == tokenizer.eot_token:
+            break
+        held += text_stream.push([token_id])
+        cut = first_stop(held, stop)
+        if cut is not None:
+            yield held[:cut]
+            return
+        if len(held) > hold:
+            yield held[:len(held) - hold]
+            held = held[len(held) - hold:]
+    held += text_stream.flush()
+    yield held[:first_stop(held, stop)]
