@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from model import GPT, GPTConfig
+from storage import atomic_write, fsync_dir
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1
@@ -37,22 +38,9 @@ class CheckpointError(ValueError):
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     """Write atomically: a temporary file in the same folder, fsynced, then renamed over the
     old one, so a crash at any moment leaves either the old or the new checkpoint whole."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, an interrupt: the old checkpoint stays, no debris
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    # a full disk, an interrupt: the old checkpoint stays, and no debris
+    with atomic_write(path) as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
 
 
 def link_checkpoint(src: str | Path, dst: str | Path) -> None:
@@ -70,6 +58,7 @@ def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_dir(dst.parent)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

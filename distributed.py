@@ -34,12 +34,20 @@ class Dist:
         return self.rank == 0
 
 
-def setup(use_cuda: bool) -> Dist:
-    """Join the process group torchrun describes in the environment, if any."""
+def environment() -> Dist:
+    """This process's place as torchrun's environment describes it; no process group is
+    needed to ask, so the command line can know before training whether it reports."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Dist()
-    info = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
+    return Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
+
+
+def setup(use_cuda: bool) -> Dist:
+    """Join the process group torchrun describes in the environment, if any."""
+    info = environment()
+    if not info.enabled:
+        return info
     if use_cuda:
         torch.cuda.set_device(info.local_rank)
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")

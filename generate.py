@@ -181,6 +181,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
         cache = model.new_kv_cache(B, cache_len)
         step = decode_step(model, decode) if isinstance(decode, str) else decode
     fresh = True  # the cache holds nothing of the current window yet
+    next_token = idx[:, -1:]  # the newest token, which a decode step feeds in
     for _ in range(max_new_tokens):
         if n - start > block_size:
             start = n - block_size // 2

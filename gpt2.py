@@ -136,7 +136,7 @@ def main(checkpoint: Path, folder: Path) -> None:
         export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import torch
 import typer
@@ -90,22 +90,22 @@ def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path
 
 def main(
     prompt: Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")] = "",
-    prompt_file: Annotated[Optional[Path], typer.Option(
+    prompt_file: Annotated[Path | None, typer.Option(
         exists=True, dir_okay=False, help="Read the prompt from this file instead.")] = None,
-    run: Annotated[Optional[str], typer.Option(
+    run: Annotated[str | None, typer.Option(
         help="Run folder, or run name under runs/, whose best.pt to load; default: the "
              "newest run.")] = None,
-    checkpoint: Annotated[Optional[str], typer.Option(help="Checkpoint file to load.")] = None,
-    init_from: Annotated[Optional[str], typer.Option(
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file to load.")] = None,
+    init_from: Annotated[str | None, typer.Option(
         help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
     num_samples: Annotated[int, typer.Option(min=1, help="Samples to draw.")] = 1,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per sample.")] = 500,
     temperature: Annotated[float, typer.Option(
         help="Softmax temperature; 0 is greedy (always the likeliest token).")] = 0.8,
-    top_k: Annotated[Optional[int], typer.Option(help="Sample among the k likeliest only.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(
+    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest only.")] = None,
+    top_p: Annotated[float | None, typer.Option(
         help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1].")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(
+    stop: Annotated[list[str] | None, typer.Option(
         help="End a sample at this string (repeatable; \\n and \\t mean newline and tab); "
              "found even across tokens.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
@@ -119,17 +119,18 @@ def main(
              "CPU) or c (cdecode/decode_step.c, built by the system C compiler). With "
              "--benchmark, compile or c adds that row.")] = "auto",
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
-    attention: Annotated[Optional[Path], typer.Option(
+    attention: Annotated[Path | None, typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
              "heatmaps): the attention of every layer and head over the prompt and the "
              "first sample (its last block_size tokens).")] = None,
     benchmark: Annotated[bool, typer.Option(
         help="Measure cached vs uncached decoding speed instead of sampling.")] = False,
-    preset: Annotated[Optional[str], typer.Option(
+    preset: Annotated[str | None, typer.Option(
         help="With --benchmark: a model shape with random weights (baby_gpt, gpt2, ...).")] = None,
-    lengths: Annotated[str, typer.Option(help="With --benchmark: new-token counts, comma-separated.")] = "64,248,1024",
+    lengths: Annotated[str, typer.Option(
+        help="With --benchmark: new-token counts, comma-separated.")] = "64,248,1024",
     repeats: Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")] = 3,
-    json_path: Annotated[Optional[Path], typer.Option(
+    json_path: Annotated[Path | None, typer.Option(
         "--json", help="With --benchmark: write figures here.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
@@ -179,7 +180,7 @@ def main(
         if debug:
             raise
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
     generator = torch.Generator(device=device).manual_seed(seed)
     first_sample = ""

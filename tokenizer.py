@@ -68,10 +68,11 @@ class GPT2Tokenizer:
     def __init__(self) -> None:
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
+
         # tiktoken's own definition of the GPT-2 split pattern and end-of-text token
         from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-        from data.sources import GPT2_RANKS_SHA256, gpt2_ranks_path
+        from assets import GPT2_RANKS_SHA256, gpt2_ranks_path
 
         ranks = load_tiktoken_bpe(str(gpt2_ranks_path()), expected_hash=GPT2_RANKS_SHA256)
         self.enc = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,

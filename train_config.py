@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
 from model import GPTConfig
+from precision import DTYPES
 
 
 class ConfigError(ValueError):
@@ -85,9 +87,12 @@ class TrainConfig:
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")
 
     def __post_init__(self) -> None:
-        positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
-                    "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
-                    "log_interval")
+        for f in fields(self):  # nan passes every comparison below, and inf means nothing
+            value = getattr(self, f.name)
+            if type(value) is float and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        positive = ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval",
+                    "eval_iters", "log_interval")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
@@ -96,10 +101,10 @@ class TrainConfig:
         for key in non_negative:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if self.n_embd % self.n_head != 0:
-            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        try:  # the model's shape is checked where the model is defined
+            self.model_config(vocab_size=1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed learning_rate "
                               f"({self.learning_rate})")
@@ -108,8 +113,8 @@ class TrainConfig:
         for key in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, "
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}, "
                               f"got {self.dtype!r}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
@@ -176,5 +181,5 @@ def cli_parameters() -> list[inspect.Parameter]:
         option = typer.Option(help=f"{field_help(f.name)} [default: {field_default(f.name)!r}]",
                               show_default=False, rich_help_panel="Config fields")
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[Optional[type(f.default)], option]))
+                                        annotation=Annotated[type(f.default) | None, option]))
     return params

@@ -55,6 +55,9 @@ def transformers_generate(model: GPT) -> Tokens | None:
     except ImportError:
         return None
     from gpt2 import export_hf_gpt2
+    # quiet: its notes on GPT-2's end-of-text id outside a character vocabulary, its bars
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
         export_hf_gpt2(copy.deepcopy(model).float(), folder)  # a copy: .float() casts in place
         theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()

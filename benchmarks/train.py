@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -133,27 +133,28 @@ def print_rows(rows: list[dict], target: float) -> None:
     print(f"| recipe | ms/iter | iters to val <= {target} | seconds to it | final val | "
           f"speed-up |")
     print("| --- | --- | --- | --- | --- | --- |")
+    def fmt(value: float | None, spec: str) -> str:
+        return "missed" if value is None else format(value, spec)
+
     for row in rows:
-        def fmt(key: str, spec: str) -> str:
-            return "missed" if row[key] is None else format(row[key], spec)
-        print(f"| {row['recipe']} | {fmt('ms_per_iter', '.1f')} | {fmt('iters_to_target', '.0f')}"
-              f" | {fmt('seconds_to_target', '.1f')} | {fmt('final_val_loss', '.3f')} | "
-              f"{fmt('speedup', '.2f')}x |")
+        print(f"| {row['recipe']} | {fmt(row['ms_per_iter'], '.1f')} | "
+              f"{fmt(row['iters_to_target'], '.0f')} | {fmt(row['seconds_to_target'], '.1f')} | "
+              f"{fmt(row['final_val_loss'], '.3f')} | {fmt(row['speedup'], '.2f')}x |")
 
 
 def main(
     config: Annotated[Path, typer.Option(help="Preset to train.")] = QUICKSTART,
-    input: Annotated[Optional[Path], typer.Option(
+    input: Annotated[Path | None, typer.Option(
         help="Train on this text (char-level) instead of the preset's data_dir.")] = None,
-    max_iters: Annotated[Optional[int], typer.Option(help="Override the preset's.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="Override the preset's.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="Override the preset's.")] = None,
-    compile: Annotated[Optional[bool], typer.Option(
+    max_iters: Annotated[int | None, typer.Option(help="Override the preset's.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Override the preset's.")] = None,
+    device: Annotated[str | None, typer.Option(help="Override the preset's.")] = None,
+    compile: Annotated[bool | None, typer.Option(
         "--compile/--no-compile", help="Override the preset's.")] = None,
-    time_to_loss_target: Annotated[Optional[float], typer.Option(
+    time_to_loss_target: Annotated[float | None, typer.Option(
         "--time-to-loss", help="Race the recipes to this val loss instead (needs --input).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Rounds of the race.")] = 2,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write figures here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
     """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
     if time_to_loss_target is not None:
@@ -194,7 +195,8 @@ def main(
     figures = {
         "config": config.name,
         "device": str(run_device),
-        "dtype": str(resolve_dtype(cfg.dtype, run_device, tokens_per_iter, cfg.n_embd)[0]).removeprefix("torch."),
+        "dtype": str(resolve_dtype(cfg.dtype, run_device, tokens_per_iter, cfg.n_embd)[0]
+                     ).removeprefix("torch."),
         "optimizer": cfg.optimizer,
         "compile": cfg.compile,
         "iters": result.iter_num,

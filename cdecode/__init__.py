@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from data.sources import cache_dir
 from model import GPT, KVCache
 from precision import cpu_identity
+from storage import cache_dir, write_bytes_atomic
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 WEIGHT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}
@@ -79,18 +79,20 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            for lacks, flags in attempts.items():
+            lacks = None
+            for without, flags in attempts.items():
                 result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"],
                                         capture_output=True, text=True)
                 if result.returncode == 0:
+                    lacks = without
                     break
-            else:
+            if lacks is None:
                 last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
                 raise BuildError(f"{cc} could not build {SOURCE.name}: {last_line}")
             if lacks:
-                (Path(tmp) / note.name).write_text(lacks)
-                (Path(tmp) / note.name).replace(note)
-            tmp_out.replace(out)  # whole or not at all: a concurrent build cannot see half
+                write_bytes_atomic(note, lacks.encode())
+            # whole or not at all: a concurrent build never loads half a library
+            write_bytes_atomic(out, tmp_out.read_bytes())
     if note.exists():
         print(f"note: {cc} built the C decode step {note.read_text()}, so it runs slower "
               f"than it could", file=sys.stderr)

@@ -1,2 +1,6 @@
 """Corpora: fetch text (sources.py), tokenize it into train/val bins (prepare.py), and draw
-training batches from those bins (loader.py)."""
+batches from them (loader.py).
+
+Usage:
+    python -m data.prepare --input my_corpus.txt --out data/mine
+"""

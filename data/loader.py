@@ -48,3 +48,32 @@ def get_batch(data: np.ndarray, block_size: int, batch_size: int,
     offsets = starts[:, None] + np.arange(block_size + 1)  # (B, block_size + 1)
     chunk = torch.from_numpy(data[offsets].astype(np.int64))  # one gather from the memmap
     return chunk[:, :-1], chunk[:, 1:]
+
+
+class BatchStream:
+    """One process's stream of random training batches.
+
+    Under torchrun every process draws the same stream and takes every world_size-th
+    batch, so N processes train on exactly the batches that one process with N times the
+    gradient accumulation would. `state` is the generator as it was before the batch drawn
+    last: a checkpoint stores it, so a resumed run draws that batch again and then exactly
+    the batches this run would have drawn next.
+    """
+
+    def __init__(self, data: np.ndarray, block_size: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.data, self.block_size, self.batch_size = data, block_size, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.state = self.generator.get_state()
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.state = self.generator.get_state()
+        for r in range(self.world_size):
+            batch = get_batch(self.data, self.block_size, self.batch_size, self.generator)
+            if r == self.rank:
+                mine = batch
+        return mine
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)

@@ -13,14 +13,14 @@ counts, the dtype and the source's sha256, so training and sampling need nothing
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
 import typer
 
-from data.sources import DataError, read_text, sha256_bytes, shakespeare_text
+from assets import AssetError, sha256_bytes
+from data.sources import DataError, read_text, shakespeare_text
+from storage import write_bytes_atomic
 from tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, encode_array
 
 # built-in datasets: name -> tokenizer; the text is Shakespeare's complete works
@@ -34,15 +34,6 @@ def make_tokenizer(kind: str, text: str) -> CharTokenizer | GPT2Tokenizer:
     if kind == "gpt2":
         return GPT2Tokenizer()
     raise DataError(f"unknown tokenizer {kind!r}; choose one of {', '.join(TOKENIZERS)}")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def prepare(text: str, tokenizer_kind: str, out_dir: str | Path, source: str,
@@ -70,9 +61,9 @@ def prepare(text: str, tokenizer_kind: str, out_dir: str | Path, source: str,
     out_dir.mkdir(parents=True, exist_ok=True)
     # meta.json goes last and marks the dataset complete; a stale one goes first
     (out_dir / "meta.json").unlink(missing_ok=True)
-    write_atomic(out_dir / "train.bin", train.tobytes())
-    write_atomic(out_dir / "val.bin", val.tobytes())
-    write_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    write_bytes_atomic(out_dir / "train.bin", train.tobytes())
+    write_bytes_atomic(out_dir / "val.bin", val.tobytes())
+    write_bytes_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
 
 
@@ -98,9 +89,9 @@ def main(
         else:
             out = out or ("data/shakespeare_char" if tokenizer == "char" else "data/shakespeare_bpe")
             meta = prepare(shakespeare_text(), tokenizer, out, SHAKESPEARE_SOURCE, val_fraction)
-    except DataError as e:
+    except (DataError, AssetError) as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(f"{meta['source']}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
                f"tokens, vocabulary {meta['vocab_size']:,}, written to {out}/")
 

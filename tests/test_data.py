@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from assets import sha256_bytes
 from data.loader import get_batch, load_meta, load_split
 from data.prepare import prepare
-from data.sources import DataError, read_text, sha256_bytes, shakespeare_text
+from data.sources import DataError, read_text, shakespeare_text
 from tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak!\n"
@@ -53,7 +54,7 @@ def test_get_batch_targets_are_inputs_shifted_by_one(char_data):
     assert torch.equal(x[:, 1:], y[:, :-1])
     # every row is a real window of the data
     flat = torch.from_numpy(data.astype(np.int64))
-    for row_x, row_y in zip(x, y):
+    for row_x, row_y in zip(x, y, strict=True):
         starts = [i for i in range(len(flat) - 16) if torch.equal(flat[i:i + 16], row_x)]
         assert any(torch.equal(flat[s + 1:s + 17], row_y) for s in starts)
 

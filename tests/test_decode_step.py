@@ -59,7 +59,7 @@ def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias, march):
     eager = decode_logits(model, prompt, 40)  # 45 tokens, block_size 16: re-prefills
     c = decode_logits(model, prompt, 40, CDecodeStep(model, march))
     assert len(c) == len(eager) == 35  # 40 steps less the first prefill and four re-prefills
-    for step, (a, b) in enumerate(zip(c, eager)):
+    for step, (a, b) in enumerate(zip(c, eager, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
@@ -77,7 +77,7 @@ def test_c_step_bf16_matches_eager_to_bf16_rounding(march):
     prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(3))
     eager = decode_logits(model, prompt, 30)
     c = decode_logits(model, prompt, 30, CDecodeStep(model, march))
-    for step, (a, b) in enumerate(zip(c, eager)):
+    for step, (a, b) in enumerate(zip(c, eager, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2, msg=f"step {step}")
 
 

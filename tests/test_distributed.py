@@ -50,8 +50,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data,
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=weight_atol, msg=key)
     for tag in ("train/loss_step", "loss/val"):
-        steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag))
-        steps_two, values_two = zip(*losses(tmp_path / "two" / "tiny", tag))
+        steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag), strict=True)
+        steps_two, values_two = zip(*losses(tmp_path / "two" / "tiny", tag), strict=True)
         assert steps_one == steps_two
         torch.testing.assert_close(torch.tensor(values_one), torch.tensor(values_two),
                                    rtol=loss_tol, atol=loss_tol)

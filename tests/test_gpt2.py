@@ -82,7 +82,8 @@ def test_broken_folders_are_named(tmp_path):
         load_hf_gpt2(tmp_path)
     config = json.loads((tmp_path / "good" / "config.json").read_text())
     (tmp_path / "good" / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
-    with pytest.raises(GPT2FormatError, match=r"do not match its config.json: transformer.wte.weight is \(100, 32\) but config.json implies \(100, 64\)"):
+    with pytest.raises(GPT2FormatError, match=r"do not match its config.json: transformer.wte.weight "
+                                              r"is \(100, 32\) but config.json implies \(100, 64\)"):
         load_hf_gpt2(tmp_path / "good")
 
 

@@ -57,3 +57,11 @@ def test_the_model_file_imports_nothing_of_the_project():
     modules = project_modules()
     assert imports(modules["model"], modules) == set()
     assert len(modules["model"].read_text().splitlines()) < 320
+
+
+def test_every_source_file_says_what_it_is_for_and_how_to_use_it():
+    for name, path in project_modules().items():
+        text = path.read_text()
+        doc = ast.get_docstring(ast.parse(text))
+        assert doc and "Usage:" in doc, f"{name} needs a docstring with a usage line"
+        assert len(text.splitlines()) <= 500, f"{name} is over 500 lines: split it"

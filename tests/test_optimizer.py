@@ -92,7 +92,7 @@ def test_schedule_warms_up_then_decays_every_group_to_the_same_fraction(tiny_con
     assert m[0] < m[5] < m[9] < 1.0
     assert m[10] == pytest.approx(1.0)
     assert m[60] == pytest.approx(0.55)  # halfway through the cosine
-    assert all(a >= b for a, b in zip(m[10:], m[11:]))
+    assert all(a >= b for a, b in zip(m[10:], m[11:], strict=False))
     assert m[110] == m[119] == pytest.approx(0.1)
     assert lr_multiplier(50, dataclasses.replace(cfg, decay_lr=False)) == 1.0
 

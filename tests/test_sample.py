@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from cdecode import CDecodeStep
-from generate import (DECODE_BACKENDS, decode_step, filter_top_k, filter_top_p, generate,
-                      generate_text, stream)
+from generate import (
+    DECODE_BACKENDS,
+    decode_step,
+    filter_top_k,
+    filter_top_p,
+    generate,
+    generate_text,
+    stream,
+)
 from model import GPT, GPTConfig
 from sample import SampleError, resolve_checkpoint
 from tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
@@ -50,7 +57,7 @@ def test_cached_logits_equal_uncached_at_every_step_past_block_size(model):
     cached = step_logits(model, prompt, 40, use_kv_cache=True)  # 45 tokens, block_size 16
     uncached = step_logits(model, prompt, 40, use_kv_cache=False)
     assert len(cached) == len(uncached) == 40
-    for step, (a, b) in enumerate(zip(cached, uncached)):
+    for step, (a, b) in enumerate(zip(cached, uncached, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
@@ -64,7 +71,7 @@ def test_cache_takes_the_autocast_dtype(model, dtype):
         cached = step_logits(model, prompt, 20, use_kv_cache=True)
         uncached = step_logits(model, prompt, 20, use_kv_cache=False)
     assert model.new_kv_cache(2, 8).k[0].dtype == torch.float32
-    for step, (a, b) in enumerate(zip(cached, uncached)):
+    for step, (a, b) in enumerate(zip(cached, uncached, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2, msg=f"step {step}")
 
 

@@ -13,8 +13,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import (CheckpointError, link_checkpoint, load_checkpoint,
-                        model_from_checkpoint, save_checkpoint)
+from checkpoint import (
+    CheckpointError,
+    link_checkpoint,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 from data.loader import load_meta, load_split
 from model import GPT, GPTConfig
 from perf import datasheet_peak_flops, peak_flops
@@ -66,7 +71,8 @@ def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     assert ckpt["tokenizer"]["kind"] == "char"
     model = model_from_checkpoint(ckpt)
     splits = {s: load_split(tiny_config.data_dir, s) for s in ("train", "val")}
-    losses = estimate_loss(model, splits, tiny_config, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    losses = estimate_loss(model, splits, tiny_config, torch.device("cpu"),
+                           torch.autocast("cpu", enabled=False))
     assert losses["val"] == ckpt["val_loss"] == result.final_losses["val"]
     assert (result.run_dir / "best.pt").is_file()
 
@@ -148,7 +154,7 @@ def test_mfu_yardstick_is_the_datasheet_peak_on_known_gpus_else_measured():
     ("n_layer = '2'", {}, "n_layer must be int, got str '2'"),
     ("learning_rate = true", {}, "learning_rate must be float, got bool True"),
     ("", {"n_embd": 30, "n_head": 4}, "n_embd (30) must be divisible by n_head (4)"),
-    ("", {"dtype": "fp8"}, "dtype must be auto, float32, bfloat16 or float16, got 'fp8'"),
+    ("", {"dtype": "fp8"}, "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     ("", {"max_iters": 0}, "max_iters must be at least 1, got 0"),
     ("n_layer = ", {}, "is not valid TOML"),
 ])

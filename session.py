@@ -1,0 +1,184 @@
+"""What a training process works with: data, model, optimizers and run folder, built from
+the config, or restored from the run's last.pt.
+
+Usage:
+    from session import setup
+    s, dtype_reason = setup(cfg, resume=False, dist=distributed.Dist())
+    s.model, s.optimizers, s.batches.next(), s.run_dir, s.iter_num, ...
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+import distributed
+from attention import LayerPictures, token_labels
+from checkpoint import load_checkpoint, unwrap_state_dict
+from data.loader import SPLITS, BatchStream, load_meta, load_split
+from data.prepare import BUILTIN, prepare_builtin
+from model import GPT
+from optimizer import configure_optimizers
+from precision import DTYPES, resolve_device, resolve_dtype
+from runs import check_resumable, check_writable, choose_run_dir
+from tokenizer import Tokenizer, load_tokenizer
+from train_config import ConfigError, TrainConfig
+
+
+def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, np.ndarray]]:
+    """The dataset's meta and memmapped splits, preparing a built-in dataset if missing
+    (by rank 0 alone, while the other processes wait)."""
+    data_dir = Path(cfg.data_dir)
+    if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN and dist.is_main:
+        tqdm.write(f"preparing {data_dir} (first run only)")
+        prepare_builtin(data_dir.name, data_dir)
+    distributed.barrier(dist)
+    meta = load_meta(data_dir)
+    splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
+    for split, data in splits.items():
+        if len(data) <= cfg.block_size:
+            raise ConfigError(f"block_size ({cfg.block_size}) must be smaller than the {split} "
+                              f"split ({len(data)} tokens); lower block_size or use more text")
+    return meta, splits
+
+
+def build_model(cfg: TrainConfig, meta: dict) -> GPT:
+    """A fresh model of the config's shape, or a pretrained GPT-2 to fine-tune."""
+    if not cfg.init_from:
+        return GPT(cfg.model_config(meta["vocab_size"]))
+    if meta["tokenizer"]["kind"] != "gpt2":
+        raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
+                          f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
+    from gpt2 import GPT2FormatError, load_hf_gpt2
+    try:
+        return load_hf_gpt2(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
+    except GPT2FormatError as e:
+        raise ConfigError(f"init_from: {e}") from None
+
+
+def run_dtype(cfg: TrainConfig, device: torch.device, ckpt: dict | None,
+              dist: distributed.Dist) -> tuple[torch.dtype, str]:
+    """The compute dtype and why. A resumed run keeps the dtype that auto chose when it
+    started (a new measurement could differ); under torchrun rank 0's choice holds for all."""
+    if cfg.dtype == "auto" and ckpt is not None and "dtype" in ckpt:
+        return DTYPES[ckpt["dtype"]], "auto: as the run being resumed chose"
+    return distributed.from_main(
+        resolve_dtype(cfg.dtype, device, cfg.batch_size * cfg.block_size, cfg.n_embd)
+        if dist.is_main else None, dist)
+
+
+def probe_tokens(cfg: TrainConfig, tokenizer: Any, val: np.ndarray) -> list[int]:
+    """The token ids whose attention is logged at each evaluation."""
+    if not cfg.attention_probe:
+        return val[:min(32, cfg.block_size)].tolist()
+    try:
+        ids = tokenizer.encode(cfg.attention_probe)
+    except ValueError as e:
+        raise ConfigError(f"attention_probe: {e}") from None
+    if not ids:
+        raise ConfigError("attention_probe encodes to no tokens; give some text or leave it empty")
+    return ids[-cfg.block_size:]
+
+
+def text_block(text: str) -> str:
+    """TensorBoard renders text as markdown; indenting keeps line breaks and spacing."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+@dataclass
+class Session:
+    """What one process's loop works with, built once by `setup`."""
+    cfg: TrainConfig
+    dist: distributed.Dist
+    device: torch.device
+    dtype: torch.dtype
+    autocast: AbstractContextManager
+    run_dir: Path
+    meta: dict
+    splits: dict[str, np.ndarray]
+    tokenizer: Tokenizer
+    raw_model: GPT  # the plain module: checkpoints save its weights, never a compiled one's
+    model: torch.nn.Module  # what the step calls: raw_model, maybe compiled, maybe in DDP
+    optimizers: list[torch.optim.Optimizer]
+    scaler: torch.amp.GradScaler
+    batches: BatchStream
+    iter_num: int
+    best_val_loss: float
+    sample_ids: list[int]
+    probe_ids: list[int]
+    writer: SummaryWriter | None = None  # rank 0 only, as are the pictures
+    pictures: LayerPictures | None = None
+
+
+def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Session, str]:
+    """Data, model, optimizers and run folder, restored from last.pt when resuming; and
+    why the dtype is what it is."""
+    if cfg.gradient_accumulation_steps % dist.world_size != 0:
+        raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
+                          f"must be divisible by the number of processes ({dist.world_size})")
+    device = resolve_device(cfg.device, dist.local_rank)
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls
+        torch.backends.cudnn.allow_tf32 = True
+    meta, splits = prepare_data(cfg, dist)
+    tokenizer = load_tokenizer(meta["tokenizer"])
+    sample_ids = tokenizer.encode(cfg.sample_prompt) if cfg.sample_tokens else []
+    if cfg.sample_tokens and not sample_ids:
+        raise ConfigError("sample_prompt encodes to no tokens; give a non-empty prompt")
+    probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
+
+    run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)
+    ckpt = load_checkpoint(run_dir / "last.pt", map_location=device) if resume else None
+    dtype, dtype_reason = run_dtype(cfg, device, ckpt, dist)
+    model = build_model(cfg, meta).to(device)
+    if dist.is_main:  # fp32 weights plus AdamW's two moments
+        check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
+    s = Session(
+        cfg, dist, device, dtype,
+        nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype),
+        run_dir, meta, splits, tokenizer, model, model,
+        configure_optimizers(model, cfg, device),
+        torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+        BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed, dist.rank,
+                    dist.world_size),
+        0, float("inf"), sample_ids, probe_ids)
+    if ckpt is not None:
+        check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
+        restore(s, ckpt)
+    if cfg.compile:
+        s.model = torch.compile(s.model)
+    if dist.enabled:  # gradients are averaged across processes during backward
+        s.model = DDP(s.model, device_ids=[device.index] if device.type == "cuda" else None)
+    if dist.is_main:
+        # on resume, drop the events a run logged after its last checkpoint (steps > iter_num)
+        s.writer = SummaryWriter(run_dir, purge_step=s.iter_num + 1 if resume else None)
+        if not resume:
+            settings = "\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())
+            s.writer.add_text("config", text_block(settings))
+        if cfg.log_attention:
+            s.pictures = LayerPictures(token_labels(tokenizer, probe_ids), model.config.n_head)
+    return s, dtype_reason
+
+
+def restore(s: Session, ckpt: dict) -> None:
+    """Put a run back as last.pt left it: weights, optimizer state, RNGs, batch stream."""
+    s.raw_model.load_state_dict(unwrap_state_dict(ckpt["model"]))
+    states = ckpt["optimizer"]  # a list since optimizer = muon; one dict before
+    for opt, state in zip(s.optimizers, states if isinstance(states, list) else [states],
+                          strict=True):
+        opt.load_state_dict(state)
+    s.scaler.load_state_dict(ckpt["scaler"])
+    s.iter_num, s.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if s.device.type == "cuda" and "cuda" in ckpt["rng"]:
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), s.device)
+    s.batches.restore(ckpt["rng"]["batches"])
