@@ -110,3 +110,25 @@ def test_without_a_compiler_the_cli_says_so(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: the C decode step needs a C compiler, and '{tmp_path / 'no-such-cc'}' was "
         f"not found; install gcc or clang (or set CC), or choose --decode eager")
+
+
+def test_a_build_without_openmp_or_march_says_so_and_still_computes_the_same(tmp_path):
+    # a real compiler that refuses OpenMP and -march, as Apple's clang refuses OpenMP
+    cc = tmp_path / "plain-cc"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -fopenmp|-march=*) exit 1;; '
+                  'esac; done\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    script = ("import torch; from tests.test_decode_step import small_gpt, decode_logits; "
+              "from cdecode import CDecodeStep; m = small_gpt(); p = torch.zeros(1, 3, "
+              "dtype=torch.long); a = decode_logits(m, p, 20); b = decode_logits(m, p, 20, "
+              "CDecodeStep(m)); "
+              "print(all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b, strict=True))); "
+              "from cdecode import build; build.cache_clear(); build(torch.float32)")
+    env = {**os.environ, "CC": str(cc), "GPTLAB_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+    note = (f"note: {cc} built the C decode step without -march=native or OpenMP (one thread), "
+            f"so it runs slower than it could")
+    assert result.stderr.strip().splitlines() == [note, note]  # built, then loaded from cache

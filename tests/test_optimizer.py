@@ -15,7 +15,7 @@ from checkpoint import load_checkpoint
 from data.loader import load_meta
 from model import GPT
 from optimizer import configure_optimizers, lr_multiplier, muon_parameters
-from precision import choose_cpu_dtype
+from precision import DeviceError, choose_cpu_dtype, resolve_device
 from train import train
 from train_config import ConfigError
 
@@ -121,3 +121,12 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(
     dtype, why = choose_cpu_dtype(flags, measure)
     assert dtype == expected and reason in why
     assert measured == ([True] if speedup is not None else [])  # no flag: nothing measured
+
+
+def test_a_device_this_machine_lacks_is_one_clear_error():
+    with pytest.raises(DeviceError, match="device 'cuda:abc' is not a device; use auto, cpu"):
+        resolve_device("cuda:abc")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA GPU is available to this torch; use "
+                                              "--device cpu"):
+            resolve_device("cuda:0")

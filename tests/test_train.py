@@ -157,6 +157,8 @@ def test_mfu_yardstick_is_the_datasheet_peak_on_known_gpus_else_measured():
     ("", {"dtype": "fp8"}, "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     ("", {"max_iters": 0}, "max_iters must be at least 1, got 0"),
     ("n_layer = ", {}, "is not valid TOML"),
+    ("grad_clip = inf", {}, "grad_clip must be a finite number, got inf"),
+    ("", {"min_lr": float("nan")}, "min_lr must be a finite number, got nan"),
 ])
 def test_bad_configs_are_rejected_with_the_key_named(tmp_path, toml, overrides, message):
     path = tmp_path / "bad.toml"
