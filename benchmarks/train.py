@@ -1,7 +1,7 @@
 """Training speed and quality, read back from the runs' own TensorBoard files.
 
 Usage:
-    python -m benchmarks.train --input tinyshakespeare/input.txt     # quickstart settings, CPU
+    python -m benchmarks.train --input tinyshakespeare/input.txt     # the quickstart preset, CPU
     python -m benchmarks.train --config config/baby_gpt.toml         # on a GPU: bf16, compiled
     python -m benchmarks.train --config config/gpt2_small.toml --max-iters 200 --no-compile
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
