@@ -2,6 +2,7 @@
 
 Usage:
     python gpt2.py runs/shakespeare_bpe/best.pt out/hf-gpt2    # export a checkpoint of ours
+    python gpt2.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force   # replace that export
 
     from gpt2 import load_hf_gpt2, export_hf_gpt2
     model = load_hf_gpt2("models/gpt2")           # config.json + model.safetensors or pytorch_model.bin
@@ -15,14 +16,19 @@ as Conv1D weights, (in, out), which are transposed into Linear's (out, in).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import typer
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from model import GPT, GPTConfig
+from storage import fsync_dir, write_bytes_atomic
 
 # Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -31,6 +37,10 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 class GPT2FormatError(ValueError):
     """A folder that is not a usable GPT-2 checkpoint; the message says what is wrong."""
+
+
+class ExportError(ValueError):
+    """A folder that an export must not or cannot write into; the message says why."""
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -101,13 +111,19 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
     return model.eval()
 
 
-def export_hf_gpt2(model: GPT, folder: str | Path) -> Path:
-    """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads."""
+def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
+    """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads.
+    A new folder appears whole or not at all (written beside it, then renamed); a folder
+    that holds anything is refused unless `force`, and then its two files are replaced."""
     cfg = model.config
     if not cfg.bias:
         raise GPT2FormatError("GPT-2 has biases; a model trained with bias = false cannot be exported")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise ExportError(f"{folder} is a file, not a folder; choose another folder")
+    if folder.is_dir() and any(folder.iterdir()) and not force:
+        raise ExportError(f"{folder} is not empty; choose another folder, or pass --force to "
+                          f"replace its config.json and model.safetensors")
     state = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight":  # tied to wte: GPT-2 folders store it once
@@ -115,7 +131,6 @@ def export_hf_gpt2(model: GPT, folder: str | Path) -> Path:
         if key.endswith(CONV1D):
             tensor = tensor.t()
         state[key] = tensor.detach().to("cpu", torch.float32).contiguous()
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     hf = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
@@ -126,16 +141,37 @@ def export_hf_gpt2(model: GPT, folder: str | Path) -> Path:
     }
     if cfg.vocab_size == 50257:  # GPT-2's own vocabulary: its end-of-text token
         hf.update(bos_token_id=50256, eos_token_id=50256)
-    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    files = {"model.safetensors": save(state, metadata={"format": "pt"}),
+             "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # the config last
+    if folder.is_dir():
+        for name, data in files.items():
+            write_bytes_atomic(folder / name, data)
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        for name, data in files.items():
+            write_bytes_atomic(tmp / name, data)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(folder.parent)
     return folder
 
 
-def main(checkpoint: Path, folder: Path) -> None:
+def main(checkpoint: Path, folder: Path,
+         force: Annotated[bool, typer.Option(
+             help="Replace the export in a folder that is not empty.")] = False) -> None:
     """Export CHECKPOINT (a .pt written by train.py) to FOLDER in Hugging Face GPT-2 format."""
     try:
-        export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder)
+        export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder, force)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except OSError as e:
+        typer.echo(f"error: cannot write {folder} ({e.strerror}); choose another folder",
+                   err=True)
         raise typer.Exit(1) from None
     typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
 

@@ -22,6 +22,7 @@ import typer
 
 from cdecode import BuildError
 from checkpoint import load_checkpoint, model_from_checkpoint
+from data.sources import decode_text
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
 from model import GPT
 from precision import DTYPES
@@ -172,7 +173,7 @@ def main(
             tokenizer = GPT2Tokenizer()
         else:
             model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
-        text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
+        text = decode_text(prompt_file.read_bytes(), str(prompt_file)) if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
     # SampleError, CheckpointError, the model's sampling checks, and a C step that cannot build

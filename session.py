@@ -143,14 +143,16 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
     if dist.is_main:  # fp32 weights plus AdamW's two moments
         check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
     s = Session(
-        cfg, dist, device, dtype,
-        nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype),
-        run_dir, meta, splits, tokenizer, model, model,
-        configure_optimizers(model, cfg, device),
-        torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-        BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed, dist.rank,
-                    dist.world_size),
-        0, float("inf"), sample_ids, probe_ids)
+        cfg=cfg, dist=dist, device=device, dtype=dtype,
+        autocast=(nullcontext() if dtype == torch.float32
+                  else torch.autocast(device.type, dtype=dtype)),
+        run_dir=run_dir, meta=meta, splits=splits, tokenizer=tokenizer,
+        raw_model=model, model=model,
+        optimizers=configure_optimizers(model, cfg, device),
+        scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+        batches=BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed,
+                            dist.rank, dist.world_size),
+        iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
     if ckpt is not None:
         check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
         restore(s, ckpt)

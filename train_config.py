@@ -162,10 +162,15 @@ def load_config(path: str | Path | None = None,
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"config file {path} not found; presets are in config/")
+        if not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise ConfigError(f"config {path} is {kind}; give a TOML file, e.g. "
+                              f"config/quickstart.toml")
         try:
-            values = tomllib.loads(path.read_text())
+            # utf-8-sig: some editors start a UTF-8 file with a byte-order mark
+            values = tomllib.loads(path.read_text(encoding="utf-8-sig"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     values.update(overrides or {})

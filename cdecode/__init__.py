@@ -141,9 +141,9 @@ class CDecodeStep:
         self.wpe = params["transformer.wpe.weight"]
         self.ln_f_w = params["transformer.ln_f.weight"]
         self.ln_f_b = params.get("transformer.ln_f.bias")  # None in a model without biases
+        names = block_param_names(self.lib)
         self.block_params = [params.get(f"transformer.h.{i}.{name}")
-                             for i in range(self.config.n_layer)
-                             for name in block_param_names(self.lib)]
+                             for i in range(self.config.n_layer) for name in names]
         tensors = [self.wte, self.wpe, self.ln_f_w, self.ln_f_b, *self.block_params]
         if not all(t.is_contiguous() and t.dtype == self.dtype
                    for t in tensors if t is not None):

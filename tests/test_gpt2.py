@@ -121,3 +121,20 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, cha
     idx = torch.randint(0, ours.config.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
+    # a second export into the same folder is refused, and the first is left as it was
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    again = subprocess.run([sys.executable, "gpt2.py", str(tmp_path / "tiny" / "best.pt"),
+                            str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert again.stderr.strip() == (f"error: {tmp_path / 'hf'} is not empty; choose another "
+                                    f"folder, or pass --force to replace its config.json and "
+                                    f"model.safetensors")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    export_hf_gpt2(ours, tmp_path / "hf", force=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    unwritable = subprocess.run([sys.executable, "gpt2.py", str(tmp_path / "tiny" / "best.pt"),
+                                 "/proc/no-such-export"], cwd=REPO, capture_output=True,
+                                text=True, timeout=120)
+    assert unwritable.returncode == 1 and "Traceback" not in unwritable.stderr
+    assert unwritable.stderr.startswith("error: cannot write /proc/no-such-export (")

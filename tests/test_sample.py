@@ -243,6 +243,15 @@ def test_cli_refuses_bad_sampling_input(trained_run, args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_cli_names_a_prompt_file_that_is_not_utf8(trained_run, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"ROMEO \xe9\n")  # Latin-1
+    result = run_sample("--run", str(trained_run), "--prompt-file", str(prompt))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"error: {prompt} is not valid UTF-8 (byte offset 6, "
+                                     f"line 1); convert it to UTF-8 first")
+
+
 def test_cli_help_states_the_context_window_policy():
     proc = subprocess.run([sys.executable, "sample.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "200"}, timeout=60)

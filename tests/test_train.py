@@ -149,6 +149,16 @@ def test_mfu_yardstick_is_the_datasheet_peak_on_known_gpus_else_measured():
     assert source == "measured float32 matmul" and 1e9 < flops < 1e14
 
 
+def test_a_config_path_that_is_no_toml_file_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=f"config {tmp_path} is a folder; give a TOML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="config /dev/null is not a regular file"):
+        load_config("/dev/null")
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbfn_layer = 3\n")  # a byte-order mark, as some editors write
+    assert load_config(bom).n_layer == 3
+
+
 @pytest.mark.parametrize("toml, overrides, message", [
     ("n_layers = 2", {}, "unknown config key 'n_layers'; did you mean 'n_layer'?"),
     ("n_layer = '2'", {}, "n_layer must be int, got str '2'"),
