@@ -25,7 +25,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from data.sources import decode_text
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
 from model import GPT
-from precision import DTYPES
+from precision import DTYPES, resolve_device
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -144,10 +144,7 @@ def main(
     try:
         if dtype not in DTYPES:
             raise SampleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        try:
-            torch.empty(0, device=device)
-        except (RuntimeError, ValueError):
-            raise SampleError(f"device {device!r} is not available here; use --device cpu") from None
+        device = str(resolve_device(device))  # a DeviceError names what to use instead
         check_sampling(temperature, top_k, top_p)
         if decode not in DECODE_BACKENDS:
             raise SampleError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, "

@@ -252,6 +252,14 @@ def test_cli_names_a_prompt_file_that_is_not_utf8(trained_run, tmp_path):
                                      f"line 1); convert it to UTF-8 first")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+def test_cli_names_a_gpu_this_torch_cannot_use(trained_run):
+    result = run_sample("--run", str(trained_run), "--device", "cuda")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("error: device is cuda but no CUDA GPU is available to "
+                                     "this torch; use --device cpu")
+
+
 def test_cli_help_states_the_context_window_policy():
     proc = subprocess.run([sys.executable, "sample.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "200"}, timeout=60)
