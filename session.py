@@ -156,6 +156,10 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
     if ckpt is not None:
         check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
         restore(s, ckpt)
+        if s.iter_num > cfg.max_iters:
+            raise ConfigError(f"{run_dir / 'last.pt'} is at iter {s.iter_num}, past max_iters "
+                              f"({cfg.max_iters}), so there is nothing to train; raise "
+                              f"--max-iters to continue it")
     if cfg.compile:
         s.model = torch.compile(s.model)
     if dist.enabled:  # gradients are averaged across processes during backward

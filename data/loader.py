@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from data.sources import DataError
+from tokenizer import TOKENIZERS
 
 SPLITS = ("train", "val")
+META_KEYS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
 
 
 def load_meta(data_dir: str | Path) -> dict:
@@ -26,7 +28,19 @@ def load_meta(data_dir: str | Path) -> dict:
     if not path.exists():
         raise DataError(f"no prepared dataset in {data_dir} (meta.json missing); "
                         f"run: python -m data.prepare --input YOUR_TEXT --out {data_dir}")
-    return json.loads(path.read_text())
+    again = f"prepare the dataset again (python -m data.prepare ... --out {data_dir})"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"{path} is not valid JSON; {again}") from None
+    missing = [key for key in META_KEYS if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}; {again}")
+    if meta["dtype"] not in ("uint16", "uint32") or not isinstance(meta["tokenizer"], dict) \
+            or meta["tokenizer"].get("kind") not in TOKENIZERS:
+        raise DataError(f"{path} names an unknown dtype ({meta['dtype']!r}) or tokenizer "
+                        f"({meta['tokenizer']!r:.60}); {again}")
+    return meta
 
 
 def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
@@ -38,7 +52,13 @@ def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> np
     if not path.exists() or path.stat().st_size != expected:
         raise DataError(f"{path} is missing or not {expected} bytes as meta.json says; "
                         f"prepare the dataset again")
-    return np.memmap(path, dtype=dtype, mode="r")
+    data = np.memmap(path, dtype=dtype, mode="r")
+    # an id past the vocabulary would index outside the embedding table mid-training;
+    # one pass over the bins (milliseconds for megabytes) finds it now
+    if len(data) and int(data.max()) >= meta["vocab_size"]:
+        raise DataError(f"{path} holds token id {int(data.max())}, outside the vocabulary of "
+                        f"{meta['vocab_size']} in meta.json; prepare the dataset again")
+    return data
 
 
 def get_batch(data: np.ndarray, block_size: int, batch_size: int,

@@ -1,4 +1,9 @@
-"""Tokenizers round-trip, prepared bins decode back to the source, batches are windows."""
+"""Tokenizers round-trip, prepared bins decode back to the source, batches are windows, and
+damaged prepared data is one clear error."""
+
+import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -91,3 +96,21 @@ def test_builtin_corpus_is_identical_everywhere():
     assert text.startswith("ALL'S WELL THAT ENDS WELL")
     assert sha256_bytes(text.encode()) == (
         "04decea0dd965df5e6cfc4a538b0c62623aaa3bfd848ac7fad6734e59c96624d")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda meta: "{not json", "meta.json is not valid JSON; prepare the dataset again"),
+    (lambda meta: json.dumps({k: v for k, v in meta.items() if k != "dtype"}),
+     "meta.json lacks dtype; prepare the dataset again"),
+    (lambda meta: json.dumps({**meta, "dtype": "float64"}), "names an unknown dtype ('float64')"),
+    (lambda meta: json.dumps({**meta, "tokenizer": {"kind": "sentencepiece"}}),
+     "or tokenizer ({'kind': 'sentencepiece'})"),
+    (lambda meta: json.dumps({**meta, "vocab_size": 3}), "outside the vocabulary of 3"),
+])
+def test_damaged_prepared_data_is_one_clear_error(tmp_path, char_data, damage, message):
+    copy = tmp_path / "copy"
+    shutil.copytree(char_data, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    (copy / "meta.json").write_text(damage(meta))
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_split(copy, "train", load_meta(copy))

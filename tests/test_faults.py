@@ -237,3 +237,11 @@ def test_resume_with_data_of_another_vocabulary_is_refused(tiny_config, tmp_path
                        match="cannot resume: .* was trained with another tokenizer or vocabulary"):
         train(dataclasses.replace(tiny_config, data_dir=str(other), max_iters=10,
                                   sample_tokens=0, log_attention=False), resume=True)
+
+
+def test_resuming_below_the_checkpoints_iteration_says_so(tiny_config):
+    cfg = dataclasses.replace(tiny_config, max_iters=10, eval_interval=10, sample_tokens=0)
+    train(cfg)
+    with pytest.raises(ConfigError, match=r"last.pt is at iter 10, past max_iters \(5\), so "
+                                          r"there is nothing to train; raise --max-iters"):
+        train(dataclasses.replace(cfg, max_iters=5), resume=True)
