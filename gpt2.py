@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from checkpoint import load_checkpoint, model_from_checkpoint
@@ -33,6 +36,7 @@ from storage import fsync_dir, write_bytes_atomic
 # Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+CONFIG_KEYS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 
 
 class GPT2FormatError(ValueError):
@@ -47,7 +51,14 @@ def read_hf_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise GPT2FormatError(f"{folder} has no config.json; point at a Hugging Face GPT-2 folder")
-    hf = json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GPT2FormatError(f"{path} is not valid JSON ({e}); point at a Hugging Face "
+                              f"GPT-2 folder") from None
+    missing = [key for key in CONFIG_KEYS if not isinstance(hf, dict) or key not in hf]
+    if missing:
+        raise GPT2FormatError(f"{path} lacks {', '.join(missing)}; is it a GPT-2 config?")
     # the variants of GPT-2 that compute something model.py does not
     if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
         raise GPT2FormatError(f"{path}: n_inner {hf['n_inner']} is not 4 * n_embd; unsupported")
@@ -64,9 +75,15 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = folder / name
         if path.is_file():
-            if name.endswith(".safetensors"):
-                return load_file(path)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                if name.endswith(".safetensors"):
+                    return load_file(path)
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except (SafetensorError, RuntimeError, OSError, EOFError, pickle.UnpicklingError,
+                    zipfile.BadZipFile) as e:
+                reason = (str(e).splitlines() or [type(e).__name__])[0]
+                raise GPT2FormatError(f"{path} is truncated or not a weights file ({reason}); "
+                                      f"download or export the folder again") from None
     raise GPT2FormatError(f"{folder} has neither {' nor '.join(WEIGHT_FILES)}")
 
 
@@ -76,9 +93,12 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
     from config.json). block_size below n_positions crops the position table."""
     folder = Path(folder)
     hf = read_hf_config(folder)
-    config = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
-                       n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                       dropout=dropout, bias=True)
+    try:
+        config = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
+                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                           dropout=dropout, bias=True)
+    except (TypeError, ValueError) as e:
+        raise GPT2FormatError(f"{folder / 'config.json'}: {e}") from None
     state = {}
     for key, tensor in read_hf_weights(folder).items():
         key = key.removeprefix("transformer.")

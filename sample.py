@@ -168,6 +168,10 @@ def main(
             from tokenizer import GPT2Tokenizer
             model = load_hf_gpt2(init_from).to(device=device, dtype=DTYPES[dtype])
             tokenizer = GPT2Tokenizer()
+            if model.config.vocab_size < tokenizer.vocab_size:
+                raise SampleError(f"{init_from} has a vocabulary of {model.config.vocab_size:,} "
+                                  f"tokens, fewer than GPT-2's {tokenizer.vocab_size:,}: "
+                                  f"--init-from samples with GPT-2's tokenizer only")
         else:
             model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
         text = decode_text(prompt_file.read_bytes(), str(prompt_file)) if prompt_file else prompt

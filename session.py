@@ -59,9 +59,14 @@ def build_model(cfg: TrainConfig, meta: dict) -> GPT:
                           f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
     from gpt2 import GPT2FormatError, load_hf_gpt2
     try:
-        return load_hf_gpt2(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
+        model = load_hf_gpt2(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
     except GPT2FormatError as e:
         raise ConfigError(f"init_from: {e}") from None
+    if model.config.vocab_size < meta["vocab_size"]:
+        raise ConfigError(f"init_from: {cfg.init_from} has a vocabulary of "
+                          f"{model.config.vocab_size:,} tokens, fewer than the "
+                          f"{meta['vocab_size']:,} of {cfg.data_dir}; use a GPT-2 folder")
+    return model
 
 
 def run_dtype(cfg: TrainConfig, device: torch.device, ckpt: dict | None,

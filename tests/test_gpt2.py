@@ -3,12 +3,14 @@ the same logits, the same greedy tokens, and exports that transformers loads."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from data.prepare import prepare
@@ -29,7 +31,10 @@ SHAPES = [
 def hf_model(tmp_path: Path, safe: bool = True, **shape) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape)).eval()
-    model.save_pretrained(tmp_path, safe_serialization=safe)
+    model.save_pretrained(tmp_path)
+    if not safe:  # the older pytorch_model.bin, which transformers 5 no longer writes
+        torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+        (tmp_path / "model.safetensors").unlink()
     return model
 
 
@@ -85,6 +90,40 @@ def test_broken_folders_are_named(tmp_path):
     with pytest.raises(GPT2FormatError, match=r"do not match its config.json: transformer.wte.weight "
                                               r"is \(100, 32\) but config.json implies \(100, 64\)"):
         load_hf_gpt2(tmp_path / "good")
+
+
+@pytest.mark.parametrize("damage, message", [
+    ({"config.json": b"{not json"}, "config.json is not valid JSON"),
+    ({"config.json": b'{"n_layer": 2}'}, "config.json lacks vocab_size, n_positions, n_head, n_embd"),
+    ({"config.json": b'{"vocab_size": 100, "n_positions": 64, "n_layer": 2, "n_head": 3, '
+                     b'"n_embd": 32}'}, "n_embd (32) must be divisible by n_head (3)"),
+    ({"model.safetensors": b"\x00" * 40}, "model.safetensors is truncated or not a weights file"),
+])
+def test_damaged_gpt2_folders_are_one_clear_error(tmp_path, damage, message):
+    hf_model(tmp_path, **SHAPES[0])
+    for name, data in damage.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(GPT2FormatError, match=re.escape(message)):
+        load_hf_gpt2(tmp_path)
+
+
+def test_a_damaged_pytorch_model_bin_is_one_clear_error(tmp_path):
+    hf_model(tmp_path, safe=False, **SHAPES[0])
+    weights = tmp_path / "pytorch_model.bin"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(GPT2FormatError, match="pytorch_model.bin is truncated or not a weights"):
+        load_hf_gpt2(tmp_path)
+
+
+def test_sampling_a_folder_without_gpt2s_vocabulary_is_one_clear_error(tmp_path):
+    hf_model(tmp_path, **SHAPES[0])  # 100 tokens
+    result = subprocess.run([sys.executable, "sample.py", "--init-from", str(tmp_path),
+                             "--prompt", "Hello"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"error: {tmp_path} has a vocabulary of 100 tokens, fewer "
+                                     f"than GPT-2's 50,257: --init-from samples with GPT-2's "
+                                     f"tokenizer only")
 
 
 def test_sample_cli_samples_from_a_gpt2_folder(tmp_path):
