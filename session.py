@@ -12,7 +12,6 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -80,7 +79,7 @@ def run_dtype(cfg: TrainConfig, device: torch.device, ckpt: dict | None,
         if dist.is_main else None, dist)
 
 
-def probe_tokens(cfg: TrainConfig, tokenizer: Any, val: np.ndarray) -> list[int]:
+def probe_tokens(cfg: TrainConfig, tokenizer: Tokenizer, val: np.ndarray) -> list[int]:
     """The token ids whose attention is logged at each evaluation."""
     if not cfg.attention_probe:
         return val[:min(32, cfg.block_size)].tolist()
