@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
+    """Every value of tag, file by file in the order written. TensorBoard reads a folder's
+    files in name order, and in one process within one second writer 10's file sorts
+    before writer 9's: so a run resumed in the same test process would read out of order."""
+    def written(f: Path) -> tuple[int, int]:  # events.out.tfevents.<seconds>.<host>.<pid>.<n>
+        return int(f.name.split(".")[3]), int(f.name.rsplit(".", 1)[1])
+
+    values = []
+    for f in sorted(run_dir.glob("events.out.tfevents.*"), key=written):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values += [(e.step, e.value) for e in acc.Scalars(tag)]
+    return values
 
 
 def test_tiny_model_loss_falls_and_lands_in_tensorboard(tiny_config):
@@ -71,8 +82,9 @@ def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     assert ckpt["tokenizer"]["kind"] == "char"
     model = model_from_checkpoint(ckpt)
     splits = {s: load_split(tiny_config.data_dir, s) for s in ("train", "val")}
+    dtype = getattr(torch, ckpt["dtype"])  # evaluated again in the precision the run used
     losses = estimate_loss(model, splits, tiny_config, torch.device("cpu"),
-                           torch.autocast("cpu", enabled=False))
+                           torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32))
     assert losses["val"] == ckpt["val_loss"] == result.final_losses["val"]
     assert (result.run_dir / "best.pt").is_file()
 
@@ -224,8 +236,9 @@ def test_cli_help_documents_every_config_field():
 def test_cli_trains_and_resumes(tmp_path, char_data):
     common = ("--config", str(REPO / "config" / "tiny.toml"), "--data-dir", str(char_data),
               "--out-dir", str(tmp_path), "--max-iters", "10", "--eval-interval", "5")
-    first = run_cli(*common)
+    first = run_cli(*common, "--dtype", "auto")
     assert first.returncode == 0, first.stderr
+    assert re.search(r"^dtype (float32|bfloat16) \(auto: ", first.stdout, re.MULTILINE)
     assert "best val loss" in first.stdout and (tmp_path / "tiny" / "best.pt").is_file()
     resumed = run_cli(*common[:-4], "--max-iters", "15", "--eval-interval", "5", "--resume")
     assert resumed.returncode == 0, resumed.stderr
