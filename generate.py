@@ -150,6 +150,17 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
 
 # --- prefill, decode and the context window ----------------------------------------------
 
+def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The window idx (B, T) in one pass at positions 0..T-1, filling the cache; the last
+    token's logits (B, 1, vocab_size). A step that can prefill (the C step) takes windows up
+    to its `prefills` tokens, reading each weight once for all of them; the model's matrix
+    products take longer ones."""
+    T = idx.size(1)
+    if T <= getattr(step, "prefills", 0):
+        return step(idx, cache, torch.arange(T, device=idx.device))
+    return model(idx, kv_cache=cache, last_only=True)[0]
+
+
 @torch.inference_mode()
 def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
@@ -188,8 +199,8 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
             fresh = True
         if cache is None:
             logits, _ = model(seq[:, start:n], last_only=True)
-        elif fresh:  # prefill: the whole window in one pass, at positions 0..
-            logits, _ = model(seq[:, start:n], kv_cache=cache, last_only=True)
+        elif fresh:
+            logits = prefill(model, step, seq[:, start:n], cache)
             fresh = False
         else:  # decode: only the newest token, attending over the cache
             input_pos = torch.tensor([n - 1 - start], device=idx.device)

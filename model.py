@@ -262,9 +262,10 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device, in the dtype its keys and values come out
-        in: the weights' dtype, or the autocast dtype when autocast is on (as it is when a
-        bf16 training run samples at an evaluation)."""
-        p = self.lm_head.weight
+        in: that of the float weights (the position table: quantize.py's int8 models keep it
+        in float), or the autocast dtype when autocast is on (as it is when a bf16 training
+        run samples at an evaluation)."""
+        p = self.transformer.wpe.weight
         dtype = p.dtype
         if torch.is_autocast_enabled(p.device.type):
             dtype = torch.get_autocast_dtype(p.device.type)

@@ -8,7 +8,8 @@ Usage:
 Batch 1, greedy, an 8-token prompt. The rows: the default path (decode="auto", labelled
 with what it chose), the eager cached step, the compiled or C step when --decode names
 it, the uncached path, and transformers' generate on the same weights when transformers
-is installed (up to block_size tokens: its position table ends there). For every length
+is installed (up to block_size tokens: its position table ends there; not for int8, which
+it cannot load). For every length
 and path: one warm-up, then the median of `repeats` timed runs. Every row says whether
 its greedy tokens are identical to the uncached path's. Memory is the peak while a path runs:
 allocated tensors on CUDA, the resident size of the whole process on the CPU (weights
@@ -33,7 +34,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from generate import DecodeStep, decode_step, stream
 from model import GPT, GPTConfig
 from perf import memory_mb, reset_peak_memory, sync
-from precision import DTYPES
+from quantize import cast_weights, weight_bytes
 
 PROMPT_LEN = 8
 Tokens = Callable[[torch.Tensor, int], list[int]]  # (prompt, n_new) -> the new token ids
@@ -104,14 +105,16 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     else:
         model = model_from_checkpoint(load_checkpoint(checkpoint))
         source = str(checkpoint)
-    model = model.to(device=device, dtype=DTYPES[dtype])
+    n_params = model.num_params()  # before int8 turns the matrices into buffers
+    model = cast_weights(model.to(device), dtype)
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN),
                            generator=torch.Generator().manual_seed(0)).to(device)
-    weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    weights_mb = weight_bytes(model) / 1e6
     cfg = model.config
-    cache_mb = 2 * cfg.n_layer * cfg.block_size * cfg.n_embd * DTYPES[dtype].itemsize / 1e6
+    cache = model.new_kv_cache(1, 1)  # its dtype: int8 models keep their cache in float32
+    cache_mb = 2 * cfg.n_layer * cfg.block_size * cfg.n_embd * cache.k[0].itemsize / 1e6
     # a generation's cache holds the power of two above its length, at most block_size slots
-    print(f"{source}: {model.num_params() / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
+    print(f"{source}: {n_params / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
           f"weights, KV cache at most {cache_mb:.1f} MB, block_size {cfg.block_size}, {dtype}, "
           f"{device}, {torch.get_num_threads()} threads")
 
@@ -133,7 +136,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     if decode == "c" and chosen != "C step":
         paths["C step"] = ours(model, decode_step(model, "c"))
     paths["uncached"] = ours(model, None)
-    theirs = transformers_generate(model)
+    theirs = transformers_generate(model) if dtype != "int8" else None
 
     print(f"{'new tokens':>10} {'path':>18} {'tokens/s':>9} {'vs uncached':>11} "
           f"{'peak MB':>8} {'growth MB':>10} {'identical':>9}")

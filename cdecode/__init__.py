@@ -33,7 +33,10 @@ from precision import cpu_identity
 from storage import cache_dir, write_bytes_atomic
 
 SOURCE = Path(__file__).with_name("decode_step.c")
-WEIGHT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}
+# the weight dtypes the step runs, and the define that builds decode_step.c for each; for
+# int8 (quantize.py) the matrices are int8 and the rest of the model float32
+WEIGHT_DEFINES = {torch.float32: [], torch.bfloat16: ["-DWEIGHT_BF16"],
+                  torch.int8: ["-DWEIGHT_INT8"]}
 
 
 class BuildError(RuntimeError):
@@ -57,10 +60,7 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
     march: the instruction set to build for, as gcc's -march names it; "native" is this CPU.
     """
     cc = compiler()
-    defines = [f"-DWEIGHT={WEIGHT_TYPES[dtype]}"]
-    if dtype == torch.bfloat16:
-        defines.append("-DWEIGHT_BF16")
-    base = ["-O3", "-shared", "-fPIC", *defines]
+    base = ["-O3", "-shared", "-fPIC", *WEIGHT_DEFINES[dtype]]
     # the library is built on the machine that runs it, so it may use all of this CPU,
     # and full-width AVX-512 in the loops left to the compiler (attention, LayerNorm)
     arch = [f"-march={march}"]
@@ -98,10 +98,10 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
               f"than it could", file=sys.stderr)
     lib = ctypes.CDLL(str(out))
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
-    # the C signature: logits, tokens, pos, wte, wpe, blocks, ln_f_w, ln_f_b, k_cache,
-    # v_cache, work, B, n_layer, n_head, n_embd, vocab_size, max_len, n_threads
-    lib.decode_step.argtypes = [ptr, ptr, i32, ptr, ptr, ptrs, ptr, ptr, ptrs, ptrs, ptr,
-                                *[i32] * 7]
+    # the C signature: logits, tokens, pos, T, wte, wte_scales, wpe, blocks, ln_f_w, ln_f_b,
+    # k_cache, v_cache, work, B, n_layer, n_head, n_embd, vocab_size, max_len, n_threads
+    lib.decode_step.argtypes = [ptr, ptr, i32, i32, ptr, ptr, ptr, ptrs, ptr, ptr, ptrs, ptrs,
+                                ptr, *[i32] * 7]
     lib.decode_step.restype = None
     return lib
 
@@ -125,51 +125,80 @@ def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
 
 class CDecodeStep:
     """generate.py's DecodeStep in C: (B, 1) tokens, a KVCache and a one-element input_pos
-    in; (B, 1, vocab_size) logits out."""
+    in; (B, 1, vocab_size) logits out.
+
+    It also prefills: (B, T) tokens at consecutive positions input_pos (T,) in one call,
+    with the logits of the last. Each weight is then read once for all B * T tokens, so a
+    short window costs little more than one step; past `prefills` tokens, PyTorch's matrix
+    products are faster, and generate.py prefills with the model instead.
+    """
+
+    # the longest window this step prefills, per weight dtype: where it stops beating the
+    # model's forward, measured at the baby GPT and GPT-2 shapes (docs/decoding.md). int8's
+    # forward dequantizes every matrix first, so the C step wins longer there.
+    PREFILL_TOKENS = {torch.float32: 16, torch.bfloat16: 8, torch.int8: 64}
 
     def __init__(self, model: GPT, march: str = "native") -> None:
-        params = dict(model.named_parameters(remove_duplicate=False))  # wte is also lm_head
+        # wte is also lm_head; an int8 model (quantize.py) keeps its matrices in buffers
+        params = {**dict(model.named_parameters(remove_duplicate=False)),
+                  **dict(model.named_buffers(remove_duplicate=False))}
         self.wte = params["transformer.wte.weight"]
-        if self.wte.device.type != "cpu" or self.wte.dtype not in WEIGHT_TYPES:
-            raise BuildError(f"the C decode step runs float32 or bfloat16 weights on the CPU, "
-                             f"not {str(self.wte.dtype).removeprefix('torch.')} on "
+        if self.wte.device.type != "cpu" or self.wte.dtype not in WEIGHT_DEFINES:
+            raise BuildError(f"the C decode step runs float32, bfloat16 or int8 weights on the "
+                             f"CPU, not {str(self.wte.dtype).removeprefix('torch.')} on "
                              f"{self.wte.device.type}; choose --decode eager or compile")
         self.config = model.config
-        self.dtype = self.wte.dtype
-        self.lib = build(self.dtype, march)
+        self.lib = build(self.wte.dtype, march)
+        self.prefills = self.PREFILL_TOKENS[self.wte.dtype]
         # the C function gets only addresses: these references keep the tensors alive
+        self.wte_scales = params.get("transformer.wte.scales")  # None unless int8
         self.wpe = params["transformer.wpe.weight"]
         self.ln_f_w = params["transformer.ln_f.weight"]
         self.ln_f_b = params.get("transformer.ln_f.bias")  # None in a model without biases
         names = block_param_names(self.lib)
         self.block_params = [params.get(f"transformer.h.{i}.{name}")
                              for i in range(self.config.n_layer) for name in names]
-        tensors = [self.wte, self.wpe, self.ln_f_w, self.ln_f_b, *self.block_params]
-        if not all(t.is_contiguous() and t.dtype == self.dtype
-                   for t in tensors if t is not None):
-            raise BuildError("the C decode step needs contiguous parameters of one dtype")
+        # what decode_step.c's types say each tensor holds: matrices (weight_t) in the weight
+        # dtype, their row scales in float32, the rest (param_t) and the cache in float32
+        # for int8 matrices and in the weight dtype otherwise
+        matrix = self.wte.dtype
+        self.dtype = torch.float32 if matrix == torch.int8 else matrix  # param_t
+        matrices = {name.replace(".scales", ".weight") for name in names
+                    if name.endswith(".scales")}
+        expected = [(self.wte, matrix), (self.wte_scales, torch.float32),
+                    (self.wpe, self.dtype), (self.ln_f_w, self.dtype), (self.ln_f_b, self.dtype)]
+        expected += [(t, matrix if name in matrices else
+                      torch.float32 if name.endswith(".scales") else self.dtype)
+                     for t, name in zip(self.block_params, names * self.config.n_layer, strict=True)]
+        if not all(t.is_contiguous() and t.dtype == dtype
+                   for t, dtype in expected if t is not None):
+            raise BuildError("the C decode step needs contiguous parameters of one dtype, "
+                             "or quantize.py's int8 matrices with the rest in float32")
         self.blocks = pointers(self.block_params)
         self.work = torch.empty(0)  # scratch, sized for the cache in use (see __call__)
 
     def __call__(self, idx: torch.Tensor, kv_cache: KVCache,
                  input_pos: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        B = idx.size(0)
-        pos = input_pos.item()
+        B, T = idx.size()
+        positions = input_pos.tolist()
+        pos, end = positions[0], positions[0] + T
         max_len = kv_cache.k[0].size(2)
         # C does not check bounds: refuse here what would read or write outside a tensor
-        tokens = idx.reshape(B).to(torch.int64).contiguous()
-        ids = tokens.tolist()
-        if not (0 <= pos < max_len and 0 <= min(ids) and max(ids) < cfg.vocab_size):
-            raise IndexError(f"position {pos} or a token of {ids} is out of range")
+        tokens = idx.to(torch.int64).contiguous()
+        ids = tokens.flatten().tolist()
+        if not (0 <= pos and end <= max_len and positions == list(range(pos, end))
+                and 0 <= min(ids) and max(ids) < cfg.vocab_size):
+            raise IndexError(f"positions {pos}..{end - 1} or a token of {ids} is out of range")
         if kv_cache.k[0].dtype != self.dtype or kv_cache.k[0].size(0) != B:
             raise ValueError("the cache's dtype or batch size differs from the step's")
-        work_size = B * (9 * cfg.n_embd + cfg.n_head * max_len)
-        if self.work.numel() != work_size:  # a new cache shape: allocate once for it
+        work_size = B * T * (9 * cfg.n_embd + cfg.n_head * max_len)
+        if self.work.numel() < work_size:  # a longer prefill or cache: grow once for it
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         self.lib.decode_step(
-            address(logits), address(tokens), pos, address(self.wte), address(self.wpe),
+            address(logits), address(tokens), pos, T, address(self.wte),
+            address(self.wte_scales), address(self.wpe),
             self.blocks, address(self.ln_f_w), address(self.ln_f_b),
             pointers(kv_cache.k), pointers(kv_cache.v),
             address(self.work), B, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size,

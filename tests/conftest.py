@@ -1,6 +1,8 @@
 """Shared fixtures: a small real corpus on disk, prepared into char-level bins."""
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,16 @@ def char_data(tmp_path_factory, corpus_file) -> Path:
     out = tmp_path_factory.mktemp("data") / "plays_char"
     prepare(corpus_file.read_text(), "char", out, source=str(corpus_file))
     return out
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, char_data) -> Path:
+    """A tiny model trained for 20 iterations by the real train.py: runs/tiny with best.pt."""
+    out = tmp_path_factory.mktemp("runs")
+    subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml"),
+                    "--data-dir", str(char_data), "--out-dir", str(out), "--max-iters", "20"],
+                   check=True, capture_output=True, cwd=REPO)
+    return out / "tiny"
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from cdecode import BuildError, CDecodeStep, block_param_names, build
 from generate import decode_step, generate, stream
 from model import GPT, GPTConfig
 from precision import cpu_flags
+from quantize import quantize_int8
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,6 +64,20 @@ def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias, march):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_c_prefill_fills_the_cache_and_gives_the_logits_eager_does(quantized):
+    model = small_gpt()
+    model = quantize_int8(model) if quantized else model
+    prompt = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(5))
+    c_cache, eager_cache = model.new_kv_cache(2, 16), model.new_kv_cache(2, 16)
+    with torch.inference_mode():
+        c = CDecodeStep(model)(prompt, c_cache, torch.arange(11))
+        eager, _ = model(prompt, kv_cache=eager_cache, last_only=True)
+    torch.testing.assert_close(c, eager, rtol=0, atol=1e-4)
+    for a, b in zip(c_cache.k + c_cache.v, eager_cache.k + eager_cache.v, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_c_step_greedy_tokens_equal_eager_for_a_batch():
     model = small_gpt()
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
@@ -81,13 +96,26 @@ def test_c_step_bf16_matches_eager_to_bf16_rounding(march):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_c_step_int8_equals_the_int8_torch_path(bias, march):
+    # the same int8 weights and scales on both sides, activations in float32 on both
+    model = quantize_int8(small_gpt(bias=bias))
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(4))
+    eager = decode_logits(model, prompt, 40)
+    c = decode_logits(model, prompt, 40, CDecodeStep(model, march))
+    assert len(c) == len(eager) == 35
+    for step, (a, b) in enumerate(zip(c, eager, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"step {step}")
+
+
 def test_c_step_refuses_what_it_cannot_run():
-    with pytest.raises(BuildError, match="float32 or bfloat16 weights on the CPU, not float16"):
+    with pytest.raises(BuildError, match="float32, bfloat16 or int8 weights on the CPU, not float16"):
         CDecodeStep(small_gpt().half())
     model = small_gpt()
     step = CDecodeStep(model)
     cache = model.new_kv_cache(1, 8)
-    with pytest.raises(IndexError, match="position 8 or a token"):  # past the cache's 8 slots
+    with pytest.raises(IndexError, match=r"positions 8\.\.8 or a token"):  # past the cache's 8 slots
         step(torch.tensor([[1]]), cache, torch.tensor([8]))
     with pytest.raises(IndexError, match=r"a token of \[40\]"):  # outside the vocabulary
         step(torch.tensor([[40]]), cache, torch.tensor([0]))
@@ -95,10 +123,15 @@ def test_c_step_refuses_what_it_cannot_run():
 
 def test_the_block_parameter_list_comes_from_the_c_source():
     names = block_param_names(build(torch.float32))
-    assert names[:2] == ["ln_1.weight", "ln_1.bias"] and len(names) == 12
-    model_names = {n.removeprefix("transformer.h.0.") for n, _ in small_gpt().named_parameters()
-                   if n.startswith("transformer.h.0.")}
-    assert set(names) == model_names
+    assert names[:2] == ["ln_1.weight", "ln_1.bias"] and len(names) == 16
+
+    def block_tensors(model: GPT) -> set[str]:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {n.removeprefix("transformer.h.0.") for n, _ in tensors
+                if n.startswith("transformer.h.0.")}
+    # a float block lacks only the int8 row scales; an int8 one has every name
+    assert set(names) - block_tensors(small_gpt()) == {n for n in names if n.endswith(".scales")}
+    assert set(names) == block_tensors(quantize_int8(small_gpt()))
 
 
 def test_without_a_compiler_the_cli_says_so(tmp_path):
