@@ -21,44 +21,18 @@ import torch
 import typer
 
 from cdecode import BuildError
-from checkpoint import load_checkpoint, model_from_checkpoint
 from data.sources import decode_text
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
+from loading import load_model, resolve_checkpoint
 from model import GPT
-from precision import DTYPES, resolve_device
-from tokenizer import Tokenizer, load_tokenizer
+from precision import resolve_device
+from quantize import WEIGHT_DTYPES
+from storage import probe_writable
+from tokenizer import Tokenizer
 
 
 class SampleError(ValueError):
     """Input that sampling cannot use; the message says what to change."""
-
-
-def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs") -> Path:
-    """--checkpoint as given; else best.pt of --run; else best.pt of the newest run."""
-    if checkpoint:
-        return Path(checkpoint)
-    if run:
-        folder = Path(run)
-        if not folder.exists() and len(folder.parts) == 1:
-            folder = Path(out_dir) / run  # a bare run name, e.g. --run quickstart
-        path = folder / "best.pt"
-        if not path.is_file():  # most likely a mistyped run name: offer its neighbours
-            runs = ", ".join(str(p.parent) for p in sorted(folder.parent.glob("*/best.pt")))
-            raise SampleError(f"no checkpoint at {path}; runs in {folder.parent}/ that "
-                              f"have one: {runs or 'none'}")
-        return path
-    candidates = sorted(Path(out_dir).glob("*/best.pt"), key=lambda p: p.stat().st_mtime)
-    if not candidates:
-        raise SampleError(f"no checkpoint found under {out_dir}/; train first "
-                          f"(python train.py --config config/quickstart.toml) or pass --checkpoint")
-    return candidates[-1]
-
-
-def load_model(path: Path, device: str, dtype: str) -> tuple[GPT, Tokenizer]:
-    """The checkpoint's model on `device` with weights in `dtype`, and its tokenizer."""
-    ckpt = load_checkpoint(path, map_location="cpu")
-    model = model_from_checkpoint(ckpt).to(device=device, dtype=DTYPES[dtype])
-    return model, load_tokenizer(ckpt["tokenizer"])
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -77,13 +51,27 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return [0]
 
 
+def attention_target(path: str) -> Path:
+    """Where --attention PATH writes PATH.html and PATH.png: inside PATH when it is a folder
+    or ends with a slash (as attention.html and .png), beside it otherwise. The folder is
+    made and tried now, so a path that cannot be written fails before sampling, not after."""
+    target = Path(path)
+    if path.endswith(("/", "\\")) or target.is_dir():
+        target = target / "attention"
+    try:
+        probe_writable(target.parent)
+    except OSError as e:
+        raise SampleError(f"--attention cannot write to {target.parent} ({e.strerror}); "
+                          f"choose another path") from None
+    return target
+
+
 def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path) -> None:
     """PATH.html and PATH.png for the last block_size tokens of `ids`."""
     from attention import attention_maps, token_labels, write_html, write_png
     ids = ids[-model.config.block_size:]
     maps = attention_maps(model.float(), ids)
     labels = token_labels(tokenizer, ids)
-    path.parent.mkdir(parents=True, exist_ok=True)
     html = write_html(maps, labels, path.with_suffix(".html"))
     png = write_png(maps, labels, path.with_suffix(".png"))
     print(f"attention: {html} and {png}", file=sys.stderr)
@@ -94,8 +82,8 @@ def main(
     prompt_file: Annotated[Path | None, typer.Option(
         exists=True, dir_okay=False, help="Read the prompt from this file instead.")] = None,
     run: Annotated[str | None, typer.Option(
-        help="Run folder, or run name under runs/, whose best.pt to load; default: the "
-             "newest run.")] = None,
+        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to load; "
+             "default: the newest run.")] = None,
     checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file to load.")] = None,
     init_from: Annotated[str | None, typer.Option(
         help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
@@ -111,7 +99,9 @@ def main(
              "found even across tokens.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        help="Weights dtype: float32, bfloat16, float16, or int8 (weight-only: int8 matrices "
+             "with a scale per row, float activations; see quantize.py).")] = "float32",
     kv_cache: Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")] = True,
     decode: Annotated[str, typer.Option(
@@ -120,10 +110,11 @@ def main(
              "CPU) or c (cdecode/decode_step.c, built by the system C compiler). With "
              "--benchmark, compile or c adds that row.")] = "auto",
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
-    attention: Annotated[Path | None, typer.Option(
+    attention: Annotated[str | None, typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
              "heatmaps): the attention of every layer and head over the prompt and the "
-             "first sample (its last block_size tokens).")] = None,
+             "first sample (its last block_size tokens). A folder gets attention.html and "
+             ".png inside it.")] = None,
     benchmark: Annotated[bool, typer.Option(
         help="Measure cached vs uncached decoding speed instead of sampling.")] = False,
     preset: Annotated[str | None, typer.Option(
@@ -142,8 +133,8 @@ def main(
     both give the same text.
     """
     try:
-        if dtype not in DTYPES:
-            raise SampleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if dtype not in WEIGHT_DTYPES:
+            raise SampleError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         check_sampling(temperature, top_k, top_p)
         if decode not in DECODE_BACKENDS:
@@ -163,21 +154,13 @@ def main(
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
                           json_path, decode)
             return
-        if init_from:
-            from gpt2 import load_hf_gpt2
-            from tokenizer import GPT2Tokenizer
-            model = load_hf_gpt2(init_from).to(device=device, dtype=DTYPES[dtype])
-            tokenizer = GPT2Tokenizer()
-            if model.config.vocab_size < tokenizer.vocab_size:
-                raise SampleError(f"{init_from} has a vocabulary of {model.config.vocab_size:,} "
-                                  f"tokens, fewer than GPT-2's {tokenizer.vocab_size:,}: "
-                                  f"--init-from samples with GPT-2's tokenizer only")
-        else:
-            model, tokenizer = load_model(resolve_checkpoint(run, checkpoint), device, dtype)
+        model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
+        # checked before sampling, after loading: a failed load leaves no folder behind
+        attention_path = attention_target(attention) if attention is not None else None
         text = decode_text(prompt_file.read_bytes(), str(prompt_file)) if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
-    # SampleError, CheckpointError, the model's sampling checks, and a C step that cannot build
+    # SampleError, LoadError, CheckpointError, the sampling checks, a C step that cannot build
     except (ValueError, BuildError) as e:
         if debug:
             raise
@@ -202,8 +185,8 @@ def main(
         sys.stdout.write("\n" if i == num_samples - 1 else "\n---------------\n")
         first_sample = first_sample or "".join(generated)
     sys.stdout.flush()
-    if attention is not None:
-        write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention)
+    if attention_path is not None:
+        write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""Score a model on any text: mean loss, perplexity and bits per character.
+
+Usage:
+    python evaluate.py --input play.txt                          # best.pt of the newest run
+    python evaluate.py --input texts/ --run quickstart --dtype int8 --json scores.json
+    python evaluate.py --input play.txt --init-from path/to/gpt2 --stride 512
+
+A text longer than the model's window is scored with a sliding window, the rule of
+transformers' perplexity guide: windows of block_size tokens start every `stride` tokens
+(block_size // 2 by default), and each token after the first is scored once, in the first
+window that reaches it, with the context that window gives it. A smaller stride gives
+more context per token, and costs block_size / stride forward tokens per scored token.
+
+The loss is in nats per predicted token, and depends on the tokenizer; bits per character
+(the summed loss in bits over the characters of the predicted tokens) does not, so a
+character model and GPT-2 can be compared on the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from data.sources import read_text
+from loading import load_model
+from model import GPT
+from precision import resolve_device
+from storage import write_bytes_atomic
+from tokenizer import Tokenizer
+
+
+@dataclass
+class Scores:
+    loss: float  # mean nats per predicted token
+    perplexity: float
+    bits_per_char: float
+    tokens: int  # predicted (scored) tokens
+    chars: int  # characters of the predicted tokens
+    windows: int
+    forward_tokens: int  # tokens the model ran: about block_size / stride per scored token
+    seconds: float
+
+
+def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, int, int]]:
+    """(begin, end, first) for each window ids[begin:end]: it predicts tokens first..end-1,
+    those no earlier window predicted."""
+    scored_to = 1  # token 0 has no context, so no window predicts it
+    for begin in range(0, max(n_tokens - 1, 1), stride):
+        end = min(begin + block_size, n_tokens)
+        yield begin, end, scored_to
+        scored_to = end
+        if end == n_tokens:
+            return
+
+
+def check_stride(stride: int | None, block_size: int) -> int:
+    """The stride to use: block_size // 2 by default; refuse one that leaves tokens unscored."""
+    stride = stride or max(block_size // 2, 1)
+    if not 1 <= stride < block_size:
+        raise ValueError(f"stride must be at least 1 and below block_size ({block_size}), so "
+                         f"that windows overlap and no token goes unscored; got {stride}")
+    return stride
+
+
+@torch.inference_mode()
+def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = None,
+             batch_size: int = 8, progress: bool = False) -> Scores:
+    """Score `text` with `model` (see the module docstring). Windows of equal length run in
+    batches of batch_size."""
+    block_size = model.config.block_size
+    stride = check_stride(stride, block_size)
+    ids = tokenizer.encode(text)
+    if len(ids) < 2:
+        raise ValueError(f"the text is {len(ids)} token(s) long; scoring needs at least 2")
+    device = model.transformer.wpe.weight.device
+    tokens = torch.tensor(ids, device=device)
+    spans = list(windows(len(ids), block_size, stride))
+    # windows with the same length batch together: all but the last one or two are full
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for span in spans:
+        by_length.setdefault(span[1] - span[0], []).append(span)
+    batches = [group[i:i + batch_size] for group in by_length.values()
+               for i in range(0, len(group), batch_size)]
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    t0 = time.perf_counter()
+    # disable=None: a bar on a terminal only, as in training, no carriage returns in logs
+    for batch in tqdm(batches, desc="evaluating", unit="batch",
+                      disable=None if progress else True, dynamic_ncols=True, leave=False):
+        x = torch.stack([tokens[begin:end - 1] for begin, end, _ in batch])
+        y = torch.stack([tokens[begin + 1:end] for begin, end, _ in batch])
+        # predictions of tokens an earlier window scored are left out (-1 is ignored)
+        position = torch.arange(1, y.size(1) + 1, device=device)
+        first = torch.tensor([first - begin for begin, _, first in batch], device=device)
+        y = y.masked_fill(position < first[:, None], -1)
+        logits, _ = model(x)
+        nll += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,
+                               reduction="sum").double()
+    seconds = time.perf_counter() - t0
+    nll_total = nll.item()
+    n_scored = len(ids) - 1
+    chars = len(text) - len(tokenizer.decode(ids[:1]))  # the first token is not predicted
+    loss = nll_total / n_scored
+    return Scores(loss=loss, perplexity=math.exp(loss),
+                  bits_per_char=nll_total / math.log(2) / max(chars, 1), tokens=n_scored,
+                  chars=chars, windows=len(spans),
+                  forward_tokens=sum(end - 1 - begin for begin, end, _ in spans), seconds=seconds)
+
+
+def main(
+    input: Annotated[Path, typer.Option(
+        "--input", help="A UTF-8 text file, or a folder of .txt files (read in path order, "
+                        "joined by blank lines).")],
+    run: Annotated[str | None, typer.Option(
+        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to score; "
+             "default: the newest run.")] = None,
+    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file to score.")] = None,
+    init_from: Annotated[str | None, typer.Option(
+        help="Score a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
+    dtype: Annotated[str, typer.Option(
+        help="Weights dtype: float32, bfloat16, float16 or int8 (weight-only, see "
+             "quantize.py).")] = "float32",
+    stride: Annotated[int | None, typer.Option(
+        help="Tokens between window starts; default block_size // 2.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 8,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")] = "cpu",
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Also write the scores to this JSON file.")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
+) -> None:
+    """Score a model on a text: loss per token, perplexity and bits per character."""
+    try:
+        if json_path is not None:  # checked now, not after the evaluation
+            if json_path.is_dir():
+                raise ValueError(f"--json {json_path} is a folder; give a file name")
+            if not (json_path.parent.is_dir() and os.access(json_path.parent, os.W_OK)):
+                raise ValueError(f"--json {json_path}: {json_path.parent} is not a folder "
+                                 f"this process can write to; choose another path")
+        device = str(resolve_device(device))
+        text = read_text(input)
+        model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+        stride = check_stride(stride, model.config.block_size)
+        try:
+            scores = evaluate(model, tokenizer, text, stride, batch_size, progress=True)
+        except ValueError as e:  # text outside a character vocabulary, or too short
+            raise ValueError(f"{input}: {e}") from None
+        if json_path is not None:
+            record = {**asdict(scores), "input": str(input), "model": source, "dtype": dtype,
+                      "block_size": model.config.block_size, "stride": stride}
+            try:
+                write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
+            except OSError as e:
+                raise ValueError(f"cannot write --json {json_path} ({e.strerror}); choose "
+                                 f"another path") from None
+    # DataError, LoadError, CheckpointError, GPT2FormatError, DeviceError and our checks
+    except ValueError as e:
+        if debug:
+            raise
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    print(f"{source} ({dtype}) on {input}: {scores.tokens:,} tokens, {scores.chars:,} characters, "
+          f"{scores.windows:,} windows")
+    print(f"loss {scores.loss:.4f} nats/token   perplexity {scores.perplexity:.3f}   "
+          f"{scores.bits_per_char:.4f} bits/char   "
+          f"({scores.tokens / scores.seconds:,.0f} tokens/s)")
+    if json_path is not None:
+        print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

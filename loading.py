@@ -1,0 +1,83 @@
+"""A model to run, and its tokenizer: from a run folder, a checkpoint or a Hugging Face GPT-2
+folder, in the weight dtype asked for. Shared by sample.py and evaluate.py.
+
+Usage:
+    from loading import load_model
+    model, tokenizer, source = load_model(run="quickstart", device="cpu", dtype="int8")
+    model, tokenizer, source = load_model(init_from="path/to/gpt2")  # config.json + weights
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from checkpoint import load_checkpoint, model_from_checkpoint
+from model import GPT
+from quantize import WEIGHT_DTYPES, cast_weights
+from tokenizer import Tokenizer, load_tokenizer
+
+
+class LoadError(ValueError):
+    """No model where the user pointed; the message says what is there and what to do."""
+
+
+def run_checkpoint(folder: Path) -> Path | None:
+    """best.pt of a run folder; else last.pt (a run stopped before its first evaluation has
+    only that), saying so on stderr; else None."""
+    best, last = folder / "best.pt", folder / "last.pt"
+    if best.is_file():
+        return best
+    if last.is_file():
+        print(f"note: {folder} has no best.pt yet (it stopped before its first evaluation); "
+              f"using its last.pt", file=sys.stderr)
+        return last
+    return None
+
+
+def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs") -> Path:
+    """--checkpoint as given; else the checkpoint of --run; else that of the newest run
+    (the run whose checkpoint was written last)."""
+    if checkpoint:
+        return Path(checkpoint)
+    if run:
+        folder = Path(run)
+        if not folder.exists() and len(folder.parts) == 1:
+            folder = Path(out_dir) / run  # a bare run name, e.g. --run quickstart
+        path = run_checkpoint(folder)
+        if path is None:  # most likely a mistyped run name: offer its neighbours
+            runs = sorted({str(p.parent) for name in ("best.pt", "last.pt")
+                           for p in folder.parent.glob(f"*/{name}")})
+            raise LoadError(f"no checkpoint (best.pt or last.pt) in {folder}; runs in "
+                            f"{folder.parent}/ that have one: {', '.join(runs) or 'none'}")
+        return path
+    written = [p for name in ("best.pt", "last.pt") for p in Path(out_dir).glob(f"*/{name}")]
+    if not written:
+        raise LoadError(f"no checkpoint found under {out_dir}/; train first "
+                        f"(python train.py --config config/quickstart.toml) or pass --checkpoint")
+    newest = max(written, key=lambda p: p.stat().st_mtime).parent
+    return run_checkpoint(newest)
+
+
+def load_model(run: str | None = None, checkpoint: str | None = None,
+               init_from: str | None = None, device: str = "cpu",
+               dtype: str = "float32") -> tuple[GPT, Tokenizer, str]:
+    """The model on `device` with weights in `dtype` (see quantize.WEIGHT_DTYPES), in eval
+    mode, its tokenizer, and where it came from. init_from wins over run and checkpoint."""
+    if dtype not in WEIGHT_DTYPES:
+        raise LoadError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    if init_from:
+        from gpt2 import load_hf_gpt2
+        from tokenizer import GPT2Tokenizer
+        model, source = load_hf_gpt2(init_from), init_from
+        tokenizer = GPT2Tokenizer()
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise LoadError(f"{init_from} has a vocabulary of {model.config.vocab_size:,} "
+                            f"tokens, fewer than GPT-2's {tokenizer.vocab_size:,}: a Hugging "
+                            f"Face folder is read with GPT-2's tokenizer only")
+    else:
+        path = resolve_checkpoint(run, checkpoint)
+        ckpt = load_checkpoint(path, map_location="cpu")
+        model, source = model_from_checkpoint(ckpt), str(path)
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+    return cast_weights(model.to(device).eval(), dtype), tokenizer, source

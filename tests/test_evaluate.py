@@ -1,0 +1,100 @@
+"""evaluate.py scores text as transformers' perplexity guide does, and its command line
+writes what it prints and refuses what it cannot score."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from evaluate import evaluate, windows
+from loading import load_model
+from tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")  # test-only dependency
+REPO = Path(__file__).resolve().parent.parent
+TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
+        "the slings and arrows of outrageous fortune, or to take arms against a sea of "
+        "troubles, and by opposing end them? To die: to sleep; no more; and by a sleep to say "
+        "we end the heart-ache and the thousand natural shocks that flesh is heir to, 'tis a "
+        "consummation devoutly to be wish'd.")
+
+
+def test_every_token_after_the_first_is_scored_exactly_once():
+    for n, block, stride in [(10, 4, 2), (100, 32, 16), (33, 32, 31), (5, 8, 4), (2, 8, 4)]:
+        scored = [t for _, end, first in windows(n, block, stride) for t in range(first, end)]
+        assert scored == list(range(1, n))
+        assert all(end - begin <= block for begin, end, _ in windows(n, block, stride))
+
+
+def transformers_loss(model, ids: list[int], block: int, stride: int) -> float:
+    """The sliding-window loop of transformers' perplexity guide: labels of tokens an
+    earlier window scored are -100, and the model shifts labels by one itself."""
+    nll, count, scored_to = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + block, len(ids))
+        inputs = torch.tensor([ids[begin:end]])
+        labels = inputs.clone()
+        labels[:, :-(end - scored_to)] = -100
+        with torch.no_grad():
+            loss = model(inputs, labels=labels).loss.item()
+        n = (labels[:, 1:] != -100).sum().item()
+        nll, count, scored_to = nll + loss * n, count + n, end
+        if end == len(ids):
+            break
+    return nll / count
+
+
+@pytest.mark.parametrize("words", [12, 400])  # shorter than the window; several windows
+def test_loss_equals_transformers_with_the_same_windows(tmp_path, words):
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)).eval()
+    hf.save_pretrained(tmp_path)
+    model, tokenizer, _ = load_model(init_from=str(tmp_path))
+    text = " ".join((TEXT.split() * 4)[:words])
+    ids = tokenizer.encode(text)
+    assert (len(ids) < 32) == (words == 12)
+    scores = evaluate(model, tokenizer, text, batch_size=3)
+    assert scores.tokens == len(ids) - 1
+    assert abs(scores.loss - transformers_loss(hf, ids, 32, 16)) < 1e-4
+    assert scores.perplexity == pytest.approx(math.exp(scores.loss))
+    first = len(tokenizer.decode(ids[:1]))
+    assert scores.bits_per_char == pytest.approx(
+        scores.loss * scores.tokens / math.log(2) / (len(text) - first))
+
+
+def run_evaluate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_writes_the_scores_it_prints_and_int8_costs_little(trained_run, corpus_file,
+                                                                tmp_path):
+    ckpt = load_checkpoint(trained_run / "best.pt")
+    text = corpus_file.read_text()[:5000]
+    text = text[:text.rindex("\n") + 1]  # whole lines, as read_text would give them
+    (tmp_path / "part.txt").write_text(text)
+    scores = {}
+    for dtype in ("float32", "int8"):
+        out = tmp_path / f"{dtype}.json"
+        result = run_evaluate("--input", str(tmp_path / "part.txt"), "--run", str(trained_run),
+                              "--dtype", dtype, "--json", str(out))
+        assert result.returncode == 0, result.stderr
+        scores[dtype] = json.loads(out.read_text())
+        assert f"loss {scores[dtype]['loss']:.4f} nats/token" in result.stdout
+    fp32 = scores["float32"]
+    assert fp32["tokens"] == fp32["chars"] == len(text) - 1  # characters are the tokens
+    assert fp32["bits_per_char"] == pytest.approx(fp32["loss"] / math.log(2))
+    assert fp32["perplexity"] == pytest.approx(math.exp(fp32["loss"]))
+    # the same numbers in-process, and int8 close behind
+    model, _, _ = load_model(checkpoint=str(trained_run / "best.pt"))
+    in_process = evaluate(model, load_tokenizer(ckpt["tokenizer"]), text)
+    assert in_process.loss == pytest.approx(fp32["loss"], abs=1e-5)
+    assert abs(scores["int8"]["loss"] - fp32["loss"]) < 0.02
+
+
