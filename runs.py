@@ -19,22 +19,40 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from model import GPT
+from storage import probe_writable
 from train_config import ConfigError, TrainConfig
+
+
+def saved_nothing(run_dir: Path) -> bool:
+    """Whether run_dir holds only the TensorBoard events of a run that died before its first
+    checkpoint (killed, or a second Ctrl-C while it started): nothing worth keeping."""
+    files = list(run_dir.iterdir())
+    return bool(files) and all(f.is_file() and f.name.startswith("events.out.tfevents.")
+                               for f in files)
 
 
 def choose_run_dir(cfg: TrainConfig, resume: bool) -> Path:
     """runs/<run_name>; a new run never writes into an old run's folder (it takes the next
-    free -2, -3, ... name instead), a resumed run must find its last.pt there."""
+    free -2, -3, ... name instead), a resumed run must find its last.pt there. A folder
+    where a run saved nothing is taken over, its stale events deleted, so that a run killed
+    in its first seconds does not push the next one to -2."""
     base = Path(cfg.out_dir) / (cfg.run_name or "run")
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"{base} is a file, not a run folder; choose another --run-name "
+                          f"or --out-dir")
     if resume:
         if not (base / "last.pt").is_file():
             raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
                               f"drop --resume to start a new run")
         return base
     run_dir, n = base, 1
-    while run_dir.exists() and any(run_dir.iterdir()):
+    while run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())
+                                and not saved_nothing(run_dir)):
         n += 1
         run_dir = base.with_name(f"{base.name}-{n}")
+    if run_dir.exists() and saved_nothing(run_dir):
+        for events in run_dir.iterdir():
+            events.unlink()
     return run_dir
 
 
@@ -42,10 +60,7 @@ def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
     """Fail before training rather than at the first checkpoint: the folder must take a
     file, and the disk must hold last.pt, best.pt and one temporary copy."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        probe_writable(run_dir)
     except OSError as e:
         raise ConfigError(f"cannot write to {run_dir} ({e.strerror}); choose another --out-dir") from None
     free = shutil.disk_usage(run_dir).free

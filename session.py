@@ -79,17 +79,23 @@ def run_dtype(cfg: TrainConfig, device: torch.device, ckpt: dict | None,
         if dist.is_main else None, dist)
 
 
+def setting_tokens(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a text setting (sample_prompt, attention_probe); a ConfigError names
+    the setting when the text cannot be encoded or encodes to nothing."""
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    if not ids:
+        raise ConfigError(f"{name} encodes to no tokens; give some text")
+    return ids
+
+
 def probe_tokens(cfg: TrainConfig, tokenizer: Tokenizer, val: np.ndarray) -> list[int]:
     """The token ids whose attention is logged at each evaluation."""
     if not cfg.attention_probe:
         return val[:min(32, cfg.block_size)].tolist()
-    try:
-        ids = tokenizer.encode(cfg.attention_probe)
-    except ValueError as e:
-        raise ConfigError(f"attention_probe: {e}") from None
-    if not ids:
-        raise ConfigError("attention_probe encodes to no tokens; give some text or leave it empty")
-    return ids[-cfg.block_size:]
+    return setting_tokens("attention_probe", cfg.attention_probe, tokenizer)[-cfg.block_size:]
 
 
 def text_block(text: str) -> str:
@@ -135,9 +141,8 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
         torch.backends.cudnn.allow_tf32 = True
     meta, splits = prepare_data(cfg, dist)
     tokenizer = load_tokenizer(meta["tokenizer"])
-    sample_ids = tokenizer.encode(cfg.sample_prompt) if cfg.sample_tokens else []
-    if cfg.sample_tokens and not sample_ids:
-        raise ConfigError("sample_prompt encodes to no tokens; give a non-empty prompt")
+    sample_ids = (setting_tokens("sample_prompt", cfg.sample_prompt, tokenizer)
+                  if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
 
     run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)

@@ -1,4 +1,4 @@
-"""Files that are whole or absent, and the cache folder.
+"""Files that are whole or absent, folders tried before they are filled, and the cache folder.
 
 Usage:
     from storage import atomic_write, write_bytes_atomic, cache_dir
@@ -6,6 +6,7 @@ Usage:
         torch.save(state, f)
     write_bytes_atomic(path, data)
     cache_dir() / "decode_step"            # $GPTLAB_CACHE, default ~/.cache/gptlab
+    probe_writable(run_dir)                # OSError now rather than after an hour
 
 Every file this project writes for later use (checkpoints, prepared bins, exports, fetched
 and built files in the cache) goes through atomic_write: a temporary file in the same
@@ -60,3 +61,12 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     with atomic_write(path) as f:
         f.write(data)
+
+
+def probe_writable(folder: Path) -> None:
+    """Make `folder` and write a file in it now, so that a place that cannot be written is
+    an OSError before the work that would fill it, not after."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / ".write-test"
+    probe.write_bytes(b"ok")
+    probe.unlink()

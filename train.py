@@ -193,15 +193,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Run the training loop described by cfg; returns where it wrote and how it ended."""
     t_start = time.time()
     dist = distributed.setup(use_cuda=resolve_device(cfg.device).type == "cuda")
+    # from before the run folder exists: a Ctrl-C in the first seconds (while data is
+    # prepared, or at the first evaluation) is answered by the loop's first step and a save
     try:
-        return train_process(cfg, resume, dist, t_start)
+        with stop_signals() as stop:
+            return train_process(cfg, resume, dist, t_start, stop)
     finally:
         distributed.teardown(dist)
 
 
 def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
-                  t_start: float) -> TrainResult:
-    """The loop as each process runs it (the only one, or one of torchrun's)."""
+                  t_start: float, stop: dict[str, int]) -> TrainResult:
+    """The loop as each process runs it (the only one, or one of torchrun's); `stop` holds
+    the signal that asks it to save and leave (see runs.stop_signals)."""
     s, dtype_reason = setup(cfg, resume, dist)
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     flops_per_iter = s.raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
@@ -226,69 +230,68 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                disable=None if dist.is_main else True)
     t_log, iters_since_log = time.perf_counter(), 0
     loss_sum = torch.zeros((), device=s.device)
-    with stop_signals() as stop:
-        try:
-            while s.iter_num < cfg.max_iters:
-                lr_scale = lr_multiplier(s.iter_num, cfg)
-                set_lr(s.optimizers, lr_scale)
-                step_loss, grad_norm, (x, y) = train_step(s, x, y)
-                loss_sum += step_loss
-                s.iter_num += 1
-                iters_since_log += 1
-                bar.update(1)
-                it = s.iter_num
+    try:
+        while s.iter_num < cfg.max_iters:
+            lr_scale = lr_multiplier(s.iter_num, cfg)
+            set_lr(s.optimizers, lr_scale)
+            step_loss, grad_norm, (x, y) = train_step(s, x, y)
+            loss_sum += step_loss
+            s.iter_num += 1
+            iters_since_log += 1
+            bar.update(1)
+            it = s.iter_num
 
-                if it % cfg.log_interval == 0 or it == cfg.max_iters:
-                    # .item() waits for the device: only at log points
-                    train_loss = distributed.all_sum(loss_sum, dist).item() / (
-                        iters_since_log * dist.world_size)
-                    if not math.isfinite(train_loss):
-                        raise TrainingError(f"training loss became {train_loss} at iter {it}; "
-                                            f"the last good checkpoint is kept: lower "
-                                            f"learning_rate or set grad_clip")
-                    elapsed = time.perf_counter() - t_log
-                    tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-                    mfu = iters_since_log * flops_per_iter / elapsed / (peak * dist.world_size)
-                    if s.writer is not None:
-                        for tag, value in (("train/loss_step", train_loss),
-                                           ("train/lr", cfg.learning_rate * lr_scale),
-                                           ("train/grad_norm", grad_norm.item()),
-                                           ("perf/tokens_per_sec", tokens_per_sec),
-                                           ("perf/mfu", mfu)):
-                            s.writer.add_scalar(tag, value, it)
-                    bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
-                                    mfu=f"{mfu:.0%}")
-                    t_log, iters_since_log = time.perf_counter(), 0
-                    loss_sum = torch.zeros_like(loss_sum)
+            if it % cfg.log_interval == 0 or it == cfg.max_iters:
+                # .item() waits for the device: only at log points
+                train_loss = distributed.all_sum(loss_sum, dist).item() / (
+                    iters_since_log * dist.world_size)
+                if not math.isfinite(train_loss):
+                    raise TrainingError(f"training loss became {train_loss} at iter {it}; "
+                                        f"the last good checkpoint is kept: lower "
+                                        f"learning_rate or set grad_clip")
+                elapsed = time.perf_counter() - t_log
+                tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
+                mfu = iters_since_log * flops_per_iter / elapsed / (peak * dist.world_size)
+                if s.writer is not None:
+                    for tag, value in (("train/loss_step", train_loss),
+                                       ("train/lr", cfg.learning_rate * lr_scale),
+                                       ("train/grad_norm", grad_norm.item()),
+                                       ("perf/tokens_per_sec", tokens_per_sec),
+                                       ("perf/mfu", mfu)):
+                        s.writer.add_scalar(tag, value, it)
+                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
+                                mfu=f"{mfu:.0%}")
+                t_log, iters_since_log = time.perf_counter(), 0
+                loss_sum = torch.zeros_like(loss_sum)
 
-                if it % cfg.eval_interval == 0 or it == cfg.max_iters:
-                    losses = evaluate(s, it)
-                    say(f"iter {it}: train loss {losses['train']:.4f}, "
-                        f"val loss {losses['val']:.4f}")
-                    is_best = losses["val"] < s.best_val_loss
-                    s.best_val_loss = min(s.best_val_loss, losses["val"])
-                    save(s, losses, is_best)
-                    t_log = time.perf_counter()  # evaluation time is not training throughput
-                # SIGINT/SIGTERM: this step is done; save it and leave. Processes must agree
-                # on when to leave; under DDP they compare notes only at log points, where
-                # the loop waits for the device anyway, never on every step.
-                at_log_point = it % cfg.log_interval == 0
-                if (stop if not dist.enabled else
-                        at_log_point and distributed.any_true(bool(stop), dist, s.device)):
-                    save(s, losses, is_best=False)
-                    signum = stop.get("signal", signal.SIGTERM)
-                    raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter {it}; "
-                                      f"saved {s.run_dir / 'last.pt'}; continue with the same "
-                                      f"command and {resume_with}", signum)
-            if s.writer is not None:
-                s.writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": s.best_val_loss},
-                                     run_name=".", global_step=s.iter_num)
-        finally:
-            bar.close()
-            if s.writer is not None:
-                s.writer.close()
-            if s.pictures is not None:
-                s.pictures.close()
+            if it % cfg.eval_interval == 0 or it == cfg.max_iters:
+                losses = evaluate(s, it)
+                say(f"iter {it}: train loss {losses['train']:.4f}, "
+                    f"val loss {losses['val']:.4f}")
+                is_best = losses["val"] < s.best_val_loss
+                s.best_val_loss = min(s.best_val_loss, losses["val"])
+                save(s, losses, is_best)
+                t_log = time.perf_counter()  # evaluation time is not training throughput
+            # SIGINT/SIGTERM: this step is done; save it and leave. Processes must agree
+            # on when to leave; under DDP they compare notes only at log points, where
+            # the loop waits for the device anyway, never on every step.
+            at_log_point = it % cfg.log_interval == 0
+            if (stop if not dist.enabled else
+                    at_log_point and distributed.any_true(bool(stop), dist, s.device)):
+                save(s, losses, is_best=False)
+                signum = stop.get("signal", signal.SIGTERM)
+                raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter {it}; "
+                                  f"saved {s.run_dir / 'last.pt'}; continue with the same "
+                                  f"command and {resume_with}", signum)
+        if s.writer is not None:
+            s.writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": s.best_val_loss},
+                                 run_name=".", global_step=s.iter_num)
+    finally:
+        bar.close()
+        if s.writer is not None:
+            s.writer.close()
+        if s.pictures is not None:
+            s.pictures.close()
     return TrainResult(s.run_dir, s.iter_num, s.best_val_loss, losses, time.time() - t_start)
 
 
@@ -311,10 +314,18 @@ def build_cli() -> typer.Typer:
             if is_main:
                 typer.echo(f"interrupted: {e}", err=True)
             raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (runs.stop_signals)
+            if is_main:
+                typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
+                           "checkpoint, if any, is intact", err=True)
+            raise typer.Exit(128 + signal.SIGINT) from None
         except USER_ERRORS as e:
             if debug:
                 raise
-            typer.echo(f"error: {e}", err=True)
+            # under torchrun every rank reads the same config and fails the same way: rank 0
+            # says so once; other errors may differ between ranks, so each says its own
+            if is_main or not isinstance(e, ConfigError):
+                typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
         if not is_main:
             return

@@ -58,12 +58,16 @@ def prepare(text: str, tokenizer_kind: str, out_dir: str | Path, source: str,
         "source_sha256": sha256_bytes(text.encode("utf-8")),
     }
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # meta.json goes last and marks the dataset complete; a stale one goes first
-    (out_dir / "meta.json").unlink(missing_ok=True)
-    write_bytes_atomic(out_dir / "train.bin", train.tobytes())
-    write_bytes_atomic(out_dir / "val.bin", val.tobytes())
-    write_bytes_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # meta.json goes last and marks the dataset complete; a stale one goes first
+        (out_dir / "meta.json").unlink(missing_ok=True)
+        write_bytes_atomic(out_dir / "train.bin", train.tobytes())
+        write_bytes_atomic(out_dir / "val.bin", val.tobytes())
+        write_bytes_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    except OSError as e:
+        raise DataError(f"cannot write the dataset to {out_dir} ({e.strerror}); choose "
+                        f"another output folder") from None
     return meta
 
 

@@ -100,3 +100,12 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert time.time() - started < 90
+
+
+def test_a_bad_config_is_reported_once_not_once_per_process(tmp_path, char_data):
+    result = run(2, "--data-dir", str(char_data), "--out-dir", str(tmp_path),
+                 "--learning-rate", "nan", timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: learning_rate must be a finite number, got nan"], result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -122,8 +122,8 @@ def test_sampling_a_folder_without_gpt2s_vocabulary_is_one_clear_error(tmp_path)
                             timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (f"error: {tmp_path} has a vocabulary of 100 tokens, fewer "
-                                     f"than GPT-2's 50,257: --init-from samples with GPT-2's "
-                                     f"tokenizer only")
+                                     f"than GPT-2's 50,257: a Hugging Face folder is read with "
+                                     f"GPT-2's tokenizer only")
 
 
 def test_sample_cli_samples_from_a_gpt2_folder(tmp_path):

@@ -1,0 +1,232 @@
+"""Every kind of bad input, through the real command lines: one line on stderr naming the
+problem and the fix, exit code 1 (2 for a command line the parser cannot read, as click and
+argparse do), no traceback, and nothing written."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.prepare import prepare
+from gpt2 import export_hf_gpt2
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "config" / "tiny.toml")
+
+
+def damaged_data(change: Callable[[Path], None]) -> Callable[[Path, dict], None]:
+    """A copy of the prepared test data at {tmp}/data, then `change` applied to it."""
+    def make(tmp: Path, ctx: dict) -> None:
+        shutil.copytree(ctx["data"], tmp / "data")
+        change(tmp / "data")
+    return make
+
+
+def edit_meta(**changes) -> Callable[[Path], None]:
+    def change(data: Path) -> None:
+        meta = json.loads((data / "meta.json").read_text())
+        (data / "meta.json").write_text(json.dumps({**meta, **changes}))
+    return change
+
+
+def drop_meta_key(data: Path) -> None:
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["vocab_size"]
+    (data / "meta.json").write_text(json.dumps(meta))
+
+
+def hf_folder(damage: dict[str, bytes] | None = None, vocab_size: int = 50257,
+              bin_weights: bool = False) -> Callable[[Path, dict], None]:
+    """A small GPT-2 folder at {tmp}/hf, written by our own exporter, then damaged."""
+    def make(tmp: Path, ctx: dict) -> None:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16))
+        export_hf_gpt2(model, tmp / "hf")
+        if bin_weights:
+            from safetensors.torch import load_file
+            torch.save(load_file(tmp / "hf" / "model.safetensors"), tmp / "hf" / "pytorch_model.bin")
+            (tmp / "hf" / "model.safetensors").unlink()
+        for name, data in (damage or {}).items():
+            (tmp / "hf" / name).write_bytes(data)
+    return make
+
+
+def write(name: str, data: bytes) -> Callable[[Path, dict], None]:
+    def make(tmp: Path, ctx: dict) -> None:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    return make
+
+
+def nothing(tmp: Path, ctx: dict) -> None:
+    pass
+
+
+TRAIN = ["train.py", "--config", TINY, "--data-dir", "{data}", "--out-dir", "{tmp}/runs"]
+BPE_TRAIN = ["train.py", "--config", TINY, "--data-dir", "{bpe}", "--out-dir", "{tmp}/runs"]
+SAMPLE = ["sample.py", "--checkpoint", "{ckpt}", "--max-new-tokens", "5"]
+EVALUATE = ["evaluate.py", "--checkpoint", "{ckpt}", "--input", "{tmp}/text.txt"]
+TEXT = write("text.txt", b"ROMEO: Juliet sees the moon.\n")
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a GPU")
+
+# (command, files to make first, exit code, what the one line must contain)
+CASES = {
+    # configuration
+    "config is a folder": (["train.py", "--config", "{tmp}"], nothing, 1,
+                           "error: config {tmp} is a folder"),
+    "config is /dev/null": (["train.py", "--config", "/dev/null"], nothing, 1,
+                            "error: config /dev/null is not a regular file"),
+    "learning rate nan": ([*TRAIN, "--learning-rate", "nan"], nothing, 1,
+                          "error: learning_rate must be a finite number, got nan"),
+    "grad clip nan": ([*TRAIN, "--grad-clip", "nan"], nothing, 1,
+                      "error: grad_clip must be a finite number, got nan"),
+    "min lr inf": ([*TRAIN, "--min-lr", "inf"], nothing, 1,
+                   "error: min_lr must be a finite number, got inf"),
+    "unknown dtype": ([*TRAIN, "--dtype", "half"], nothing, 1,
+                      "error: dtype must be one of auto, float32, bfloat16, float16, got 'half'"),
+    "device with a bad index": ([*TRAIN, "--device", "cuda:abc"], nothing, 1,
+                                "error: device 'cuda:abc' is not a device; use auto, cpu, cuda, cuda:N"),
+    "sample prompt outside the vocabulary": ([*TRAIN, "--sample-prompt", "\u00e9t\u00e9"], nothing, 1,
+                                             "sample_prompt"),
+    "run name is a file": ([*TRAIN, "--run-name", "taken"], write("runs/taken", b"x"), 1,
+                           "error: {tmp}/runs/taken is a file"),
+    "nothing to resume": ([*TRAIN, "--resume"], nothing, 1, "error: nothing to resume"),
+    "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
+                             "Invalid value for '--max-iters'"),
+    # prepared data
+    "meta.json not JSON": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+                           damaged_data(lambda d: (d / "meta.json").write_text("{oops")), 1,
+                           "meta.json"),
+    "meta.json lacks a key": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+                              damaged_data(drop_meta_key), 1, "vocab_size"),
+    "unknown tokenizer": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+                          damaged_data(edit_meta(tokenizer={"kind": "sentencepiece"})), 1,
+                          "sentencepiece"),
+    "unknown token dtype": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+                            damaged_data(edit_meta(dtype="int3")), 1, "int3"),
+    "token ids outside the vocabulary": (
+        [*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+        damaged_data(lambda d: (d / "val.bin").write_bytes(
+            b"\xff\xff" * ((d / "val.bin").stat().st_size // 2))), 1, "outside the vocabulary"),
+    "corpus is not UTF-8": (["-m", "data.prepare", "--input", "{tmp}/c.txt", "--out", "{tmp}/out"],
+                            write("c.txt", b"caf\xe9\n"), 1,
+                            "error: {tmp}/c.txt is not valid UTF-8 (byte offset 3, line 1)"),
+    "prepare into a file": (["-m", "data.prepare", "--input", "{tmp}/c.txt", "--out", "{tmp}/f/out"],
+                            lambda t, c: (write("c.txt", b"some text\n" * 100)(t, c),
+                                          write("f", b"x")(t, c)),
+                            1, "{tmp}/f"),
+    # Hugging Face folders, in training and in sampling
+    "init_from config.json not JSON": (
+        [*BPE_TRAIN, "--init-from", "{tmp}/hf"], hf_folder({"config.json": b"{not json"}), 1,
+        "config.json is not valid JSON"),
+    "init_from truncated safetensors": (
+        [*BPE_TRAIN, "--init-from", "{tmp}/hf"], hf_folder({"model.safetensors": b"\0" * 40}), 1,
+        "model.safetensors is truncated or not a weights file"),
+    "--init-from config.json lacks keys": (
+        ["sample.py", "--init-from", "{tmp}/hf"], hf_folder({"config.json": b'{"n_layer": 1}'}), 1,
+        "config.json lacks vocab_size"),
+    "--init-from truncated pytorch_model.bin": (
+        ["sample.py", "--init-from", "{tmp}/hf"],
+        hf_folder({"pytorch_model.bin": b"PK\x03\x04" + b"\0" * 60}, bin_weights=True), 1,
+        "pytorch_model.bin is truncated or not a weights file"),
+    "--init-from without GPT-2's vocabulary": (
+        ["sample.py", "--init-from", "{tmp}/hf"], hf_folder(vocab_size=100), 1,
+        "has a vocabulary of 100 tokens, fewer than GPT-2's 50,257"),
+    # sampling
+    "temperature nan": ([*SAMPLE, "--temperature", "nan"], nothing, 1,
+                        "error: temperature must be >= 0 (0 means greedy), got nan"),
+    "temperature below zero": ([*SAMPLE, "--temperature", "-1"], nothing, 1,
+                               "error: temperature must be >= 0"),
+    "top-p zero": ([*SAMPLE, "--top-p", "0"], nothing, 1, "error: top_p must be in (0, 1]"),
+    "top-k zero": ([*SAMPLE, "--top-k", "0"], nothing, 1, "error: top_k must be at least 1"),
+    "empty stop string": ([*SAMPLE, "--stop", ""], nothing, 1,
+                          "error: --stop is empty, which would end every sample at once"),
+    "prompt outside the vocabulary": (
+        [*SAMPLE, "--prompt", "ROMEO: ~^"], nothing, 1,
+        "error: prompt: 2 character(s) not in this model's vocabulary: '^', '~'"),
+    "prompt file not UTF-8": ([*SAMPLE, "--prompt-file", "{tmp}/p.txt"], write("p.txt", b"ROMEO \xe9\n"),
+                              1, "error: {tmp}/p.txt is not valid UTF-8 (byte offset 6, line 1); "
+                                 "convert it to UTF-8 first"),
+    "int4 weights": ([*SAMPLE, "--dtype", "int4"], nothing, 1,
+                     "error: dtype must be one of float32, bfloat16, float16, int8, got 'int4'"),
+    "unknown decode step": ([*SAMPLE, "--decode", "fast"], nothing, 1,
+                            "error: --decode must be one of auto, eager, compile, c, got 'fast'"),
+    "a decode step without the cache": ([*SAMPLE, "--decode", "c", "--no-kv-cache"], nothing, 1,
+                                        "error: --decode c chooses the cached decode step"),
+    "no such run": (["sample.py", "--run", "{tmp}/runs/nope"], nothing, 1,
+                    "error: no checkpoint (best.pt or last.pt) in {tmp}/runs/nope"),
+    "no such checkpoint": (["sample.py", "--checkpoint", "{tmp}/none.pt"], nothing, 1,
+                           "error: checkpoint {tmp}/none.pt not found"),
+    "truncated checkpoint": (["sample.py", "--checkpoint", "{tmp}/c.pt"], write("c.pt", b"PK\x03\x04"),
+                             1, "error: checkpoint {tmp}/c.pt is truncated or not a checkpoint"),
+    "attention picture unwritable": ([*SAMPLE, "--attention", "/proc/gptlab/attention"], nothing, 1,
+                                     "error: --attention cannot write to /proc/gptlab"),
+    "a GPU this torch cannot use": pytest.param(
+        [*SAMPLE, "--device", "cuda"], nothing, 1,
+        "error: device is cuda but no CUDA GPU is available to this torch; use --device cpu",
+        marks=NO_GPU),
+    "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2, "No such option"),
+    # evaluation and export
+    "no text to score": ([*EVALUATE], write("text.txt", b"\n\n"), 1,
+                         "error: input {tmp}/text.txt holds no text"),
+    "evaluate int4": ([*EVALUATE, "--dtype", "int4"], TEXT, 1,
+                      "error: dtype must be one of float32, bfloat16, float16, int8, got 'int4'"),
+    "text outside the vocabulary": ([*EVALUATE], write("text.txt", "ROMEO: \u00e9\n".encode()), 1,
+                                    "error: {tmp}/text.txt: 1 character(s) not in this model's "
+                                    "vocabulary"),
+    "stride as long as the window": ([*EVALUATE, "--stride", "32"], TEXT, 1,
+                                     "error: stride must be at least 1 and below block_size (32)"),
+    "json into a missing folder": ([*EVALUATE, "--json", "{tmp}/no/x.json"], TEXT, 1,
+                                   "error: --json {tmp}/no/x.json: {tmp}/no is not a folder"),
+    "export into /proc": (["gpt2.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),
+    "export over a folder": (["gpt2.py", "{ckpt}", "{tmp}/keep"], write("keep/notes.txt", b"mine"),
+                             1, "--force"),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory, corpus_file) -> Path:
+    """The test corpus prepared with GPT-2's tokenizer, which init_from needs."""
+    out = tmp_path_factory.mktemp("bpe") / "plays_gpt2"
+    prepare(corpus_file.read_text(), "gpt2", out, source=str(corpus_file))
+    return out
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def cases() -> list:
+    """CASES as pytest parameters named by their keys (a case may carry marks)."""
+    params = []
+    for name, case in CASES.items():
+        values, marks = (case.values, case.marks) if hasattr(case, "marks") else (case, ())
+        params.append(pytest.param(*values, marks=marks, id=name))
+    return params
+
+
+@pytest.mark.parametrize("argv, make, code, message", cases())
+def test_bad_input_is_one_line_and_nothing_written(argv, make, code, message, tmp_path,
+                                                   trained_run, char_data, bpe_data):
+    ctx = {"data": char_data, "ckpt": trained_run / "best.pt", "bpe": bpe_data}
+    make(tmp_path, ctx)
+    before = snapshot(tmp_path)
+    fill = {"tmp": tmp_path, **ctx}
+    result = subprocess.run([sys.executable, *[a.format(**fill) for a in argv]], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip("│╭╰─ ")]
+    if code == 1:
+        assert len(lines) == 1, result.stderr
+    assert message.format(**fill) in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before  # nothing half-written, nothing overwritten
