@@ -158,7 +158,7 @@ def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache) -> 
     T = idx.size(1)
     if T <= getattr(step, "prefills", 0):
         return step(idx, cache, torch.arange(T, device=idx.device))
-    return model(idx, kv_cache=cache, last_only=True)[0]
+    return model(idx, kv_cache=cache, logits_from=-1)[0]
 
 
 @torch.inference_mode()
@@ -198,7 +198,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
             start = n - block_size // 2
             fresh = True
         if cache is None:
-            logits, _ = model(seq[:, start:n], last_only=True)
+            logits, _ = model(seq[:, start:n], logits_from=-1)
         elif fresh:
             logits = prefill(model, step, seq[:, start:n], cache)
             fresh = False

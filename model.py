@@ -230,7 +230,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
 
         kv_cache: write this pass's keys/values into the cache and attend over all it holds.
@@ -238,7 +238,9 @@ class GPT(nn.Module):
             a cache, the caller advances them and keeps them below block_size.
         attn_weights: pass a list to run the explicit attention path and receive each
             layer's (B, n_head, T, T_k) weights in it.
-        last_only: compute logits for the last position only (sampling needs no more).
+        logits_from: without targets, compute logits for positions logits_from: onwards
+            only: -1 for the last, all that sampling needs; an evaluation window's scored
+            tail. The output layer is a large part of the work when the vocabulary is.
         """
         B, T = idx.size()
         if input_pos is None:
@@ -256,9 +258,7 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
                                    ignore_index=-1)
             return logits, loss
-        if last_only:
-            x = x[:, [-1], :]  # (B, 1, C): a list index keeps the time dimension
-        return self.lm_head(x), None
+        return self.lm_head(x[:, logits_from:, :]), None
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device, in the dtype its keys and values come out

@@ -72,7 +72,7 @@ def test_c_prefill_fills_the_cache_and_gives_the_logits_eager_does(quantized):
     c_cache, eager_cache = model.new_kv_cache(2, 16), model.new_kv_cache(2, 16)
     with torch.inference_mode():
         c = CDecodeStep(model)(prompt, c_cache, torch.arange(11))
-        eager, _ = model(prompt, kv_cache=eager_cache, last_only=True)
+        eager, _ = model(prompt, kv_cache=eager_cache, logits_from=-1)
     torch.testing.assert_close(c, eager, rtol=0, atol=1e-4)
     for a, b in zip(c_cache.k + c_cache.v, eager_cache.k + eager_cache.v, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -21,6 +21,15 @@ def test_future_tokens_do_not_change_past_logits(tiny_model):
     assert not torch.allclose(logits[:, t + 1:], logits_changed[:, t + 1:])
 
 
+@pytest.mark.parametrize("logits_from", [-1, 5, 0])
+def test_logits_from_computes_the_tail_of_the_full_logits(tiny_model, logits_from):
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    full, _ = tiny_model(idx)
+    tail, _ = tiny_model(idx, logits_from=logits_from)
+    assert tail.shape == (2, len(range(16)[logits_from:]), 50)
+    torch.testing.assert_close(tail, full[:, logits_from:], rtol=0, atol=1e-6)
+
+
 def test_fused_qkv_equals_three_separate_projections(tiny_model):
     attn = tiny_model.transformer.h[0].attn
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
