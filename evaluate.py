@@ -75,9 +75,8 @@ def check_stride(stride: int | None, block_size: int) -> int:
 
 def default_batch_size(config: GPTConfig, stride: int, logits_mb: int = 256) -> int:
     """Windows per forward pass: as many as keep a batch's scored logits (stride positions
-    by vocabulary, in float32) under logits_mb, at most 16. A 2-core CPU runs a
-    character model's windows about 1.25x faster per token at 16 than at 8, and no faster
-    beyond; GPT-2's 50,257-way logits allow 2 windows of 1,024."""
+    by vocabulary, in float32) under logits_mb, and at most 16, past which a CPU gains
+    nothing (docs/quality.md): 16 for a character model, 2 for GPT-2's 50,257-way logits."""
     window_mb = stride * config.vocab_size * 4 / 2**20
     return max(1, min(16, int(logits_mb / window_mb)))
 
