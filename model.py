@@ -239,8 +239,9 @@ class GPT(nn.Module):
         attn_weights: pass a list to run the explicit attention path and receive each
             layer's (B, n_head, T, T_k) weights in it.
         logits_from: without targets, compute logits for positions logits_from: onwards
-            only: -1 for the last, all that sampling needs; an evaluation window's scored
-            tail. The output layer is a large part of the work when the vocabulary is.
+            only: -1 for the last, all that sampling needs, or the tail of an evaluation
+            window that is scored. With a large vocabulary the output layer is much of
+            the work.
         """
         B, T = idx.size()
         if input_pos is None:
