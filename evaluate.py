@@ -106,7 +106,10 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
     # disable=None: a bar on a terminal only, as in training, no carriage returns in logs
     for batch in tqdm(batches, desc="evaluating", unit="batch",
                       disable=None if progress else True, dynamic_ncols=True, leave=False):
-        x = torch.stack([tokens[begin:end - 1] for begin, end, _ in batch])
+        # the whole window goes in, as in transformers' guide, though the last position's
+        # prediction has no target: the model runs at its block size, the shape it trained
+        # at (and kernels favour), and causal attention keeps it out of earlier positions
+        x = torch.stack([tokens[begin:end] for begin, end, _ in batch])
         y = torch.stack([tokens[begin + 1:end] for begin, end, _ in batch])
         # y[:, j] is token begin + 1 + j; those before `first` an earlier window scored, so
         # their logits are not computed where no window of the batch needs them, and left
@@ -115,7 +118,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
         start = int(unscored.min())
         y = y[:, start:].masked_fill(
             torch.arange(start, y.size(1), device=device) < unscored[:, None], -1)
-        logits, _ = model(x, logits_from=start)
+        logits = model(x, logits_from=start)[0][:, :-1]
         nll += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,
                                reduction="sum").double()
     seconds = time.perf_counter() - t0
@@ -126,7 +129,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
     return Scores(loss=loss, perplexity=math.exp(loss),
                   bits_per_char=nll_total / math.log(2) / max(chars, 1), tokens=n_scored,
                   chars=chars, windows=len(spans),
-                  forward_tokens=sum(end - 1 - begin for begin, end, _ in spans), seconds=seconds)
+                  forward_tokens=sum(end - begin for begin, end, _ in spans), seconds=seconds)
 
 
 def main(
