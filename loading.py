@@ -14,7 +14,7 @@ from pathlib import Path
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from model import GPT
-from quantize import WEIGHT_DTYPES, cast_weights
+from quantize import cast_weights, check_weight_dtype
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -64,8 +64,7 @@ def load_model(run: str | None = None, checkpoint: str | None = None,
                dtype: str = "float32") -> tuple[GPT, Tokenizer, str]:
     """The model on `device` with weights in `dtype` (see quantize.WEIGHT_DTYPES), in eval
     mode, its tokenizer, and where it came from. init_from wins over run and checkpoint."""
-    if dtype not in WEIGHT_DTYPES:
-        raise LoadError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    check_weight_dtype(dtype)  # before a checkpoint is read
     if init_from:
         from gpt2 import load_hf_gpt2
         from tokenizer import GPT2Tokenizer

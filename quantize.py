@@ -32,6 +32,12 @@ from precision import DTYPES
 WEIGHT_DTYPES = (*DTYPES, "int8")  # what --dtype accepts where weights are loaded for inference
 
 
+def check_weight_dtype(dtype: str) -> None:
+    """Refuse a --dtype that is not one of WEIGHT_DTYPES, naming those that are."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: (out, in) float -> int8 (out, in), float32 scales (out,),
     with weight ~= int8 * scales[:, None]."""
@@ -84,8 +90,7 @@ def quantize_int8(model: GPT) -> GPT:
 
 def cast_weights(model: GPT, dtype: str) -> GPT:
     """The model with its weights in `dtype`, one of WEIGHT_DTYPES."""
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    check_weight_dtype(dtype)
     if dtype == "int8":
         return quantize_int8(model)
     return model.to(dtype=DTYPES[dtype])

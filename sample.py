@@ -26,7 +26,7 @@ from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
 from loading import load_model, resolve_checkpoint
 from model import GPT
 from precision import resolve_device
-from quantize import WEIGHT_DTYPES
+from quantize import check_weight_dtype
 from storage import probe_writable
 from tokenizer import Tokenizer
 
@@ -133,8 +133,7 @@ def main(
     both give the same text.
     """
     try:
-        if dtype not in WEIGHT_DTYPES:
-            raise SampleError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+        check_weight_dtype(dtype)  # here, not only in load_model: --benchmark loads none
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         check_sampling(temperature, top_k, top_p)
         if decode not in DECODE_BACKENDS:
