@@ -50,6 +50,8 @@ class CharTokenizer:
         except KeyError:
             missing = sorted(set(text) - self.stoi.keys())
             shown = ", ".join(repr(c) for c in missing[:10])
+            if len(missing) > 10:
+                shown = f"the first 10, {shown}"
             raise ValueError(
                 f"{len(missing)} character(s) not in this model's vocabulary: {shown}; "
                 f"the model only knows the characters of its training text"

@@ -31,6 +31,13 @@ def test_char_tokenizer_names_unknown_characters():
         tok.encode("zax")
 
 
+def test_char_tokenizer_says_when_it_lists_only_some_unknown_characters():
+    tok = CharTokenizer.from_text("a")
+    with pytest.raises(ValueError, match=r"12 character\(s\) not in this model's vocabulary: "
+                                         r"the first 10, 'b', 'c', .*'k';"):
+        tok.encode("abcdefghijklm")
+
+
 def test_gpt2_tokenizer_round_trips_and_matches_known_ids():
     tok = GPT2Tokenizer()
     assert tok.vocab_size == 50257 and tok.eot_token == 50256
