@@ -97,10 +97,11 @@ static void layer_norm(float *out, const float *x, const param_t *w, const param
     }
 }
 
-/* e^x, inline and vectorizable: libm's expf is a call per element, and the GELU's 4 * n_embd
- * of them per token took as long as int8 weights take to multiply. e^x = 2^n e^r with
- * n = round(x / ln 2), so |r| <= ln(2) / 2, where the Taylor series to r^6 is enough: within
- * 3e-7 of expf (relative) over the range. Below -87 it gives about 1e-38 rather than 0. */
+/* e^x, inline and vectorizable. libm's expf is a call per element, and the GELU makes
+ * 4 * n_embd of them per token: at small shapes, a large share of a step whose products are
+ * bound by arithmetic (int8; docs/performance.md). e^x = 2^n e^r with n = round(x / ln 2), so
+ * |r| <= ln(2) / 2, where the Taylor series to r^6 is enough: within 3e-7 of expf (relative)
+ * over the range. Below -87 it gives about 1e-38 rather than 0. */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     /* adding and taking away 1.5 * 2^23 rounds a float to the nearest integer */
