@@ -55,11 +55,13 @@ class Recipe:
 
 
 # the classic recipe is nanoGPT's reference settings; the tuned AdamW is the best learning
-# rate found for it (see docs/performance.md); the Muon rows are config/quickstart.toml
+# rate found for it (see docs/performance.md); the classic recipe on 2 layers tells what the
+# quickstart's smaller model buys apart from Muon; the Muon rows are config/quickstart.toml
 RECIPES = [
     Recipe("adamw classic fp32", CLASSIC, {"dtype": "float32"}),
     Recipe("adamw lr 3e-3 fp32", CLASSIC, {"dtype": "float32", "learning_rate": 3e-3,
                                            "min_lr": 3e-4}),
+    Recipe("adamw classic fp32, 2 layers", CLASSIC, {"dtype": "float32", "n_layer": 2}),
     Recipe("muon fp32", QUICKSTART, {"dtype": "float32"}),
     Recipe("muon bf16", QUICKSTART, {"dtype": "bfloat16"}),
 ]
