@@ -29,6 +29,7 @@ import typer
 from benchmarks.decode import PROMPT_LEN, measure, ours
 from checkpoint import load_checkpoint, model_from_checkpoint
 from data.loader import load_split
+from data.sources import read_text
 from evaluate import evaluate
 from generate import decode_step
 from loading import resolve_checkpoint
@@ -73,8 +74,8 @@ def main(run: str = "runs/quickstart", input: Path | None = None, new_tokens: in
     path = resolve_checkpoint(run, None)
     ckpt = load_checkpoint(path)
     tokenizer = load_tokenizer(ckpt["tokenizer"])
-    if input is not None:
-        text, source = input.read_text(encoding="utf-8"), str(input)
+    if input is not None:  # read as evaluate.py reads it, so the figures match its own
+        text, source = read_text(input), str(input)
     else:  # the run's own validation split, back to text
         data_dir = ckpt["config"]["data_dir"]
         text = tokenizer.decode(load_split(data_dir, "val").tolist())
