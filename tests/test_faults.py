@@ -198,8 +198,6 @@ def test_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path):
     assert torch.equal(plain(idx)[0], loaded(idx)[0])
 
 
-
-
 @pytest.mark.parametrize("content, message", [
     (None, "error: input {path} does not exist"),
     (b"", "error: input {path} holds no text"),
