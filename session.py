@@ -157,7 +157,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
                   else torch.autocast(device.type, dtype=dtype)),
         run_dir=run_dir, meta=meta, splits=splits, tokenizer=tokenizer,
         raw_model=model, model=model,
-        optimizers=configure_optimizers(model, cfg, device),
+        optimizers=configure_optimizers(model, cfg, device, dtype),
         scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
         batches=BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed,
                             dist.rank, dist.world_size),

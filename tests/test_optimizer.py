@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from checkpoint import load_checkpoint
 from data.loader import load_meta
 from model import GPT
-from optimizer import configure_optimizers, lr_multiplier, muon_parameters
+from optimizer import Muon, configure_optimizers, lr_multiplier, muon_parameters, orthogonalize
 from precision import DeviceError, choose_cpu_dtype, resolve_device
 from train import train
 from train_config import ConfigError
@@ -44,6 +44,11 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tiny_config):
     assert decay["transformer.h.0.ln_1.weight"] == decay["transformer.h.0.attn.c_attn.bias"] == 0
     assert decay["transformer.wte.weight"] == decay["transformer.h.0.mlp.c_fc.weight"] == 0.1
     assert muon.param_groups[0]["peak_lr"] == muon_cfg.muon_lr
+    # Newton-Schulz in bf16 only for a bf16 run: elsewhere bf16 may be emulated, and slow
+    assert muon.ns_dtype == torch.float32
+    for dtype, ns_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]:
+        assert configure_optimizers(model, muon_cfg, torch.device("cpu"), dtype)[1].ns_dtype \
+            == ns_dtype
     assert configure_optimizers(model, tiny_config, torch.device("cpu"))[0].param_groups[0][
         "peak_lr"] == tiny_config.learning_rate
     assert len(configure_optimizers(model, tiny_config, torch.device("cpu"))) == 1
@@ -69,6 +74,42 @@ def test_muon_loss_falls_and_its_state_lands_in_the_checkpoint(tiny_config):
         for key, state in opt.state_dict()["state"].items():
             for name, value in state.items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved["state"][key][name]))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_in_bf16_steps_as_torch_does_bit_for_bit(nesterov):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(96, 32), (32, 96), (48, 48)]  # tall (its lr scaled up), wide and square
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(3)]
+    ours, theirs = ([torch.nn.Parameter(w.clone()) for w in start] for _ in range(2))
+    settings = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": nesterov}
+    optimizers = [Muon(ours, ns_dtype=torch.bfloat16, **settings),
+                  torch.optim.Muon(theirs, **settings)]
+    for step_grads in grads:
+        for params, opt in zip((ours, theirs), optimizers, strict=True):
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, w in zip(ours, theirs, start, strict=True):
+        assert not torch.equal(a, w) and torch.equal(a, b)
+
+
+def test_orthogonalize_in_fp32_flattens_the_spectrum_as_bf16_does():
+    generator = torch.Generator().manual_seed(0)
+    # a gradient-like matrix: a few strong directions over weak noise
+    g = (torch.randn(128, 4, generator=generator) @ torch.randn(4, 64, generator=generator)
+         * 10 + torch.randn(128, 64, generator=generator))
+    coefficients = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's defaults
+    fp32 = orthogonalize(g, coefficients, 5, 1e-7, torch.float32)
+    bf16 = orthogonalize(g, coefficients, 5, 1e-7, torch.bfloat16)
+    assert fp32.dtype == torch.float32 and fp32.shape == g.shape
+    singular = torch.linalg.svdvals(fp32)
+    assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 10
+    assert 0.5 < singular.min() and singular.max() < 1.5
+    # bf16's roundings move the singular values within that band, and so the matrix by a few
+    # percent (an unrelated matrix of the same norm is 140% away)
+    assert (fp32 - bf16.float()).norm() / fp32.norm() < 0.1
 
 
 def test_resuming_with_the_other_optimizer_is_one_clear_error(tiny_config):
