@@ -30,6 +30,7 @@ only when the run computes in bf16, and in fp32 otherwise (see the Muon class be
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -59,7 +60,7 @@ class Muon(torch.optim.Muon):
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
