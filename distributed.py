@@ -4,7 +4,9 @@ Usage:
     torchrun --standalone --nproc_per_node=2 train.py --config config/quickstart.toml
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE (and MASTER_ADDR/MASTER_PORT); without them
-this is a single process and every helper here is a no-op. NCCL on CUDA, gloo on the CPU.
+this is a single process and every helper here is a no-op. Under torchrun the processes
+form a group, even a group of one (as in nanoGPT), so that one GPU runs the same code as
+eight. NCCL on CUDA, gloo on the CPU.
 If one process dies, torchrun ends the others, so a crash never leaves the run hanging.
 """
 
@@ -23,10 +25,7 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
+    enabled: bool = False  # launched by torchrun: in a process group
 
     @property
     def is_main(self) -> bool:
@@ -37,10 +36,10 @@ class Dist:
 def environment() -> Dist:
     """This process's place as torchrun's environment describes it; no process group is
     needed to ask, so the command line can know before training whether it reports."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
+    if "RANK" not in os.environ:
         return Dist()
-    return Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
+    return Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                int(os.environ["WORLD_SIZE"]), enabled=True)
 
 
 def setup(use_cuda: bool) -> Dist:

@@ -211,7 +211,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     flops_per_iter = s.raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
     peak, peak_source = peak_flops(s.device, s.dtype)
     say = tqdm.write if dist.is_main else (lambda message: None)
-    processes = f" x {dist.world_size} processes" if dist.enabled else ""
+    processes = (f" x {dist.world_size} process{'es' if dist.world_size > 1 else ''}"
+                 if dist.enabled else "")
     say(f"{s.raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
         f"device {s.device}{processes}, optimizer {cfg.optimizer}, writing to {s.run_dir}/")
     say(f"dtype {str(s.dtype).removeprefix('torch.')} ({dtype_reason})")

@@ -17,9 +17,10 @@ from checkpoint import load_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def run(nproc: int | None, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """train.py on the tiny preset under torchrun with nproc processes, or plain (None)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
+                 f"--nproc_per_node={nproc}"] if nproc else [sys.executable])
     return subprocess.run([*launcher, str(REPO / "train.py"), "--config",
                            str(REPO / "config" / "tiny.toml"), "--sample-tokens", "0", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -37,7 +38,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data,
     common = ("--data-dir", str(char_data), "--optimizer", optimizer,
               "--gradient-accumulation-steps", "4",
               "--max-iters", "20", "--eval-interval", "10", "--eval-iters", "4")
-    one = run(1, *common, "--out-dir", str(tmp_path / "one"))
+    one = run(None, *common, "--out-dir", str(tmp_path / "one"))
     two = run(2, *common, "--out-dir", str(tmp_path / "two"))
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("done: 20 iters") == 1  # only rank 0 reports
@@ -58,6 +59,21 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data,
     assert [name for name in files if name.endswith(".pt")] == ["best.pt", "last.pt"]
     assert sum(name.startswith("events.out.tfevents") for name in files) == 2  # + hparams
     assert len(files) == 4
+
+
+def test_torchrun_with_one_process_trains_in_a_group_of_one_as_a_plain_run_does(tmp_path,
+                                                                              char_data):
+    # under torchrun even one process joins a process group and trains through DDP, so one
+    # GPU runs the code of eight (and NCCL's path is tested with one)
+    common = ("--data-dir", str(char_data), "--max-iters", "10", "--eval-interval", "10",
+              "--eval-iters", "2")
+    plain = run(None, *common, "--out-dir", str(tmp_path / "plain"))
+    group = run(1, *common, "--out-dir", str(tmp_path / "group"))
+    assert plain.returncode == 0 and group.returncode == 0, group.stderr[-2000:]
+    assert "device cpu x 1 process," in group.stdout and "device cpu," in plain.stdout
+    a = load_checkpoint(tmp_path / "plain" / "tiny" / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "group" / "tiny" / "last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_under_two_processes_continues_the_curve(tmp_path, char_data):
