@@ -1,0 +1,107 @@
+"""The GPU path, where a CUDA GPU is at hand; skipped everywhere else, CI included. Training
+in bf16 and in fp16 (with the gradient scaler) follows fp32, --compile follows eager,
+torchrun trains under NCCL, a checkpoint written on the GPU runs on the CPU, and cached
+decoding gives the uncached tokens past block_size."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from checkpoint import load_checkpoint
+from generate import generate
+from loading import load_model
+from model import GPT, GPTConfig
+from train import TrainResult, train
+from train_config import TrainConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in acc.Scalars("loss/val")]
+
+
+def train_on_gpu(cfg: TrainConfig, **changes) -> TrainResult:
+    """The tiny preset on the GPU for 60 iterations (each call writes a new run folder)."""
+    return train(dataclasses.replace(cfg, **{"device": "cuda", "max_iters": 60,
+                                             "eval_interval": 30, **changes}))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_half_precision_training_follows_fp32(tiny_config, optimizer):
+    fp32 = val_losses(train_on_gpu(tiny_config, optimizer=optimizer, dtype="float32").run_dir)
+    for dtype in ("bfloat16", "float16"):
+        result = train_on_gpu(tiny_config, optimizer=optimizer, dtype=dtype)
+        half = val_losses(result.run_dir)
+        assert half[-1] < half[0] - 1.0  # it learns (from about 3.6, the uniform guess)
+        assert abs(half[-1] - fp32[-1]) < 0.1, (dtype, half, fp32)
+        ckpt = load_checkpoint(result.run_dir / "last.pt")
+        assert ckpt["dtype"] == dtype
+        # fp16 needs the gradient scaler, whose state a resume needs; bf16 has fp32's range
+        assert ("scale" in ckpt["scaler"]) == (dtype == "float16")
+
+
+def test_compiled_training_follows_eager(tiny_config):
+    eager = val_losses(train_on_gpu(tiny_config, max_iters=20, eval_interval=10).run_dir)
+    compiled = val_losses(train_on_gpu(tiny_config, max_iters=20, eval_interval=10,
+                                       compile=True).run_dir)
+    assert compiled == pytest.approx(eager, abs=1e-2)
+
+
+def test_torchrun_trains_one_process_under_nccl(tmp_path, char_data):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+         "train.py", "--config", "config/tiny.toml", "--data-dir", str(char_data),
+         "--out-dir", str(tmp_path), "--device", "cuda", "--max-iters", "20",
+         "--eval-interval", "10"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "device cuda:0 x 1 process," in result.stdout
+    assert "done: 20 iters" in result.stdout
+
+
+@pytest.fixture
+def full_fp32():
+    """fp32 matmuls in fp32, not TF32, which torch.optim.Muon turns on for the process."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_a_checkpoint_written_on_the_gpu_runs_on_the_cpu(tiny_config, full_fp32):
+    result = train_on_gpu(tiny_config, max_iters=20, eval_interval=10, dtype="bfloat16")
+    checkpoint = str(result.run_dir / "best.pt")
+    on_cpu, tokenizer, _ = load_model(checkpoint=checkpoint, device="cpu")
+    on_gpu, _, _ = load_model(checkpoint=checkpoint, device="cuda")
+    idx = torch.tensor([tokenizer.encode("ROMEO: Juliet loves the moon.")])
+    with torch.inference_mode():
+        logits_cpu = on_cpu(idx)[0]
+        logits_gpu = on_gpu(idx.cuda())[0].cpu()
+    torch.testing.assert_close(logits_gpu, logits_cpu, rtol=1e-4, atol=1e-4)
+    sampled = subprocess.run([sys.executable, "sample.py", "--checkpoint", checkpoint,
+                              "--device", "cpu", "--prompt", "ROMEO:", "--max-new-tokens", "40"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > 40
+
+
+@pytest.mark.parametrize("decode", ["auto", "eager", "compile"])
+def test_cached_decoding_gives_the_uncached_tokens_past_block_size(decode, full_fp32):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    model = model.cuda().eval()
+    # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
+    prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2)).cuda()
+    uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
+    cached = generate(model, prompts, 40, temperature=0.0, decode=decode)
+    assert cached.shape == (3, 44) and torch.equal(cached, uncached)
