@@ -47,10 +47,10 @@ class Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype.
 
     torch's iteration casts to bf16, always: right on a GPU, but most x86 CPUs emulate bf16
-    arithmetic, and there the iteration takes over three times as long as in fp32: in bf16
-    it was a third of a quickstart step (docs/performance.md). The rest is torch's: the settings
-    and their checks, the state (one momentum buffer per matrix) and the update, op for op,
-    so with ns_dtype bf16 a step equals torch.optim.Muon's bit for bit.
+    arithmetic, and there the iteration takes over three times as long as in fp32; in bf16
+    it was a third of a quickstart step (docs/performance.md). The rest is torch's: the
+    settings and their checks, the state (one momentum buffer per matrix) and the update,
+    op for op, so with ns_dtype bf16 a step equals torch.optim.Muon's bit for bit.
     """
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
