@@ -36,7 +36,7 @@ class Dist:
 def environment() -> Dist:
     """This process's place as torchrun's environment describes it; no process group is
     needed to ask, so the command line can know before training whether it reports."""
-    if "RANK" not in os.environ:
+    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
         return Dist()
     return Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
                 int(os.environ["WORLD_SIZE"]), enabled=True)
