@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks.train import read_scalars
 from checkpoint import load_checkpoint
 from generate import generate
 from loading import load_model
@@ -25,9 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def val_losses(run_dir: Path) -> list[float]:
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [e.value for e in acc.Scalars("loss/val")]
+    return [e.value for e in read_scalars(run_dir)["loss/val"]]
 
 
 def train_on_gpu(cfg: TrainConfig, **changes) -> TrainResult:
