@@ -89,8 +89,12 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
     last = tmp_path / "tiny" / "last.pt"
     kills, unreadable, mid_write, iters = 6, 0, 0, []
     for _ in range(kills):
-        proc = start_training(*args, *(["--resume"] if last.exists() else []))
-        wait_for_line(proc, "parameters,")  # printed just before the loop starts
+        resume = last.exists()
+        proc = start_training(*args, *(["--resume"] if resume else []))
+        # a resumed run from just before its loop starts; the first run from after its first
+        # checkpoint (iter 1's is saved before "iter 2:"), for every kill to have one to check.
+        # On a busy machine the first checkpoint can take longer than the longest wait.
+        wait_for_line(proc, "parameters," if resume else "iter 2:")
         time.sleep(rng.uniform(0.2, 2.0))
         proc.kill()
         proc.communicate()
