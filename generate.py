@@ -11,9 +11,10 @@ Usage:
 The pieces, in the order a token meets them (gpt-fast's layout):
 - prefill: the prompt's window in one forward pass, which fills the KV cache;
 - decode: one token per step, attending over the cache, run by a decode backend:
-  "eager" (model.forward), "compile" (torch.compile's inductor) or "c" (the hand-written C
-  step of cdecode/). "auto", the default everywhere, is the C step on a CPU when it builds
-  (else eager, with one line on stderr saying why and what to do), and eager elsewhere;
+  "eager" (model.forward), "compile" (torch.compile's inductor, replayed as a CUDA graph on
+  a GPU) or "c" (the hand-written C step of cdecode/). "auto", the default everywhere, is
+  the C step on a CPU when it builds (else eager, with one line on stderr saying why and
+  what to do), and eager elsewhere;
 - sampling: temperature, top-k and top-p as small pure functions;
 - the context window (see `stream`), the same for cached and uncached generation;
 - text: tokens decoded as they come, cut at end-of-text or a stop string.
@@ -94,17 +95,32 @@ def eager_step(model: GPT) -> DecodeStep:
     return step
 
 
-def compiled_step(model: GPT) -> DecodeStep:
+def compiled_step(model: GPT, cuda_graphs: bool = True) -> DecodeStep:
     """The decode step through torch.compile. Every step has the same shapes (see KVCache),
     so it builds one graph per cache size and batch size, on the first step: seconds to tens
-    of seconds on a CPU."""
+    of seconds on a CPU. On a CUDA GPU the step is also replayed as a CUDA graph (gpt-fast's
+    "reduce-overhead"), unless cuda_graphs is False: one launch for the whole step instead
+    of one per kernel, which is what bounds a small model's decoding there."""
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
         # the written-out attention path (its weights are dropped): for a single query,
         # inductor turns QK^T and AV into loops fused with the softmax, where SDPA stays a
         # library call, and a slow one in bf16 on CPUs without bf16 arithmetic
         return model(idx, kv_cache=kv_cache, input_pos=input_pos, attn_weights=[])[0]
 
-    if model.lm_head.weight.device.type != "cpu":
+    device = model.lm_head.weight.device
+    if device.type == "cuda" and cuda_graphs:
+        graphed = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+        def replay(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
+            # A graph may write into the cache in place only if the cache stays at one
+            # address; otherwise it would copy the whole cache in and out at every step.
+            # Unguarded: a new cache (a new generation) re-records the graph, no recompile.
+            for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos):
+                torch._dynamo.mark_static_address(buffer, guard=False)
+            # the logits live in the graph's memory, which its next replay overwrites
+            return graphed(idx, kv_cache, input_pos).clone()
+        return replay
+    if device.type != "cpu":
         return torch.compile(step, fullgraph=True, dynamic=False)
     options = {
         # drive the graph from generated C++, not Python: no per-kernel Python calls

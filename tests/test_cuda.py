@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.train import read_scalars
 from checkpoint import load_checkpoint
-from generate import generate
+from generate import compiled_step, decode_step, generate
 from loading import load_model
 from model import GPT, GPTConfig
 from train import TrainResult, train
@@ -93,13 +93,17 @@ def test_a_checkpoint_written_on_the_gpu_runs_on_the_cpu(tiny_config, full_fp32)
     assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > 40
 
 
-@pytest.mark.parametrize("decode", ["auto", "eager", "compile"])
+@pytest.mark.parametrize("decode", ["auto", "eager", "compile", "compile without CUDA graphs"])
 def test_cached_decoding_gives_the_uncached_tokens_past_block_size(decode, full_fp32):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32))
     model = model.cuda().eval()
+    step = (compiled_step(model, cuda_graphs=False) if decode.endswith("graphs")
+            else decode_step(model, decode))
     # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2)).cuda()
     uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
-    cached = generate(model, prompts, 40, temperature=0.0, decode=decode)
-    assert cached.shape == (3, 44) and torch.equal(cached, uncached)
+    # twice with one step: the second generation's new cache makes a CUDA graph re-record
+    for _ in range(2):
+        cached = generate(model, prompts, 40, temperature=0.0, decode=step)
+        assert cached.shape == (3, 44) and torch.equal(cached, uncached)
