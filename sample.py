@@ -107,8 +107,8 @@ def main(
     decode: Annotated[str, typer.Option(
         help="The cached decode step: auto (the C step on a CPU when it builds, else "
              "eager), eager, compile (torch.compile: seconds to tens of seconds to build on a "
-             "CPU) or c (cdecode/decode_step.c, built by the system C compiler). With "
-             "--benchmark, compile or c adds that row.")] = "auto",
+             "CPU; a CUDA graph on a GPU) or c (cdecode/decode_step.c, built by the system C "
+             "compiler). With --benchmark, compile or c adds that row.")] = "auto",
     stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
     attention: Annotated[str | None, typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
@@ -122,6 +122,8 @@ def main(
     lengths: Annotated[str, typer.Option(
         help="With --benchmark: new-token counts, comma-separated.")] = "64,248,1024",
     repeats: Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")] = 3,
+    batch: Annotated[int, typer.Option(
+        min=1, help="With --benchmark: sequences decoded together.")] = 1,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="With --benchmark: write figures here.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
@@ -151,7 +153,7 @@ def main(
             from benchmarks.decode import run_benchmark  # keeps the sampling path light
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                          json_path, decode)
+                          json_path, decode, batch)
             return
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind

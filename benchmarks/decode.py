@@ -3,17 +3,19 @@
 Usage:
     python sample.py --benchmark --preset baby_gpt --lengths 64,248,1024 --json decode.json
     python sample.py --benchmark --preset baby_gpt --decode compile   # adds the compiled step
+    python sample.py --benchmark --preset gpt2 --device cuda --decode compile --batch 8
     python -m benchmarks.decode --preset gpt2 --lengths 64
 
-Batch 1, greedy, an 8-token prompt. The rows: the default path (decode="auto", labelled
-with what it chose), the eager cached step, the compiled or C step when --decode names
-it, the uncached path, and transformers' generate on the same weights when transformers
-is installed (up to block_size tokens: its position table ends there; not for int8, which
-it cannot load). For every length
-and path: one warm-up, then the median of `repeats` timed runs. Every row says whether
-its greedy tokens are identical to the uncached path's. Memory is the peak while a path runs:
-allocated tensors on CUDA, the resident size of the whole process on the CPU (weights
-included), with its growth during that path.
+Greedy, an 8-token prompt, batch 1 unless --batch says otherwise; tokens/s counts the
+tokens of every sequence. The rows: the default path (decode="auto", labelled with what it
+chose), the eager cached step, the compiled or C step when --decode names it (on a GPU,
+compiled with and without CUDA graphs), the uncached path, and transformers' generate on
+the same weights when transformers is installed (up to block_size tokens: its position
+table ends there; not for int8, which it cannot load). For every length and path: one
+warm-up, then the median of `repeats` timed runs. Every row says whether its greedy tokens
+are identical to the uncached path's. Memory is the peak while a path runs: allocated
+tensors on CUDA, the resident size of the whole process on the CPU (weights included), with
+its growth during that path.
 """
 
 from __future__ import annotations
@@ -31,21 +33,22 @@ import typer
 
 from cdecode import CDecodeStep
 from checkpoint import load_checkpoint, model_from_checkpoint
-from generate import DecodeStep, decode_step, stream
+from generate import DecodeStep, compiled_step, decode_step, stream
 from model import GPT, GPTConfig
 from perf import memory_mb, reset_peak_memory, sync
 from quantize import cast_weights, weight_bytes
 
 PROMPT_LEN = 8
-Tokens = Callable[[torch.Tensor, int], list[int]]  # (prompt, n_new) -> the new token ids
+Tokens = Callable[[torch.Tensor, int], list[list[int]]]  # (prompt, n_new) -> (B, n_new) ids
 
 
 def ours(model: GPT, step: DecodeStep | None) -> Tokens:
     """Greedy generation through `stream` with this decode step; None is uncached."""
-    def run(prompt: torch.Tensor, n_new: int) -> list[int]:
+    def run(prompt: torch.Tensor, n_new: int) -> list[list[int]]:
         tokens = stream(model, prompt, n_new, temperature=0.0, use_kv_cache=step is not None,
                         decode=step or "eager")
-        return [t.item() for t in tokens]  # .item() waits for the device: honest clocks
+        # each step's copy to the CPU waits for the device, as streaming text does
+        return torch.cat([t.cpu() for t in tokens], dim=1).tolist()
     return run
 
 
@@ -66,10 +69,10 @@ def transformers_generate(model: GPT) -> Tokens | None:
     theirs = theirs.to(device=p.device, dtype=p.dtype)
 
     @torch.inference_mode()
-    def run(prompt: torch.Tensor, n_new: int) -> list[int]:
+    def run(prompt: torch.Tensor, n_new: int) -> list[list[int]]:
         out = theirs.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new,
                               do_sample=False, use_cache=True, pad_token_id=0)
-        return out[0, prompt.size(1):].tolist()
+        return out[:, prompt.size(1):].tolist()
     return run
 
 
@@ -87,7 +90,8 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
         sync(device)
         times.append(time.perf_counter() - t0)
     after = memory_mb(device)
-    row = {"new_tokens": n_new, "tokens_per_s": n_new / statistics.median(times),
+    row = {"new_tokens": n_new,
+           "tokens_per_s": prompt.size(0) * n_new / statistics.median(times),
            "tokens": tokens}
     if before is not None and after is not None:
         row.update(peak_memory_mb=after[1], memory_growth_mb=after[1] - before[0])
@@ -96,7 +100,7 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 
 def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
                   lengths: list[int], repeats: int, json_path: Path | None,
-                  decode: str = "auto") -> list[dict]:
+                  decode: str = "auto", batch: int = 1) -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked."""
     if preset is not None:
         torch.manual_seed(0)
@@ -107,16 +111,16 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         source = str(checkpoint)
     n_params = model.num_params()  # before int8 turns the matrices into buffers
     model = cast_weights(model.to(device), dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN),
+    prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT_LEN),
                            generator=torch.Generator().manual_seed(0)).to(device)
     weights_mb = weight_bytes(model) / 1e6
     cfg = model.config
     cache = model.new_kv_cache(1, 1)  # its dtype: int8 models keep their cache in float32
-    cache_mb = 2 * cfg.n_layer * cfg.block_size * cfg.n_embd * cache.k[0].itemsize / 1e6
+    cache_mb = 2 * batch * cfg.n_layer * cfg.block_size * cfg.n_embd * cache.k[0].itemsize / 1e6
     # a generation's cache holds the power of two above its length, at most block_size slots
     print(f"{source}: {n_params / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
           f"weights, KV cache at most {cache_mb:.1f} MB, block_size {cfg.block_size}, {dtype}, "
-          f"{device}, {torch.get_num_threads()} threads")
+          f"{device}, batch {batch}, {torch.get_num_threads()} threads")
 
     default = decode_step(model)  # what a user gets without choosing
     chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
@@ -133,6 +137,8 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         print(f"compiled the decode step in {compile_s:.1f} s (the first generation of "
               f"{lengths[0]} tokens, compile included)")
         paths["compiled"] = ours(model, step)
+        if torch.device(device).type == "cuda":  # what the CUDA graphs add
+            paths["compiled, no graphs"] = ours(model, compiled_step(model, cuda_graphs=False))
     if decode == "c" and chosen != "C step":
         paths["C step"] = ours(model, decode_step(model, "c"))
     paths["uncached"] = ours(model, None)
@@ -157,7 +163,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
             rows.append({k: v for k, v in row.items() if k != "tokens"})
     if json_path:
         json_path.write_text(json.dumps({
-            "source": source, "device": device, "dtype": dtype,
+            "source": source, "device": device, "dtype": dtype, "batch": batch,
             "threads": torch.get_num_threads(), "compile_s": compile_s, "rows": rows,
         }, indent=2) + "\n")
     return rows
@@ -165,10 +171,10 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 
 def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
-         decode: str = "auto") -> None:
+         decode: str = "auto", batch: int = 1) -> None:
     """Benchmark a random-weight model shape (see model.PRESETS)."""
     run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, decode)
+                  json, decode, batch)
 
 
 if __name__ == "__main__":

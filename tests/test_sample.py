@@ -269,9 +269,11 @@ def test_a_run_stopped_before_its_first_evaluation_samples_from_last_pt(trained_
 def test_cli_benchmark_writes_figures(tmp_path):
     path = tmp_path / "decode.json"
     result = run_sample("--benchmark", "--preset", "baby_gpt", "--lengths", "8", "--repeats", "1",
-                        "--json", str(path))
+                        "--batch", "2", "--json", str(path))
     assert result.returncode == 0, result.stderr
-    rows = json.loads(path.read_text())["rows"]
+    figures = json.loads(path.read_text())
+    assert figures["batch"] == 2
+    rows = figures["rows"]
     assert [(r["new_tokens"], r["path"]) for r in rows] == [
         (8, "default (C step)"), (8, "eager"), (8, "uncached"), (8, "transformers")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
