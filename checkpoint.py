@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -61,16 +62,38 @@ def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     fsync_dir(dst.parent)
 
 
+class UnreadableFile(ValueError):
+    """A file that a safe torch.load cannot read; the message says why, in a few words."""
+
+
+def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """torch.load(weights_only=True), which runs no pickled code. A damaged or foreign file
+    fails in many ways inside torch; each becomes one UnreadableFile."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's own message suggests weights_only=False, which is not the fix for a file
+        # from elsewhere
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise UnreadableFile(f"it holds a {refused[1]}, which a safe load refuses" if refused
+                             else "not a file that torch.save wrote") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:  # a zip archive cut short
+        raise UnreadableFile(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    except OSError as e:
+        raise UnreadableFile(f"cannot read it: {e.strerror}") from None
+    except Exception:  # other bytes fail in the unpickler in other ways (IndexError, ...)
+        raise UnreadableFile("not a file that torch.save wrote") from None
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load and check a checkpoint; CheckpointError if it is missing, truncated or foreign."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is truncated or not a checkpoint ({reason})") from None
+        ckpt = safe_load(path, map_location)
+    except UnreadableFile as e:
+        raise CheckpointError(f"checkpoint {path} is truncated or not a checkpoint ({e})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project's train.py")
     if ckpt.get("version") != VERSION:

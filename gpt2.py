@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Annotated
 
@@ -29,7 +27,7 @@ import typer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import UnreadableFile, load_checkpoint, model_from_checkpoint, safe_load
 from model import GPT, GPTConfig
 from storage import fsync_dir, write_bytes_atomic
 
@@ -76,14 +74,16 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         path = folder / name
         if path.is_file():
             try:
-                if name.endswith(".safetensors"):
-                    return load_file(path)
-                return torch.load(path, map_location="cpu", weights_only=True)
-            except (SafetensorError, RuntimeError, OSError, EOFError, pickle.UnpicklingError,
-                    zipfile.BadZipFile) as e:
+                weights = load_file(path) if name.endswith(".safetensors") else safe_load(path)
+            except (SafetensorError, OSError, UnreadableFile) as e:
                 reason = (str(e).splitlines() or [type(e).__name__])[0]
                 raise GPT2FormatError(f"{path} is truncated or not a weights file ({reason}); "
                                       f"download or export the folder again") from None
+            if not (isinstance(weights, dict)
+                    and all(isinstance(v, torch.Tensor) for v in weights.values())):
+                raise GPT2FormatError(f"{path} does not hold named weight tensors (a saved "
+                                      f"state_dict); download or export the folder again")
+            return weights
     raise GPT2FormatError(f"{folder} has neither {' nor '.join(WEIGHT_FILES)}")
 
 
@@ -107,7 +107,8 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
         if key.endswith(CONV1D):
             tensor = tensor.t()
         state[key if key == "lm_head.weight" else f"transformer.{key}"] = tensor
-    state.setdefault("lm_head.weight", state.get("transformer.wte.weight"))  # tied
+    if "transformer.wte.weight" in state:
+        state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # tied
     model = GPT(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))

@@ -166,6 +166,9 @@ CASES = {
                            "error: checkpoint {tmp}/none.pt not found"),
     "truncated checkpoint": (["sample.py", "--checkpoint", "{tmp}/c.pt"], write("c.pt", b"PK\x03\x04"),
                              1, "error: checkpoint {tmp}/c.pt is truncated or not a checkpoint"),
+    "text for a checkpoint": (["sample.py", "--checkpoint", "{tmp}/c.pt"], write("c.pt", b"ROMEO:\n"), 1,
+                              "error: checkpoint {tmp}/c.pt is truncated or not a checkpoint (not a "
+                              "file that torch.save wrote)"),
     "attention picture unwritable": ([*SAMPLE, "--attention", "/proc/gptlab/attention"], nothing, 1,
                                      "error: --attention cannot write to /proc/gptlab"),
     "a GPU this torch cannot use": pytest.param(

@@ -1,6 +1,8 @@
 """GPT-2 compatibility, proven against an independent implementation (transformers):
 the same logits, the same greedy tokens, and exports that transformers loads."""
 
+import fractions
+import io
 import json
 import math
 import re
@@ -26,6 +28,13 @@ SHAPES = [
     dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100),
     dict(n_layer=3, n_head=4, n_embd=64, n_positions=128, vocab_size=50257),
 ]
+
+
+def saved(obj: object) -> bytes:
+    """obj as torch.save writes it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def hf_model(tmp_path: Path, safe: bool = True, **shape) -> transformers.GPT2LMHeadModel:
@@ -107,11 +116,21 @@ def test_damaged_gpt2_folders_are_one_clear_error(tmp_path, damage, message):
         load_hf_gpt2(tmp_path)
 
 
-def test_a_damaged_pytorch_model_bin_is_one_clear_error(tmp_path):
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:200], "pytorch_model.bin is truncated or not a weights file"),
+    (lambda data: b"ROMEO:\n", "pytorch_model.bin is truncated or not a weights file (not a file "
+                               "that torch.save wrote)"),
+    (lambda data: saved({"lr": fractions.Fraction(1, 3)}),
+     "(it holds a fractions.Fraction, which a safe load refuses)"),
+    (lambda data: saved([torch.zeros(1)]), "pytorch_model.bin does not hold named weight tensors"),
+    (lambda data: saved({"h.0.ln_1.weight": torch.zeros(1)}),
+     "do not match its config.json: missing lm_head.weight, transformer.h.0.attn.c_attn.bias"),
+], ids=["truncated", "text", "another program's pickle", "a list", "a stray tensor"])
+def test_a_damaged_pytorch_model_bin_is_one_clear_error(tmp_path, damage, message):
     hf_model(tmp_path, safe=False, **SHAPES[0])
     weights = tmp_path / "pytorch_model.bin"
-    weights.write_bytes(weights.read_bytes()[:200])
-    with pytest.raises(GPT2FormatError, match="pytorch_model.bin is truncated or not a weights"):
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(GPT2FormatError, match=re.escape(message)):
         load_hf_gpt2(tmp_path)
 
 
