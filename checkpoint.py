@@ -102,6 +102,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     missing = [key for key in REQUIRED if key not in ckpt]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+    if not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["model"], dict):
+        raise CheckpointError(f"{path} is damaged: its model_args or model is not a dict")
     return ckpt
 
 
@@ -111,8 +113,35 @@ def unwrap_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return {k.removeprefix(prefix): v for k, v in state_dict.items()}
 
 
+def state_dict_mismatch(expected: dict[str, torch.Tensor], found: dict[str, Any],
+                        shape_source: str) -> str | None:
+    """Why `found` cannot load into a model whose state_dict is `expected` (names missing or
+    unexpected, or the first wrong shape), in a few words; None if it can."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [k for k in expected
+             if k in found and getattr(found[k], "shape", None) != expected[k].shape]
+    if missing:
+        return f"missing {', '.join(missing[:3])}"
+    if unexpected:
+        return f"unexpected {', '.join(unexpected[:3])}"
+    if wrong:
+        shape = getattr(found[wrong[0]], "shape", None)
+        return (f"{wrong[0]} is {tuple(shape) if shape is not None else 'not a tensor'} but "
+                f"{shape_source} implies {tuple(expected[wrong[0]].shape)}")
+    return None
+
+
 def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     """A GPT with the checkpoint's shape and weights, on the CPU, in eval mode."""
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(unwrap_state_dict(ckpt["model"]))
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint's model_args are not a model shape ({e})") from None
+    state = unwrap_state_dict(ckpt["model"])
+    problem = state_dict_mismatch(model.state_dict(), state, "model_args")
+    if problem:
+        raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
+                              f"the file is damaged, use another checkpoint")
+    model.load_state_dict(state)
     return model.eval()

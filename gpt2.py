@@ -27,7 +27,7 @@ import typer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from checkpoint import UnreadableFile, load_checkpoint, model_from_checkpoint, safe_load
+from checkpoint import UnreadableFile, load_checkpoint, model_from_checkpoint, safe_load, state_dict_mismatch
 from model import GPT, GPTConfig
 from storage import fsync_dir, write_bytes_atomic
 
@@ -110,19 +110,9 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
     if "transformer.wte.weight" in state:
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # tied
     model = GPT(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing:
-        detail = f"missing {', '.join(missing[:3])}"
-    elif unexpected:
-        detail = f"unexpected {', '.join(unexpected[:3])}"
-    elif wrong:
-        detail = (f"{wrong[0]} is {tuple(state[wrong[0]].shape)} but config.json implies "
-                  f"{tuple(expected[wrong[0]].shape)}")
-    if missing or unexpected or wrong:
-        raise GPT2FormatError(f"weights in {folder} do not match its config.json: {detail}")
+    problem = state_dict_mismatch(model.state_dict(), state, "config.json")
+    if problem:
+        raise GPT2FormatError(f"weights in {folder} do not match its config.json: {problem}")
     model.load_state_dict(state)
     if block_size is not None and block_size < config.block_size:
         model.crop_block_size(block_size)

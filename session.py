@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import distributed
 from attention import LayerPictures, token_labels
-from checkpoint import load_checkpoint, unwrap_state_dict
+from checkpoint import CheckpointError, load_checkpoint, state_dict_mismatch, unwrap_state_dict
 from data.loader import SPLITS, BatchStream, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from model import GPT
@@ -186,7 +186,13 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
 
 def restore(s: Session, ckpt: dict) -> None:
     """Put a run back as last.pt left it: weights, optimizer state, RNGs, batch stream."""
-    s.raw_model.load_state_dict(unwrap_state_dict(ckpt["model"]))
+    state = unwrap_state_dict(ckpt["model"])
+    problem = state_dict_mismatch(s.raw_model.state_dict(), state, "model_args")
+    if problem:
+        raise CheckpointError(f"cannot resume: the weights in {s.run_dir / 'last.pt'} do not "
+                              f"match its model_args ({problem}); the file is damaged: start "
+                              f"a new run without --resume")
+    s.raw_model.load_state_dict(state)
     states = ckpt["optimizer"]  # a list since optimizer = muon; one dict before
     for opt, state in zip(s.optimizers, states if isinstance(states, list) else [states],
                           strict=True):

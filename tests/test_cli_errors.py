@@ -42,6 +42,23 @@ def drop_meta_key(data: Path) -> None:
     (data / "meta.json").write_text(json.dumps(meta))
 
 
+def edited_checkpoint(**model_args) -> Callable[[Path, dict], None]:
+    """The trained checkpoint at {tmp}/c.pt, with model_args changed: weights that no longer fit."""
+    def make(tmp: Path, ctx: dict) -> None:
+        ckpt = torch.load(ctx["ckpt"], weights_only=True)
+        ckpt["model_args"].update(model_args)
+        torch.save(ckpt, tmp / "c.pt")
+    return make
+
+
+def damaged_run(tmp: Path, ctx: dict) -> None:
+    """{tmp}/runs/tiny, whose last.pt lacks one weight."""
+    ckpt = torch.load(ctx["ckpt"], weights_only=True)
+    del ckpt["model"]["transformer.h.1.ln_1.weight"]
+    (tmp / "runs" / "tiny").mkdir(parents=True)
+    torch.save(ckpt, tmp / "runs" / "tiny" / "last.pt")
+
+
 def hf_folder(damage: dict[str, bytes] | None = None, vocab_size: int = 50257,
               bin_weights: bool = False) -> Callable[[Path, dict], None]:
     """A small GPT-2 folder at {tmp}/hf, written by our own exporter, then damaged."""
@@ -98,6 +115,9 @@ CASES = {
     "run name is a file": ([*TRAIN, "--run-name", "taken"], write("runs/taken", b"x"), 1,
                            "error: {tmp}/runs/taken is a file"),
     "nothing to resume": ([*TRAIN, "--resume"], nothing, 1, "error: nothing to resume"),
+    "resume from damaged weights": ([*TRAIN, "--resume"], damaged_run, 1,
+                                    "error: cannot resume: the weights in {tmp}/runs/tiny/last.pt do "
+                                    "not match its model_args (missing transformer.h.1.ln_1.weight)"),
     "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
                              "Invalid value for '--max-iters'"),
     # prepared data
@@ -169,6 +189,13 @@ CASES = {
     "text for a checkpoint": (["sample.py", "--checkpoint", "{tmp}/c.pt"], write("c.pt", b"ROMEO:\n"), 1,
                               "error: checkpoint {tmp}/c.pt is truncated or not a checkpoint (not a "
                               "file that torch.save wrote)"),
+    "checkpoint weights that do not fit": (
+        ["sample.py", "--checkpoint", "{tmp}/c.pt"], edited_checkpoint(n_layer=3), 1,
+        "error: the checkpoint's weights do not match its model_args: missing transformer.h.2."),
+    "checkpoint with a foreign model_args key": (
+        ["gpt2.py", "{tmp}/c.pt", "{tmp}/hf"], edited_checkpoint(rope=True), 1,
+        "error: the checkpoint's model_args are not a model shape (GPTConfig.__init__() got an "
+        "unexpected keyword argument 'rope')"),
     "attention picture unwritable": ([*SAMPLE, "--attention", "/proc/gptlab/attention"], nothing, 1,
                                      "error: --attention cannot write to /proc/gptlab"),
     "a GPU this torch cannot use": pytest.param(
