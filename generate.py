@@ -192,13 +192,15 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     use_kv_cache is False.
     """
     check_sampling(temperature, top_k, top_p)
-    B, n = idx.size()  # n: tokens so far
+    B, n = idx.size()
     if n == 0:
         raise ValueError("generate needs a prompt of at least one token")
     block_size = model.config.block_size
-    seq = torch.empty(B, n + max_new_tokens, dtype=idx.dtype, device=idx.device)
-    seq[:, :n] = idx
-    start = max(0, n - block_size)  # first token inside the window
+    # the tokens the model sees, and room for the one sampled last: memory does not grow
+    # with max_new_tokens, so a generation can go on for as long as it is read
+    window = torch.empty(B, block_size + 1, dtype=idx.dtype, device=idx.device)
+    T = min(n, block_size)  # tokens in the window
+    window[:, :T] = idx[:, n - T:]
     cache, step = None, None
     if use_kv_cache:
         # every step attends over every slot of the cache, so give it no more slots than
@@ -210,20 +212,22 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     fresh = True  # the cache holds nothing of the current window yet
     next_token = idx[:, -1:]  # the newest token, which a decode step feeds in
     for _ in range(max_new_tokens):
-        if n - start > block_size:
-            start = n - block_size // 2
+        if T > block_size:
+            keep = block_size // 2
+            window[:, :keep] = window[:, T - keep:T]  # the two ranges do not overlap
+            T = keep
             fresh = True
         if cache is None:
-            logits, _ = model(seq[:, start:n], logits_from=-1)
+            logits, _ = model(window[:, :T], logits_from=-1)
         elif fresh:
-            logits = prefill(model, step, seq[:, start:n], cache)
+            logits = prefill(model, step, window[:, :T], cache)
             fresh = False
         else:  # decode: only the newest token, attending over the cache
-            input_pos = torch.tensor([n - 1 - start], device=idx.device)
+            input_pos = torch.tensor([T - 1], device=idx.device)
             logits = step(next_token, cache, input_pos)
         next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-        seq[:, n] = next_token[:, 0]
-        n += 1
+        window[:, T] = next_token[:, 0]
+        T += 1
         yield next_token
 
 

@@ -77,6 +77,21 @@ def test_cache_takes_the_autocast_dtype(model, dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2, msg=f"step {step}")
 
 
+def test_the_window_keeps_the_newest_half_block_when_the_next_token_would_not_fit(model):
+    # the policy restated over the whole sequence: the model first sees the prompt's last
+    # block_size tokens; when a token would not fit, the newest block_size // 2 stay
+    prompt = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(3))
+    out = generate(model, prompt, 30, temperature=0.0, use_kv_cache=False)
+    block_size = model.config.block_size
+    start, jumps = 20 - block_size, 0
+    for n in range(20, 50):
+        if n - start > block_size:
+            start, jumps = n - block_size // 2, jumps + 1
+        logits, _ = model(out[:, start:n])
+        assert torch.equal(logits[:, -1].argmax(-1), out[:, n]), n
+    assert jumps == 4  # at 21, 30, 39 and 48 tokens
+
+
 @pytest.mark.parametrize("decode", DECODE_BACKENDS)
 def test_every_decode_backend_gives_the_uncached_tokens_past_block_size(model, decode):
     # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
