@@ -66,7 +66,11 @@ def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, 
 
 def check_stride(stride: int | None, block_size: int) -> int:
     """The stride to use: block_size // 2 by default; refuse one that leaves tokens unscored."""
-    stride = stride or max(block_size // 2, 1)
+    if block_size < 2:  # a window predicts its own tokens after the first: here, none
+        raise ValueError(f"this model's block_size is {block_size}, and a window must hold a "
+                         f"token and the one it predicts; evaluate.py scores models with "
+                         f"block_size 2 or more")
+    stride = stride or block_size // 2
     if not 1 <= stride < block_size:
         raise ValueError(f"stride must be at least 1 and below block_size ({block_size}), so "
                          f"that windows overlap and no token goes unscored; got {stride}")

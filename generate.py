@@ -185,8 +185,8 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     """Yield (B, 1) new tokens one step at a time, continuing the (B, T) prompt `idx`.
 
     Context window: the model sees at most block_size tokens. When the next token would
-    not fit, the window jumps forward to keep the most recent block_size // 2 tokens (and
-    the cache is rebuilt from them by one prefill). The cached and uncached paths use the
+    not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
+    least one), and the cache is rebuilt from them by one prefill. The cached and uncached paths use the
     same window, so they produce the same logits at every step.
     decode: a backend name (see decode_step) or a step built by decode_step; ignored when
     use_kv_cache is False.
@@ -213,7 +213,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     next_token = idx[:, -1:]  # the newest token, which a decode step feeds in
     for _ in range(max_new_tokens):
         if T > block_size:
-            keep = block_size // 2
+            keep = max(1, block_size // 2)  # one, for a bigram model's block_size 1
             window[:, :keep] = window[:, T - keep:T]  # the two ranges do not overlap
             T = keep
             fresh = True

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from evaluate import evaluate, windows
+from evaluate import check_stride, evaluate, windows
 from loading import load_model
 from tokenizer import load_tokenizer
 
@@ -29,6 +29,12 @@ def test_every_token_after_the_first_is_scored_exactly_once():
         scored = [t for _, end, first in windows(n, block, stride) for t in range(first, end)]
         assert scored == list(range(1, n))
         assert all(end - begin <= block for begin, end, _ in windows(n, block, stride))
+
+
+def test_the_default_stride_is_half_the_block_and_a_block_of_one_is_refused():
+    assert [check_stride(None, block) for block in (2, 3, 64)] == [1, 1, 32]
+    with pytest.raises(ValueError, match="block_size 2 or more"):
+        check_stride(None, 1)  # a bigram model: a window of one token predicts nothing
 
 
 def transformers_loss(model, ids: list[int], block: int, stride: int) -> float:

@@ -92,6 +92,18 @@ def test_the_window_keeps_the_newest_half_block_when_the_next_token_would_not_fi
     assert jumps == 4  # at 21, 30, 39 and 48 tokens
 
 
+def test_a_bigram_model_with_block_size_1_generates_past_its_window():
+    # the window keeps block_size // 2 tokens when it jumps: none, unless at least one
+    torch.manual_seed(0)
+    bigram = GPT(GPTConfig(vocab_size=10, block_size=1, n_layer=1, n_head=1, n_embd=8)).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    uncached = generate(bigram, prompt, 6, temperature=0.0, use_kv_cache=False)
+    assert torch.equal(generate(bigram, prompt, 6, temperature=0.0), uncached)
+    for n in range(3, 9):  # each token follows from the one before it alone
+        logits, _ = bigram(uncached[:, n - 1:n])
+        assert uncached[0, n] == logits[0, -1].argmax()
+
+
 @pytest.mark.parametrize("decode", DECODE_BACKENDS)
 def test_every_decode_backend_gives_the_uncached_tokens_past_block_size(model, decode):
     # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
