@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -110,13 +111,16 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> DecodeStep:
     device = model.lm_head.weight.device
     if device.type == "cuda" and cuda_graphs:
         graphed = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        marked: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches seen, marked once each
 
         def replay(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
             # A graph may write into the cache in place only if the cache stays at one
             # address; otherwise it would copy the whole cache in and out at every step.
             # Unguarded: a new cache (a new generation) re-records the graph, no recompile.
-            for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos):
-                torch._dynamo.mark_static_address(buffer, guard=False)
+            if kv_cache not in marked:
+                for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos):
+                    torch._dynamo.mark_static_address(buffer, guard=False)
+                marked.add(kv_cache)
             # the logits live in the graph's memory, which its next replay overwrites
             return graphed(idx, kv_cache, input_pos).clone()
         return replay
