@@ -190,8 +190,8 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
 
     Context window: the model sees at most block_size tokens. When the next token would
     not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
-    least one), and the cache is rebuilt from them by one prefill. The cached and uncached paths use the
-    same window, so they produce the same logits at every step.
+    least one), and the cache is rebuilt from them by one prefill. The cached and uncached
+    paths use the same window, so they produce the same logits at every step.
     decode: a backend name (see decode_step) or a step built by decode_step; ignored when
     use_kv_cache is False.
     """
