@@ -13,7 +13,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
@@ -22,7 +21,7 @@ from tqdm import tqdm
 import distributed
 from attention import LayerPictures, token_labels
 from checkpoint import CheckpointError, load_checkpoint, state_dict_mismatch, unwrap_state_dict
-from data.loader import SPLITS, BatchStream, load_meta, load_split
+from data.loader import SPLITS, BatchStream, Tokens, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from model import GPT
 from optimizer import configure_optimizers
@@ -32,7 +31,7 @@ from tokenizer import Tokenizer, load_tokenizer
 from train_config import ConfigError, TrainConfig
 
 
-def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, np.ndarray]]:
+def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, Tokens]]:
     """The dataset's meta and memmapped splits, preparing a built-in dataset if missing
     (by rank 0 alone, while the other processes wait)."""
     data_dir = Path(cfg.data_dir)
@@ -91,7 +90,7 @@ def setting_tokens(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def probe_tokens(cfg: TrainConfig, tokenizer: Tokenizer, val: np.ndarray) -> list[int]:
+def probe_tokens(cfg: TrainConfig, tokenizer: Tokenizer, val: Tokens) -> list[int]:
     """The token ids whose attention is logged at each evaluation."""
     if not cfg.attention_probe:
         return val[:min(32, cfg.block_size)].tolist()
@@ -113,7 +112,7 @@ class Session:
     autocast: AbstractContextManager
     run_dir: Path
     meta: dict
-    splits: dict[str, np.ndarray]
+    splits: dict[str, Tokens]
     tokenizer: Tokenizer
     raw_model: GPT  # the plain module: checkpoints save its weights, never a compiled one's
     model: torch.nn.Module  # what the step calls: raw_model, maybe compiled, maybe in DDP

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import torch
 import typer
 from tqdm import tqdm
@@ -30,7 +29,7 @@ import distributed
 from assets import AssetError
 from attention import log_attention
 from checkpoint import CheckpointError, link_checkpoint, save_checkpoint
-from data.loader import get_batch
+from data.loader import Tokens, get_batch
 from data.sources import DataError
 from generate import generate
 from model import GPT
@@ -74,7 +73,7 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def estimate_loss(model: torch.nn.Module, splits: dict[str, np.ndarray], cfg: TrainConfig,
+def estimate_loss(model: torch.nn.Module, splits: dict[str, Tokens], cfg: TrainConfig,
                   device: torch.device, autocast: Any,
                   dist: distributed.Dist | None = None) -> dict[str, float]:
     """Mean loss over eval_iters batches per split (call it in eval mode). The batches are

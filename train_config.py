@@ -36,9 +36,9 @@ def opt(default: Any, help: str) -> Any:
 @dataclass
 class TrainConfig:
     # data
-    data_dir: str = opt("data/shakespeare_char", "prepared dataset folder (train.bin, val.bin, "
-                        "meta.json); data/shakespeare_char and data/shakespeare_bpe are "
-                        "prepared automatically when missing")
+    data_dir: str = opt("data/shakespeare_char", "prepared dataset folder (shards and "
+                        "meta.json, from data.prepare); data/shakespeare_char and "
+                        "data/shakespeare_bpe are prepared automatically when missing")
     # model
     init_from: str = opt("", "Hugging Face GPT-2 folder to fine-tune; its config.json sets the "
                          "shape (n_layer, n_head, n_embd are then ignored) and block_size "

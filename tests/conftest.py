@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.prepare import prepare
+from data.prepare import prepare_text
 from model import GPT, GPTConfig
 from train_config import load_config
 
@@ -36,7 +36,7 @@ def corpus_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory, corpus_file) -> Path:
     out = tmp_path_factory.mktemp("data") / "plays_char"
-    prepare(corpus_file.read_text(), "char", out, source=str(corpus_file))
+    prepare_text(corpus_file.read_text(), "char", out, source=str(corpus_file), shard_tokens=5000)
     return out
 
 

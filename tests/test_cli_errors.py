@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.prepare import prepare
+from data.prepare import prepare_text
 from gpt2 import export_hf_gpt2
 from model import GPT, GPTConfig
 
@@ -133,8 +133,9 @@ CASES = {
                             damaged_data(edit_meta(dtype="int3")), 1, "int3"),
     "token ids outside the vocabulary": (
         [*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
-        damaged_data(lambda d: (d / "val.bin").write_bytes(
-            b"\xff\xff" * ((d / "val.bin").stat().st_size // 2))), 1, "outside the vocabulary"),
+        damaged_data(lambda d: [shard.write_bytes(b"\xff\xff" * (shard.stat().st_size // 2))
+                                for shard in d.glob("tokens_*.bin")]), 1,
+        "a shard is damaged: prepare the dataset again"),
     "corpus is not UTF-8": (["-m", "data.prepare", "--input", "{tmp}/c.txt", "--out", "{tmp}/out"],
                             write("c.txt", b"caf\xe9\n"), 1,
                             "error: {tmp}/c.txt is not valid UTF-8 (byte offset 3, line 1)"),
@@ -225,7 +226,7 @@ CASES = {
 def bpe_data(tmp_path_factory, corpus_file) -> Path:
     """The test corpus prepared with GPT-2's tokenizer, which init_from needs."""
     out = tmp_path_factory.mktemp("bpe") / "plays_gpt2"
-    prepare(corpus_file.read_text(), "gpt2", out, source=str(corpus_file))
+    prepare_text(corpus_file.read_text(), "gpt2", out, source=str(corpus_file))
     return out
 
 

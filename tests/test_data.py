@@ -11,7 +11,7 @@ import torch
 
 from assets import sha256_bytes
 from data.loader import get_batch, load_meta, load_split
-from data.prepare import prepare
+from data.prepare import prepare_text
 from data.sources import DataError, read_text, shakespeare_text
 from tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
@@ -49,11 +49,10 @@ def test_gpt2_tokenizer_round_trips_and_matches_known_ids():
 @pytest.mark.parametrize("kind", ["char", "gpt2"])
 def test_prepared_bins_decode_back_to_the_source_text(tmp_path, kind):
     text = TEXT * 20
-    meta = prepare(text, kind, tmp_path, source="test")
+    meta = prepare_text(text, kind, tmp_path, source="test")
     assert load_meta(tmp_path) == meta
-    assert meta["source_sha256"] == sha256_bytes(text.encode())
     tok = load_tokenizer(meta["tokenizer"])
-    ids = np.concatenate([load_split(tmp_path, "train"), load_split(tmp_path, "val")])
+    ids = np.concatenate([load_split(tmp_path, "train")[:], load_split(tmp_path, "val")[:]])
     assert ids.dtype == np.uint16
     assert tok.decode(ids.tolist()) == text
     assert meta["val_tokens"] == int(len(ids) * 0.1)
@@ -65,7 +64,7 @@ def test_get_batch_targets_are_inputs_shifted_by_one(char_data):
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     # every row is a real window of the data
-    flat = torch.from_numpy(data.astype(np.int64))
+    flat = torch.from_numpy(data[:].astype(np.int64))
     for row_x, row_y in zip(x, y, strict=True):
         starts = [i for i in range(len(flat) - 16) if torch.equal(flat[i:i + 16], row_x)]
         assert any(torch.equal(flat[s + 1:s + 17], row_y) for s in starts)
@@ -92,7 +91,7 @@ def test_unusable_text_is_refused_with_the_reason(tmp_path, content, message):
 
 def test_too_short_text_cannot_be_split(tmp_path):
     with pytest.raises(DataError, match="too few to split"):
-        prepare("abc", "char", tmp_path, source="tiny")
+        prepare_text("abc", "char", tmp_path, source="tiny")
     assert not (tmp_path / "meta.json").exists()
 
 
@@ -113,6 +112,9 @@ def test_builtin_corpus_is_identical_everywhere():
     (lambda meta: json.dumps({**meta, "tokenizer": {"kind": "sentencepiece"}}),
      "or tokenizer ({'kind': 'sentencepiece'})"),
     (lambda meta: json.dumps({**meta, "vocab_size": 3}), "outside the vocabulary of 3"),
+    (lambda meta: json.dumps({**meta, "shards": [{"file": 3}]}), "damaged shard list or split"),
+    (lambda meta: json.dumps({**meta, "shards": [{**meta["shards"][0], "tokens": 10**9}]}),
+     "tokens_000000.bin is missing or not 2000000000 bytes as meta.json says"),
 ])
 def test_damaged_prepared_data_is_one_clear_error(tmp_path, char_data, damage, message):
     copy = tmp_path / "copy"

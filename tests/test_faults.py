@@ -221,10 +221,10 @@ def test_prepare_refuses_unusable_corpora(tmp_path, content, message):
 
 
 def test_resume_with_data_of_another_vocabulary_is_refused(tiny_config, tmp_path):
-    from data.prepare import prepare
+    from data.prepare import prepare_text
     train(dataclasses.replace(tiny_config, max_iters=5, eval_interval=5, sample_tokens=0))
     other = tmp_path / "other_data"
-    prepare("completely different text, with digits 0123456789!\n" * 50, "char", other, "other")
+    prepare_text("completely different text, with digits 0123456789!\n" * 50, "char", other, "other")
     with pytest.raises(ConfigError,
                        match="cannot resume: .* was trained with another tokenizer or vocabulary"):
         train(dataclasses.replace(tiny_config, data_dir=str(other), max_iters=10,

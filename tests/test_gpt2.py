@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from data.prepare import prepare
+from data.prepare import prepare_text
 from generate import generate
 from gpt2 import GPT2FormatError, export_hf_gpt2, load_hf_gpt2
 from train import train
@@ -156,7 +156,7 @@ def test_sample_cli_samples_from_a_gpt2_folder(tmp_path):
 
 def test_training_fine_tunes_a_gpt2_folder(tmp_path):
     hf_model(tmp_path / "gpt2", **SHAPES[1])
-    prepare("To be, or not to be, that is the question.\n" * 200, "gpt2", tmp_path / "data", "test")
+    prepare_text("To be, or not to be, that is the question.\n" * 200, "gpt2", tmp_path / "data", "test")
     cfg = load_config(REPO / "config" / "tiny.toml", {
         "init_from": str(tmp_path / "gpt2"), "data_dir": str(tmp_path / "data"),
         "out_dir": str(tmp_path / "runs"), "block_size": 32, "max_iters": 30, "eval_interval": 30,

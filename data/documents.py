@@ -1,0 +1,237 @@
+"""Documents from corpus files of every format, read as batches of work for the tokenizers.
+
+Usage:
+    from data.documents import list_inputs, read_batches, batch_texts
+    inputs = list_inputs(["corpus/", "web.jsonl.zst"])    # files, checked before any work
+    for batch in read_batches(inputs):                     # the main process reads bytes
+        for text, starts_document in batch_texts(batch):   # a worker parses and decodes
+            ...
+
+The formats, one row each in FORMATS:
+- `.txt`: the whole file is one document, UTF-8. A large file is read in pieces of about
+  BATCH_BYTES, cut just before a newline that follows an ASCII letter: the split patterns of
+  GPT-2's and GPT-4's BPE always split there (a run of letters never takes a newline, and a
+  run of whitespace depends only on what follows it), so the pieces tokenize as the whole
+  file would. A piece with no such newline in 4 x
+  BATCH_BYTES (a file of one endless line) is cut at a character boundary.
+- `.jsonl`, `.jsonl.gz`, `.jsonl.zst`: one JSON object per line, the document in its text
+  field (`--text-field`, default "text"). Blank lines are skipped.
+- `.parquet`: one document per row of the text column.
+
+A folder is read recursively, its files of these formats in path order; a file named on the
+command line with another suffix is read as text. A record without the field, or whose
+field is not a string, stops the run with the file and line (or row): nothing is skipped
+silently. Reading and decoding are split so that the main process only moves bytes and the
+workers do the parsing, in parallel.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from data.sources import DataError, decode_text
+
+BATCH_BYTES = 1 << 20  # text per unit of work: large enough to amortise the hand-off
+PARQUET_ROWS = 512
+
+
+def open_zstd(raw: BinaryIO) -> BinaryIO:
+    import zstandard
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+
+
+# suffix -> (record kind, opener of the decompressed stream, the module it needs or "")
+FORMATS: dict[str, tuple[str, Callable[[BinaryIO], BinaryIO], str]] = {
+    ".txt": ("text", lambda raw: raw, ""),
+    ".jsonl": ("jsonl", lambda raw: raw, ""),
+    ".jsonl.gz": ("jsonl", lambda raw: gzip.GzipFile(fileobj=raw), ""),
+    ".jsonl.zst": ("jsonl", open_zstd, "zstandard"),
+    ".parquet": ("parquet", lambda raw: raw, "pyarrow"),
+}
+
+
+@dataclass(frozen=True)
+class Input:
+    """One corpus file, or text held in memory (`data`), and the suffix that says its format."""
+    name: str
+    suffix: str
+    size: int
+    data: bytes | None = None
+
+    def open(self) -> BinaryIO:
+        if self.data is not None:
+            return io.BytesIO(self.data)
+        try:
+            return open(self.name, "rb")
+        except OSError as e:
+            raise DataError(f"cannot read {self.name} ({e.strerror}); check that the file "
+                            f"is there and readable") from None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A unit of work: raw bytes of text or JSON lines, or Parquet strings, with where they
+    came from so that a worker's error can name the file and line."""
+    name: str
+    kind: str                  # "text", "jsonl" or "parquet"
+    data: bytes | list
+    line: int                  # first line (or, for parquet, row) of data, counted from 1
+    offset: int                # byte offset of data in the decompressed file
+    continues: bool = False    # text: data goes on with the previous batch's document
+    field: str = "text"
+    read: int = 0              # bytes of the file on disk consumed so far (progress)
+
+
+def format_of(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in sorted(FORMATS, key=len, reverse=True) if name.endswith(s)), None)
+
+
+def list_inputs(paths: list[str | Path]) -> list[Input]:
+    """Every corpus file under `paths`, in order, each checked to exist and be readable by
+    the modules installed here, before any work starts."""
+    inputs = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and format_of(p))
+            if not found:
+                raise DataError(f"no corpus files in folder {path}; give .txt, .jsonl, "
+                                f".jsonl.gz, .jsonl.zst or .parquet files")
+            inputs += [Input(str(p), format_of(p), p.stat().st_size) for p in found]
+        elif path.is_file():
+            inputs.append(Input(str(path), format_of(path) or ".txt", path.stat().st_size))
+        else:
+            raise DataError(f"input {path} does not exist; give a file or a folder of files")
+    for suffix in {i.suffix for i in inputs}:
+        module = FORMATS[suffix][2]
+        if module:
+            try:
+                __import__(module)
+            except ImportError:
+                raise DataError(f"reading {suffix} files needs {module}, which is not "
+                                f"installed; run: pip install {module}") from None
+    return inputs
+
+
+def read_batches(inputs: list[Input], text_field: str = "text",
+                 batch_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
+    """The corpus as batches, in input order. The same files give the same batches on every
+    run, which is what lets an interrupted preparation resume at a batch."""
+    done = 0
+    for item in inputs:
+        kind = FORMATS[item.suffix][0]
+        if kind == "parquet":
+            batches = parquet_batches(item, text_field)
+        else:
+            batches = stream_batches(item, kind, text_field, batch_bytes)
+        for batch in batches:
+            yield Batch(**{**batch.__dict__, "read": done + batch.read})
+        done += item.size
+
+
+def stream_batches(item: Input, kind: str, field: str, batch_bytes: int) -> Iterator[Batch]:
+    raw = item.open()
+    try:
+        stream = FORMATS[item.suffix][1](raw)
+        line, offset, carry, first = 1, 0, b"", True
+        while True:
+            try:
+                block = stream.read(batch_bytes)
+            except Exception as e:  # gzip, zlib and zstandard each have their own errors
+                raise DataError(f"{item.name} cannot be decompressed ({e}); the file is "
+                                f"damaged or not {item.suffix}") from None
+            data = carry + block
+            if not data:
+                return
+            cut = cut_point(data, kind, len(data) >= 4 * batch_bytes) if block else len(data)
+            if cut == 0:  # no place to cut yet: read on
+                carry = data
+                continue
+            piece, carry = data[:cut], data[cut:]
+            yield Batch(item.name, kind, piece, line, offset, continues=not first, field=field,
+                        read=raw.tell())
+            line += piece.count(b"\n")
+            offset += len(piece)
+            first = False
+    finally:
+        raw.close()
+
+
+def cut_point(data: bytes, kind: str, force: bool) -> int:
+    """Where to end this batch: after the last whole line of JSON, or for text just before
+    the last newline that an ASCII letter precedes (see the module docstring)."""
+    if kind == "jsonl":
+        return data.rfind(b"\n") + 1
+    end = len(data)
+    while (i := data.rfind(b"\n", 1, end)) > 0:
+        if chr(data[i - 1]).isascii() and chr(data[i - 1]).isalpha():
+            return i
+        end = i
+    if not force:
+        return 0
+    cut = len(data)  # no such newline: cut before the last character that starts here
+    while cut > 1 and data[cut - 1] & 0xC0 == 0x80:
+        cut -= 1
+    return max(cut - 1, 1)
+
+
+def parquet_batches(item: Input, field: str) -> Iterator[Batch]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        parquet = pq.ParquetFile(item.name)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{item.name} is not a readable Parquet file ({e}); check the "
+                        f"file") from None
+    schema = parquet.schema_arrow
+    if field not in schema.names:
+        raise DataError(f"{item.name} has no column {field!r} (its columns: "
+                        f"{', '.join(schema.names)}); name the text column with --text-field")
+    column = schema.field(field).type
+    if not (pa.types.is_string(column) or pa.types.is_large_string(column)):
+        raise DataError(f"{item.name}: column {field!r} holds {column}, not text; name the "
+                        f"text column with --text-field")
+    rows, total = 0, max(parquet.metadata.num_rows, 1)
+    for record_batch in parquet.iter_batches(batch_size=PARQUET_ROWS, columns=[field]):
+        texts = record_batch.column(0).to_pylist()
+        yield Batch(item.name, "parquet", texts, rows + 1, 0, field=field,
+                    read=item.size * (rows + len(texts)) // total)
+        rows += len(texts)
+
+
+def batch_texts(batch: Batch) -> list[tuple[str, bool]]:
+    """The texts of a batch, each with whether it starts a document. Runs in a worker."""
+    if batch.kind == "text":
+        return [(decode_text(batch.data, batch.name, batch.offset, batch.line), not batch.continues)]
+    if batch.kind == "parquet":
+        for i, text in enumerate(batch.data):
+            if text is None:
+                raise DataError(f"{batch.name} row {batch.line + i} has no {batch.field!r} "
+                                f"(null); remove the row or fill it")
+        return [(text, True) for text in batch.data]
+    texts = []
+    for i, line in enumerate(batch.data.split(b"\n")):
+        if not line.strip():
+            continue
+        where = f"{batch.name} line {batch.line + i}"
+        try:
+            record = json.loads(line)
+        except UnicodeDecodeError:
+            raise DataError(f"{where} is not valid UTF-8; convert the file to UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where} is not valid JSON ({e.msg}, column {e.colno}); fix or "
+                            f"remove the line") from None
+        text = record.get(batch.field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            got = "no such field" if text is None else f"a {type(text).__name__}"
+            raise DataError(f"{where} has no text in field {batch.field!r} ({got}); name the "
+                            f"text field with --text-field")
+        texts.append((text, True))
+    return texts
+

@@ -1,0 +1,262 @@
+"""The streaming preparation: every input format gives the same token stream, workers do not
+change a byte, a killed or disk-full run resumes to the bytes of an uninterrupted one,
+validation holds whole documents, old datasets load, and bad input is one line."""
+
+import gzip
+import json
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data.documents import list_inputs
+from data.loader import get_batch, load_meta, load_split
+from data.prepare import CHAR_SEPARATOR, prepare
+from tokenizer import GPT2Tokenizer, load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_documents(n: int = 120, seed: int = 0) -> list[str]:
+    """Documents of a few lines each, some with non-ASCII text and blank lines."""
+    rng = random.Random(seed)
+    words = ["moon", "rose", "naïve", "café", "東京", "sword", "night", "42", "O!", "thee"]
+    return ["\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+                      for _ in range(rng.randint(1, 6))) + rng.choice(["", "\n", "\n\n"])
+            for _ in range(n)]
+
+
+def write_corpus(folder: Path, docs: list[str], fmt: str) -> Path:
+    """The documents in one of the input formats; the path to give --input."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = b"".join(json.dumps({"id": i, "text": d}).encode() + b"\n" for i, d in enumerate(docs))
+    if fmt == "txt":
+        for i, doc in enumerate(docs):
+            (folder / f"doc_{i:04d}.txt").write_text(doc, encoding="utf-8")
+        return folder
+    if fmt == "jsonl":
+        (folder / "c.jsonl").write_bytes(lines)
+    elif fmt == "jsonl.gz":
+        (folder / "c.jsonl.gz").write_bytes(gzip.compress(lines))
+    elif fmt == "jsonl.zst":
+        import zstandard
+        (folder / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}),
+                       folder / "c.parquet", row_group_size=50)
+    return folder / f"c.{fmt}"
+
+
+def stream(out: Path) -> np.ndarray:
+    """Every token of a prepared dataset, in stream order."""
+    meta = load_meta(out)
+    return np.concatenate([np.fromfile(out / s["file"], dtype=meta["dtype"]) for s in meta["shards"]])
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet"])
+def test_every_format_gives_the_documents_separated_by_end_of_text(tmp_path, fmt):
+    docs = make_documents()
+    path = write_corpus(tmp_path / "in", docs, fmt)
+    meta = prepare(list_inputs([path]), "gpt2", tmp_path / "out", str(path), shard_tokens=1000,
+                   batch_bytes=1000)
+    tok = GPT2Tokenizer()
+    expected = tok.encode(docs[0])
+    for doc in docs[1:]:
+        expected += [tok.eot_token] + tok.encode(doc)
+    assert stream(tmp_path / "out").tolist() == expected
+    assert meta["documents"] == len(docs) and len(meta["shards"]) == -(-len(expected) // 1000)
+    assert meta["max_token"] == max(expected)
+
+
+def test_char_documents_are_separated_by_a_blank_line(tmp_path):
+    docs = make_documents(30)
+    path = write_corpus(tmp_path / "in", docs, "jsonl")
+    meta = prepare(list_inputs([path]), "char", tmp_path / "out", "c", shard_tokens=500)
+    text = load_tokenizer(meta["tokenizer"]).decode(stream(tmp_path / "out").tolist())
+    assert text == CHAR_SEPARATOR.join(docs)
+
+
+def test_one_worker_and_two_write_the_same_bytes(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(300), "jsonl")
+    for workers in (1, 2):
+        prepare(list_inputs([path]), "gpt2", tmp_path / f"w{workers}", "c", shard_tokens=1000,
+                batch_bytes=2000, workers=workers)
+    assert len(files(tmp_path / "w1")) > 5
+    assert files(tmp_path / "w1") == files(tmp_path / "w2")
+
+
+def test_validation_holds_the_last_whole_documents(tmp_path):
+    docs = make_documents(200)
+    path = write_corpus(tmp_path / "in", docs, "jsonl")
+    meta = prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c", shard_tokens=700)
+    tok = GPT2Tokenizer()
+    val = load_split(tmp_path / "out", "val")[:].tolist()
+    assert val[0] == tok.eot_token  # it starts where a document does
+    val_docs = tok.decode(val[1:]).split("<|endoftext|>")
+    assert val_docs == docs[-len(val_docs):]
+    total = meta["train_tokens"] + meta["val_tokens"]
+    assert 0.05 * total < meta["val_tokens"] <= 0.1 * total
+
+
+def test_a_text_of_one_document_is_split_inside_it(tmp_path):
+    text = "".join(make_documents(50))
+    meta = prepare(list_inputs([write_text(tmp_path / "one.txt", text)]), "char",
+                   tmp_path / "out", "one", shard_tokens=333, batch_bytes=500)
+    assert meta["documents"] == 1
+    n = len(text)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (n - int(n * 0.1), int(n * 0.1))
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_large_text_pieces_tokenize_as_the_whole_text(tmp_path):
+    # a .txt file is read in pieces cut after newlines; BPE must not see the seams
+    text = "\n".join(make_documents(80))
+    path = write_text(tmp_path / "one.txt", text)
+    prepare(list_inputs([path]), "gpt2", tmp_path / "out", "one", batch_bytes=300)
+    assert stream(tmp_path / "out").tolist() == GPT2Tokenizer().encode(text)
+
+
+def test_windows_cross_shard_boundaries_and_are_windows_of_the_stream(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(100), "jsonl")
+    prepare(list_inputs([path]), "char", tmp_path / "out", "c", shard_tokens=97)
+    train, whole = load_split(tmp_path / "out", "train"), stream(tmp_path / "out")
+    assert len(train.pieces) > 20
+    assert np.array_equal(train[90:310], whole[90:310])  # across three shards
+    x, y = get_batch(train, block_size=64, batch_size=32, generator=torch.Generator().manual_seed(0))
+    text = whole.astype(np.int64).tobytes()
+    for row_x, row_y in zip(x, y, strict=True):
+        assert row_x.numpy().tobytes() in text and torch.equal(row_x[1:], row_y[:-1])
+
+
+def run_prepare(args: str, **popen) -> subprocess.Popen:
+    """data.prepare's prepare() in a real subprocess, with small batches and shards."""
+    code = ("import sys; from data.documents import list_inputs; from data.prepare import prepare; "
+            f"prepare(list_inputs([sys.argv[1]]), 'gpt2', sys.argv[2], 'c', {args})")
+    return subprocess.Popen([sys.executable, "-c", code, *popen.pop("argv")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_a_killed_preparation_resumes_to_the_same_bytes(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(3000), "jsonl")
+    options = "shard_tokens=400, batch_bytes=3000"
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert run_prepare(options, argv=[str(path), str(whole)]).wait(timeout=300) == 0
+    for kill_at in (3, 40):  # whole shards on disk when the kill comes
+        proc = run_prepare(options, argv=[str(path), str(cut)])
+        while len(list(cut.glob("tokens_*.bin"))) < kill_at and proc.poll() is None:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (cut / "meta.json").exists(), "finished before the kill; use a longer corpus"
+    assert run_prepare(options, argv=[str(path), str(cut)]).wait(timeout=300) == 0
+    assert files(cut) == files(whole)
+
+
+def test_a_disk_that_fills_mid_write_stops_cleanly_and_resumes(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(600), "jsonl")
+    options = "shard_tokens=1000, batch_bytes=3000"
+    whole, full = tmp_path / "whole", tmp_path / "full"
+    assert run_prepare(options, argv=[str(path), str(whole)]).wait(timeout=300) == 0
+
+    def small_disk():  # files past 3 KB fail to grow, as on a full disk (EFBIG, not a signal)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+    code = ("import sys; from data.prepare import main; import typer; typer.run(main)")
+    result = subprocess.run([sys.executable, "-c", code, "--input", str(path), "--tokenizer",
+                             "gpt2", "--out", str(full), "--shard-tokens", "1000"],
+                            cwd=REPO, capture_output=True, text=True, preexec_fn=small_disk)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: cannot write the dataset to {full} (File too large)")
+    assert len(result.stderr.splitlines()) == 1
+    assert not (full / "meta.json").exists() and not list(full.glob(".tokens_*"))
+    # the same command with room to write resumes (batches of the CLI's default size)
+    whole_cli = tmp_path / "whole_cli"
+    for out in (full, whole_cli):
+        subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path), "--tokenizer",
+                        "gpt2", "--out", str(out), "--shard-tokens", "1000"], cwd=REPO, check=True,
+                       capture_output=True)
+    assert files(full) == files(whole_cli)
+
+
+def test_another_command_into_a_dataset_folder_is_refused_and_force_replaces(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
+    first = prepare(list_inputs([path]), "char", tmp_path / "out", "c")
+    assert prepare(list_inputs([path]), "char", tmp_path / "out", "c") == first  # done already
+    with pytest.raises(ValueError, match="holds another dataset; choose another --out, or add "
+                                         "--force to replace it"):
+        prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c")
+    assert load_meta(tmp_path / "out") == first
+    assert prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c", force=True)["vocab_size"] == 50257
+
+
+def test_a_dataset_from_before_shards_still_loads(tmp_path):
+    ids = np.arange(300, dtype=np.uint16) % 50
+    (tmp_path / "train.bin").write_bytes(ids[:270].tobytes())
+    (tmp_path / "val.bin").write_bytes(ids[270:].tobytes())
+    chars = "".join(chr(65 + i) for i in range(50))
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "tokenizer": {"kind": "char", "vocab_size": 50, "chars": chars}, "vocab_size": 50,
+        "dtype": "uint16", "train_tokens": 270, "val_tokens": 30}))
+    train, val = load_split(tmp_path, "train"), load_split(tmp_path, "val")
+    assert np.array_equal(train[:], ids[:270]) and np.array_equal(val[:], ids[270:])
+    x, y = get_batch(val, block_size=8, batch_size=4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 50
+
+
+def bad_jsonl(lines: list[bytes]) -> bytes:
+    return b"\n".join(lines) + b"\n"
+
+
+@pytest.mark.parametrize("name, content, hide, message", [
+    ("c.jsonl", bad_jsonl([b'{"text": "ok"}', b'{"text": "ok"}', b'{"text": "broken']), "",
+     "c.jsonl line 3 is not valid JSON (Unterminated string starting at, column 10); fix or "
+     "remove the line"),
+    ("c.jsonl", bad_jsonl([b'{"text": "ok"}', b'{"body": "no text field"}']), "",
+     "c.jsonl line 2 has no text in field 'text' (no such field); name the text field with "
+     "--text-field"),
+    ("c.jsonl", bad_jsonl([b'{"text": 7}']), "", "c.jsonl line 1 has no text in field 'text' (a int)"),
+    ("c.jsonl", b'{"text": "caf\xe9"}\n', "", "c.jsonl line 1 is not valid UTF-8"),
+    ("c.jsonl.gz", b"\x1f\x8b\x08\x00 not really gzip", "", "c.jsonl.gz cannot be decompressed"),
+    ("c.txt", b"fine\nline\ncaf\xe9\n", "", "c.txt is not valid UTF-8 (byte offset 13, line 3)"),
+    ("c.parquet", None, "", "c.parquet has no column 'text' (its columns: body); name the text "
+                            "column with --text-field"),
+    ("c.parquet", None, "pyarrow", "reading .parquet files needs pyarrow, which is not "
+                                   "installed; run: pip install pyarrow"),
+    ("c.jsonl.zst", b"", "zstandard", "reading .jsonl.zst files needs zstandard, which is not "
+                                      "installed; run: pip install zstandard"),
+])
+def test_bad_input_is_one_line_naming_the_file_and_nothing_is_left(tmp_path, name, content,
+                                                                    hide, message):
+    path = tmp_path / name
+    if content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"body": ["a document"] * 10}), path)
+    else:
+        path.write_bytes(content)
+    # hiding a module as an uninstalled one does: its import raises ImportError
+    code = (f"import sys; sys.modules[{hide!r}] = None; " if hide else "import sys; ") + \
+        "import runpy; sys.argv[0] = 'prepare'; runpy.run_module('data.prepare', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", code, "--input", str(path), "--out",
+                             str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists()
