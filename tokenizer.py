@@ -24,6 +24,7 @@ class Tokenizer(Protocol):
     eot_token: int | None  # end-of-text id, if the vocabulary has one
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_array(self, text: str) -> np.ndarray: ...
     def decode(self, ids: list[int]) -> str: ...
     def to_meta(self) -> dict: ...
 
@@ -39,6 +40,9 @@ class CharTokenizer:
         self.chars = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.vocab_size = len(chars)
+        # code point -> id (-1: not in the table), for encoding whole corpora at numpy speed
+        self.table = np.full(max(map(ord, chars), default=0) + 2, -1, dtype=np.int32)
+        self.table[[ord(c) for c in chars]] = np.arange(len(chars))
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -56,6 +60,14 @@ class CharTokenizer:
                 f"{len(missing)} character(s) not in this model's vocabulary: {shown}; "
                 f"the model only knows the characters of its training text"
             ) from None
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode() as an int32 array, about 50 times faster on long texts."""
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = self.table[np.minimum(points, len(self.table) - 1)]
+        if len(ids) and ids.min() < 0:
+            self.encode(text)  # raises, naming the unknown characters
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
@@ -85,6 +97,10 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         # ordinary: "<|endoftext|>" written in a text is text, not the special token
         return self.enc.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode() as a uint32 array, without a Python int per token."""
+        return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
@@ -128,8 +144,3 @@ def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer:
         return GPT2Tokenizer()
     raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZERS)}")
 
-
-def encode_array(tokenizer: Tokenizer, text: str) -> np.ndarray:
-    """Token ids of a whole corpus in the smallest unsigned dtype that holds the vocabulary."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    return np.array(tokenizer.encode(text), dtype=dtype)

@@ -9,8 +9,9 @@ A corpus of --gb gigabytes of JSON Lines is generated in --workdir (the built-in
 paragraphs, shuffled into documents of 2 to 40 paragraphs, seeded) and deleted at the end
 unless --keep. Printed, each the median of --repeats runs of `python -m data.prepare
 --tokenizer gpt2` as a user runs it:
-- its wall time and MB/s of input, and tiktoken's single-process MB/s on the corpus's first
-  --baseline-mb megabytes, measured in the same run, and the ratio of the two;
+- its wall time and MB/s of input, and tiktoken's single-process MB/s (the call that the
+  workers make, results dropped) on the corpus's first --baseline-mb megabytes, measured in
+  the same run, and the ratio of the two;
 - peak RSS, the sum over the process and its workers, sampled from /proc every 50 ms;
 - for comparison, the peak RSS of the whole-corpus approach (read the text, encode it into
   one list, as data.prepare did before shards) on the first --baseline-mb megabytes.
@@ -112,9 +113,10 @@ with open({str(corpus)!r}, 'rb') as f:
         if size >= {megabytes * 1e6}: break
         texts.append(json.loads(line)['text']); size += len(line)
 t0 = time.perf_counter()
-ids = [enc.encode_ordinary(t) for t in texts]
+for t in texts:
+    enc.encode_to_numpy(t, disallowed_special=())  # what data.prepare's workers call
 seconds = time.perf_counter() - t0
-text = '<|endoftext|>'.join(texts); del texts, ids
+text = '<|endoftext|>'.join(texts); del texts
 ids = np.array(enc.encode_ordinary(text), dtype=np.uint16)  # the old data.prepare's way
 print(json.dumps({{"mb": size / 1e6, "seconds": seconds,
                    "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))

@@ -67,7 +67,8 @@ def init_worker(tokenizer_meta: dict | None, in_process: bool = False) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if tokenizer_meta is not None:
         tokenizer = load_tokenizer(tokenizer_meta)
-        worker["tokenizer"], worker["separator"] = tokenizer, separator_ids(tokenizer)
+        worker["tokenizer"] = tokenizer
+        worker["separator"] = np.array(separator_ids(tokenizer), dtype=np.uint32)
 
 
 def separator_ids(tokenizer: Any) -> list[int]:
@@ -80,20 +81,22 @@ def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     """A batch's token ids, each document preceded by the separator, and where in them each
     document starts. Empty documents are skipped."""
     tokenizer, separator = worker["tokenizer"], worker["separator"]
-    ids: list[int] = []
-    starts = []
+    parts, starts, n = [], [], 0
     for text, starts_document in batch_texts(batch):
         if starts_document:
             if not text:
                 continue
-            starts.append(len(ids))
-            ids += separator
+            starts.append(n)
+            parts.append(separator)
+            n += len(separator)
         try:
-            ids += tokenizer.encode(text)
+            parts.append(tokenizer.encode_array(text))
         except ValueError as e:  # a character outside the char tokenizer's table
             raise DataError(f"{batch.name}: {e}") from None
+        n += len(parts[-1])
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    return np.array(ids, dtype=dtype), np.array(starts, dtype=np.int64)
+    ids = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+    return ids, np.array(starts, dtype=np.int64)
 
 
 def alphabet_of(batch: Batch) -> str:

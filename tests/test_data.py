@@ -27,8 +27,15 @@ def test_char_tokenizer_round_trips():
 
 def test_char_tokenizer_names_unknown_characters():
     tok = CharTokenizer.from_text("abc")
-    with pytest.raises(ValueError, match=r"2 character\(s\) not in this model's vocabulary: 'x', 'z'"):
-        tok.encode("zax")
+    for encode in (tok.encode, tok.encode_array):
+        with pytest.raises(ValueError, match=r"2 character\(s\) not in this model's vocabulary: 'x', 'z'"):
+            encode("zax")
+
+
+@pytest.mark.parametrize("make", [lambda: CharTokenizer.from_text(TEXT + "東京é"), GPT2Tokenizer])
+def test_encode_array_gives_the_ids_of_encode(make):
+    tok, text = make(), TEXT + "東京é" * 3
+    assert tok.encode_array(text).tolist() == tok.encode(text)
 
 
 def test_char_tokenizer_says_when_it_lists_only_some_unknown_characters():
