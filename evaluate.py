@@ -96,7 +96,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError(f"the text is {len(ids)} token(s) long; scoring needs at least 2")
-    device = model.transformer.wpe.weight.device
+    device = model.lm_head.weight.device
     tokens = torch.tensor(ids, device=device)
     spans = list(windows(len(ids), block_size, stride))
     # windows with the same length batch together: all but the last one or two are full

@@ -129,6 +129,11 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
     cfg = model.config
     if not cfg.bias:
         raise GPT2FormatError("GPT-2 has biases; a model trained with bias = false cannot be exported")
+    if not cfg.is_gpt2:
+        raise GPT2FormatError("a GPT-2 folder holds GPT-2's layout only (learned positions, "
+                              "LayerNorm, GELU, a tied head, every head its own keys); this "
+                              "model was trained with the modern switches, and its checkpoint "
+                              "is the way to keep it")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ExportError(f"{folder} is a file, not a folder; choose another folder")

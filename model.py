@@ -1,4 +1,4 @@
-"""A decoder-only transformer (GPT-2 layout) with a KV cache for incremental decoding.
+"""A decoder-only transformer (GPT-2's layout, or a modern one) with a KV cache for decoding.
 
 Usage:
     from model import GPT, GPTConfig
@@ -11,6 +11,11 @@ This file is about the model alone: no I/O, no CLI, no training state, no sampli
 generate.py). Names follow GPT-2
 (`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`, `ln_f`) so its checkpoints map
 one to one.
+
+The defaults are GPT-2's layout. Each switch of GPTConfig turns on one idea of the models
+since (nanochat's and the modded-nanogpt speedruns'): rotary positions (`pos_embedding`),
+RMSNorm (`norm`), normalized queries and keys (`qk_norm`), ReLU^2 (`mlp`), an output layer of
+its own (`tie_embeddings`) and grouped-query attention (`n_kv_head`).
 """
 
 from __future__ import annotations
@@ -32,17 +37,44 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2
+    pos_embedding: str = "learned"  # "learned" (GPT-2's table), "rope" (rotary) or "none"
+    norm: str = "layernorm"  # or "rmsnorm": no mean, no bias, no gain
+    qk_norm: bool = False  # RMS-normalize each head's queries and keys before their product
+    mlp: str = "gelu"  # or "relu2": relu(x)^2
+    tie_embeddings: bool = True  # the output layer reads tokens with the embedding's table
+    n_kv_head: int = 0  # heads of keys and values; 0: n_head; 1: multi-query attention
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
+                             f"({self.n_kv_head}): each key/value head serves a group of heads")
+        if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rope rotates pairs of dimensions: the head size "
+                             f"n_embd / n_head ({self.n_embd // self.n_head}) must be even")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
+                                 f"{getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def is_gpt2(self) -> bool:
+        """GPT-2's layout: what a Hugging Face GPT-2 folder can hold."""
+        return (self.pos_embedding, self.norm, self.qk_norm, self.mlp, self.tie_embeddings,
+                self.n_kv_head) == ("learned", "layernorm", False, "gelu", True, self.n_head)
 
     @classmethod
     def from_name(cls, name: str) -> GPTConfig:
@@ -51,6 +83,16 @@ class GPTConfig:
             raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**PRESETS[name])
 
+
+CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
+           "mlp": ("gelu", "relu2")}
+ROPE_BASE = 10000.0  # RoFormer's: position p turns pair i by p / 10000^(2i / head_dim)
+NORM_EPS = 1e-5
+
+# the layouts that sample.py --benchmark and the presets name: GPT-2's, and every switch on
+# but GQA (which buys cache memory, not loss; see docs/performance.md)
+LAYOUTS = {"gpt2": {}, "modern": dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True,
+                                      mlp="relu2", tie_embeddings=False)}
 
 PRESETS = {
     "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
@@ -73,7 +115,7 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch_size, config.n_head, max_len, config.n_embd // config.n_head)
+        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
         # one tensor per layer rather than one stacked buffer: compiled code writes into
         # separate inputs in place, but copied the whole buffer to write into a view of it
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
@@ -82,9 +124,9 @@ class KVCache:
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store (B, n_head, T, head_dim) keys/values at input_pos (T,). Return all keys and
-        values, (B, n_head, max_len, head_dim), and the (T, max_len) mask of what each
-        query may see."""
+        """Store (B, n_kv_head, T, head_dim) keys/values at input_pos (T,). Return all keys
+        and values, (B, n_kv_head, max_len, head_dim), and the (T, max_len) mask of what
+        each query may see."""
         self.k[layer][:, :, input_pos] = k
         self.v[layer][:, :, input_pos] = v
         mask = input_pos[:, None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
@@ -95,26 +137,33 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.n_embd = config.n_embd
+        self.rope, self.qk_norm = config.pos_embedding == "rope", config.qk_norm
         self.dropout = config.dropout
-        # one fused projection for queries, keys and values: a single matmul instead of three
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # one fused projection for queries, keys and values: a single matmul instead of
+        # three; with GQA the keys and values have n_kv_head heads each
+        kv_dim = config.n_kv_head * config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                input_pos: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         B, T, C = x.size()
-        qkv = self.c_attn(x)  # (B, T, 3C)
-        q, k, v = qkv.split(self.n_embd, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        hd, kv_dim = self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)  # (B, T, C), (B, T, kv_dim) x2
+        q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        if self.qk_norm:  # bounds the logits q.k, which lets the lr go higher
+            q, k = rms_norm(q), rms_norm(k)
+        if self.rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         mask = None  # None: plain causal attention over these T tokens
         if kv_cache is not None:
-            k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, nh, max_len, hd)
+            k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
 
         dropout_p = self.dropout if self.training else 0.0
         if attn_weights is None:
@@ -126,12 +175,38 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, without a gain: before a Linear,
+    a gain would only rescale the Linear's columns, which the Linear can learn itself."""
+    return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+
+
+def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's angles, (block_size, head_dim / 2) each."""
+    freqs = ROPE_BASE ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
+    angles = torch.arange(config.block_size).double()[:, None] * freqs  # (block_size, hd/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i + hd/2}) of (B, h, T, hd) by its position's angle; cos and
+    sin are (T, hd/2), already taken at the tokens' positions. A query at p and a key at s
+    then meet through p - s alone."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.to(x.dtype)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention; mask is a (T_q, T_k) bool of allowed pairs, None for causal."""
+    """Fused attention; mask is a (T_q, T_k) bool of allowed pairs, None for causal. Keys
+    and values may have fewer heads than the queries (GQA): each serves a group of them."""
+    gqa = k.size(1) != q.size(1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=gqa)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -139,6 +214,8 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(QK^T / sqrt(d_k)) V written out, returning the (B, nh, T_q, T_k) weights too."""
     t_q, t_k = q.size(2), k.size(2)
+    group = q.size(1) // k.size(1)  # query heads per key/value head (GQA)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if mask is None:
         mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril()
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
@@ -152,12 +229,28 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.relu2 = config.mlp == "relu2"
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)  # (B, T, 4C)
+        h = F.relu(h).square() if self.relu2 else self.gelu(h)
+        return self.dropout(self.c_proj(h))
+
+
+class RMSNorm(nn.Module):
+    """rms_norm as a module, where the layout has a LayerNorm; it has no parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm()
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -165,15 +258,15 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                input_pos: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, input_pos, attn_weights)
+        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attn_weights)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -183,14 +276,20 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=make_norm(config),
         ))
+        if config.pos_embedding == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        if config.pos_embedding == "rope":  # computed once; not weights, so not saved
+            cos, sin = rope_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # weight tying: the output projection reads tokens with the same table that embeds them
-        self.transformer.wte.weight = self.lm_head.weight
+        if config.tie_embeddings:
+            # the output projection reads tokens with the same table that embeds them
+            self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
         # GPT-2: scale residual projections so the residual stream's variance does not grow
         # with depth (each block adds two of them)
@@ -211,7 +310,7 @@ class GPT(nn.Module):
         """Parameter count; by default without the position table (the token table is tied
         to the output layer, so it does its share of the compute and stays counted)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
+        if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
 
@@ -219,7 +318,10 @@ class GPT(nn.Module):
         """Shorten the context, e.g. of a pretrained model, by cutting the position table."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        if "wpe" in self.transformer:
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        if self.config.pos_embedding == "rope":
+            self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B:
@@ -249,10 +351,16 @@ class GPT(nn.Module):
                 raise ValueError(
                     f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(input_pos)  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(input_pos)
+        # without positions, the causal mask alone carries order
+        rope = None
+        if self.config.pos_embedding == "rope":
+            rope = (self.rope_cos[input_pos], self.rope_sin[input_pos])  # (T, hd/2) each
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, kv_cache, input_pos, attn_weights)
+            x = block(x, rope, kv_cache, input_pos, attn_weights)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, vocab)
@@ -263,11 +371,11 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device, in the dtype its keys and values come out
-        in: that of the float weights (the position table: quantize.py's int8 models keep it
-        in float), or the autocast dtype when autocast is on (as it is when a bf16 training
-        run samples at an evaluation)."""
-        p = self.transformer.wpe.weight
-        dtype = p.dtype
+        in: that of the float weights (the embedding's output: quantize.py's int8 models give
+        float), or the autocast dtype when autocast is on (as it is when a bf16 training run
+        samples at an evaluation)."""
+        p = self.transformer.wte.weight
+        dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
         if torch.is_autocast_enabled(p.device.type):
             dtype = torch.get_autocast_dtype(p.device.type)
         return KVCache(self.config, batch_size, max_len or self.config.block_size, dtype, p.device)

@@ -10,8 +10,10 @@ On a GPU, auto means bf16 autocast wherever the GPU supports it. On a CPU it is 
 of hardware. Without native bf16 arithmetic (the avx512_bf16 or amx_bf16 flags) bf16 is
 emulated and about three times slower than fp32, so auto keeps fp32. With it, bf16 can be
 faster or slower: one CPU ran a small model's step 1.4 times faster in bf16, while another
-with avx512_bf16 (but no AMX) ran the same step twice as slowly. So there auto measures once
-per process: a Linear layer of the model's width, forward and backward, in each dtype.
+with avx512_bf16 (but no AMX) ran the same step twice as slowly, and a single Linear layer can
+mislead (one measured 1.84x faster in bf16 on a CPU where the quickstart's whole step was 11%
+slower). So there auto times the step that will run: the caller's forward, backward and
+optimizer step at the run's shape, a few times in each dtype.
 """
 
 from __future__ import annotations
@@ -58,28 +60,16 @@ def native_bf16(flags: frozenset[str] | set[str]) -> str | None:
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
 
 
-@functools.cache
-def bf16_speedup(tokens: int, width: int) -> float:
-    """How many times faster a bf16-autocast Linear(width, 4 * width) runs forward and
-    backward over `tokens` rows than the same in fp32, on this CPU: a one-off measurement
-    of some milliseconds (rows are capped at 2048 to keep it so)."""
-    generator = torch.Generator().manual_seed(0)  # leave the global RNG alone
-    x = torch.randn(min(tokens, 2048), width, generator=generator)
-    w = torch.randn(4 * width, width, generator=generator, requires_grad=True)
-
-    def step(dtype: torch.dtype) -> float:
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            y = x @ w.t()
-        y.float().sum().backward()
-        return time.perf_counter() - t0
-
+def bf16_speedup(step: Callable[[torch.dtype], None], rounds: int = 6) -> float:
+    """How many times faster step(torch.bfloat16) runs than step(torch.float32), on medians
+    of alternating rounds (so that a busy moment costs both), the first two to warm up."""
     times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
-    for i in range(8):  # alternating, so that a busy moment costs both; two to warm up
+    for i in range(rounds + 2):
         for dtype, runs in times.items():
-            elapsed = step(dtype)
+            t0 = time.perf_counter()
+            step(dtype)
             if i >= 2:
-                runs.append(elapsed)
+                runs.append(time.perf_counter() - t0)
     return statistics.median(times[torch.float32]) / statistics.median(times[torch.bfloat16])
 
 
@@ -92,9 +82,11 @@ def choose_cpu_dtype(flags: frozenset[str] | set[str],
         return torch.float32, "auto: the CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
     speedup = measure_speedup()
     if speedup >= MIN_BF16_SPEEDUP:
-        return torch.bfloat16, f"auto: the CPU has {flag} and bf16 measured {speedup:.2f}x fp32"
-    return torch.float32, (f"auto: the CPU has {flag} but bf16 measured only {speedup:.2f}x "
-                           f"fp32; --dtype bfloat16 forces it")
+        return torch.bfloat16, (f"auto: the CPU has {flag} and this run's step ran "
+                                f"{speedup:.2f}x as fast in bf16 as in fp32")
+    return torch.float32, (f"auto: the CPU has {flag} but this run's step ran only "
+                           f"{speedup:.2f}x as fast in bf16 as in fp32; --dtype bfloat16 "
+                           f"forces it")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -120,11 +112,11 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, tokens: int = 768,
-                  width: int = 128) -> tuple[torch.dtype, str]:
+def resolve_dtype(name: str, device: torch.device,
+                  step: Callable[[torch.dtype], None] | None = None) -> tuple[torch.dtype, str]:
     """The compute dtype for `name` (auto, float32, bfloat16 or float16) on `device`, and
-    why, in a few words for the first lines of a run. On a CPU, auto may measure a layer
-    of `width` over `tokens` rows (see bf16_speedup)."""
+    why, in a few words for the first lines of a run. On a CPU with native bf16, auto times
+    `step` (one training step in a given dtype) in both; without a step it keeps fp32."""
     if name != "auto":
         if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise DeviceError("dtype bfloat16 is not supported on this GPU; use --dtype float16")
@@ -133,6 +125,6 @@ def resolve_dtype(name: str, device: torch.device, tokens: int = 768,
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "auto: the GPU supports bf16"
         return torch.float32, "auto: the GPU has no bf16"
-    if device.type == "cpu":
-        return choose_cpu_dtype(cpu_flags(), lambda: bf16_speedup(tokens, width))
+    if device.type == "cpu" and step is not None:
+        return choose_cpu_dtype(cpu_flags(), lambda: bf16_speedup(step))
     return torch.float32, f"auto: float32 on {device.type}"

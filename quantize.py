@@ -1,5 +1,5 @@
 """int8 weight-only quantization: every matrix stored as int8 with one float scale per output
-row; activations, biases, LayerNorms and the position table stay in float32.
+row; activations, biases, LayerNorms, the position table and RoPE's stay in float32.
 
 Usage:
     from quantize import cast_weights
@@ -13,7 +13,8 @@ scale (max |w| / 127): one outlier then costs precision in its own row only.
 The token table is quantized too, and stays tied: the output layer (lm_head) reads the int8
 matrix and its row scales, and the embedding looks up an int8 row and multiplies it by that
 row's scale. For GPT-2 it is 31% of the weights, so leaving it in float would cost most of
-the speed; docs/quality.md gives the loss this costs.
+the speed; docs/quality.md gives the loss this costs. An untied head is an int8 matrix of
+its own, and so is the table.
 
 The Int8Linear forward here dequantizes its weight to the activations' dtype on each call:
 the plain reference, exact in float32. The fast path on a CPU is cdecode's C step, which
@@ -64,12 +65,13 @@ class Int8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Rows of an int8 table times their scales: the embedding side of a tied Int8Linear."""
+    """Rows of an int8 table times their scales: the token table, which with tied embeddings
+    is the output layer's Int8Linear's tensors themselves, not copies."""
 
-    def __init__(self, tied: Int8Linear) -> None:
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
-        self.register_buffer("weight", tied.weight)  # the same tensors, not copies
-        self.register_buffer("scales", tied.scales)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.weight[idx].float() * self.scales[idx, None]
@@ -84,7 +86,10 @@ def quantize_int8(model: GPT) -> GPT:
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, Int8Linear(child))
     model.lm_head = Int8Linear(model.lm_head)
-    model.transformer.wte = Int8Embedding(model.lm_head)
+    if model.config.tie_embeddings:
+        model.transformer.wte = Int8Embedding(model.lm_head.weight, model.lm_head.scales)
+    else:  # an untied head is a matrix of its own, and so is the table
+        model.transformer.wte = Int8Embedding(*quantize_rows(model.transformer.wte.weight))
     return model
 
 

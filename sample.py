@@ -24,7 +24,7 @@ from cdecode import BuildError
 from data.sources import decode_text
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
 from loading import load_model, resolve_checkpoint
-from model import GPT
+from model import GPT, LAYOUTS
 from precision import resolve_device
 from quantize import check_weight_dtype
 from storage import probe_writable
@@ -124,6 +124,10 @@ def main(
     repeats: Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")] = 3,
     batch: Annotated[int, typer.Option(
         min=1, help="With --benchmark: sequences decoded together.")] = 1,
+    layout: Annotated[str, typer.Option(
+        help="With --benchmark --preset: gpt2 or modern (model.LAYOUTS).")] = "gpt2",
+    n_kv_head: Annotated[int, typer.Option(
+        min=0, help="With --benchmark --preset: key/value heads (GQA); 0: n_head.")] = 0,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="With --benchmark: write figures here.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
@@ -150,10 +154,12 @@ def main(
             raise SampleError("--stop is empty, which would end every sample at once; give "
                               "some text or drop it")
         if benchmark:
+            if layout not in LAYOUTS:
+                raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
             from benchmarks.decode import run_benchmark  # keeps the sampling path light
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                          json_path, decode, batch)
+                          json_path, decode, batch, layout, n_kv_head)
             return
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind

@@ -9,6 +9,7 @@ Usage:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,9 @@ def build_model(cfg: TrainConfig, meta: dict) -> GPT:
     """A fresh model of the config's shape, or a pretrained GPT-2 to fine-tune."""
     if not cfg.init_from:
         return GPT(cfg.model_config(meta["vocab_size"]))
+    if not cfg.model_config(meta["vocab_size"]).is_gpt2:
+        raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, qk_norm, "
+                          "mlp, tie_embeddings and n_kv_head at their defaults to fine-tune it")
     if meta["tokenizer"]["kind"] != "gpt2":
         raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
                           f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
@@ -68,15 +72,37 @@ def build_model(cfg: TrainConfig, meta: dict) -> GPT:
     return model
 
 
-def run_dtype(cfg: TrainConfig, device: torch.device, ckpt: dict | None,
+def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, ckpt: dict | None,
               dist: distributed.Dist) -> tuple[torch.dtype, str]:
     """The compute dtype and why. A resumed run keeps the dtype that auto chose when it
     started (a new measurement could differ); under torchrun rank 0's choice holds for all."""
     if cfg.dtype == "auto" and ckpt is not None and "dtype" in ckpt:
         return DTYPES[ckpt["dtype"]], "auto: as the run being resumed chose"
     return distributed.from_main(
-        resolve_dtype(cfg.dtype, device, cfg.batch_size * cfg.block_size, cfg.n_embd)
+        resolve_dtype(cfg.dtype, device, training_step(cfg, vocab_size, device))
         if dist.is_main else None, dist)
+
+
+def training_step(cfg: TrainConfig, vocab_size: int,
+                  device: torch.device) -> Callable[[torch.dtype], None]:
+    """One step of this run in a given dtype, as the loop runs it (forward and backward of a
+    micro-batch, then the optimizers), on a model of its own: what auto times. Its weights
+    come from a forked RNG, so the run's own initialisation is as without it."""
+    with torch.random.fork_rng(devices=[]):
+        model = GPT(cfg.model_config(vocab_size)).to(device)
+    x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size), device=device,
+                      generator=torch.Generator(device).manual_seed(0))
+    optimizers = {dtype: configure_optimizers(model, cfg, device, dtype)
+                  for dtype in (torch.float32, torch.bfloat16)}
+
+    def step(dtype: torch.dtype) -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            _, loss = model(x, x)
+        loss.backward()
+        for opt in optimizers[dtype]:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return step
 
 
 def setting_tokens(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
@@ -150,7 +176,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
 
     run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)
     ckpt = load_checkpoint(run_dir / "last.pt", map_location=device) if resume else None
-    dtype, dtype_reason = run_dtype(cfg, device, ckpt, dist)
+    dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], ckpt, dist)
     model = build_model(cfg, meta).to(device)
     if dist.is_main:  # fp32 weights plus AdamW's two moments
         check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))

@@ -49,6 +49,15 @@ class TrainConfig:
     block_size: int = opt(64, "context length in tokens")
     dropout: float = opt(0.0, "dropout probability (0 for small data or short runs)")
     bias: bool = opt(True, "biases in Linear and LayerNorm layers, as in GPT-2")
+    # the layout: GPT-2's by default; each switch one idea of the models since (model.py)
+    pos_embedding: str = opt("learned", "positions: learned (GPT-2's table), rope (rotary) or "
+                             "none (the causal mask alone carries order)")
+    norm: str = opt("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
+    qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention")
+    mlp: str = opt("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
+    tie_embeddings: bool = opt(True, "the output layer shares the token embedding's table")
+    n_kv_head: int = opt(0, "key/value heads (grouped-query attention); 0 means n_head, 1 is "
+                         "multi-query")
     # optimisation
     batch_size: int = opt(12, "sequences per micro-batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
@@ -122,7 +131,9 @@ class TrainConfig:
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
-                         bias=self.bias)
+                         bias=self.bias, pos_embedding=self.pos_embedding, norm=self.norm,
+                         qk_norm=self.qk_norm, mlp=self.mlp, tie_embeddings=self.tie_embeddings,
+                         n_kv_head=self.n_kv_head)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

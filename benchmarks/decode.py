@@ -21,6 +21,7 @@ its growth during that path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -34,7 +35,7 @@ import typer
 from cdecode import CDecodeStep
 from checkpoint import load_checkpoint, model_from_checkpoint
 from generate import DecodeStep, compiled_step, decode_step, stream
-from model import GPT, GPTConfig
+from model import GPT, LAYOUTS, GPTConfig
 from perf import memory_mb, reset_peak_memory, sync
 from quantize import cast_weights, weight_bytes
 
@@ -100,12 +101,16 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 
 def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
                   lengths: list[int], repeats: int, json_path: Path | None,
-                  decode: str = "auto", batch: int = 1) -> list[dict]:
-    """Measure every path at every length, print a table, and write JSON if asked."""
+                  decode: str = "auto", batch: int = 1, layout: str = "gpt2",
+                  n_kv_head: int = 0) -> list[dict]:
+    """Measure every path at every length, print a table, and write JSON if asked. A preset
+    is built in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head)."""
     if preset is not None:
         torch.manual_seed(0)
-        model = GPT(GPTConfig.from_name(preset)).eval()
-        source = f"preset {preset} (random weights)"
+        shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
+                 "n_kv_head": n_kv_head}
+        model = GPT(GPTConfig(**shape)).eval()
+        source = f"preset {preset}, {layout} layout, n_kv_head {model.config.n_kv_head} (random weights)"
     else:
         model = model_from_checkpoint(load_checkpoint(checkpoint))
         source = str(checkpoint)
@@ -116,11 +121,14 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     weights_mb = weight_bytes(model) / 1e6
     cfg = model.config
     cache = model.new_kv_cache(1, 1)  # its dtype: int8 models keep their cache in float32
-    cache_mb = 2 * batch * cfg.n_layer * cfg.block_size * cfg.n_embd * cache.k[0].itemsize / 1e6
+    # keys and values of every layer: GQA keeps n_kv_head heads of them, not n_head
+    kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
+    cache_mb = batch * cfg.block_size * kv_bytes / 1e6
     # a generation's cache holds the power of two above its length, at most block_size slots
     print(f"{source}: {n_params / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
-          f"weights, KV cache at most {cache_mb:.1f} MB, block_size {cfg.block_size}, {dtype}, "
-          f"{device}, batch {batch}, {torch.get_num_threads()} threads")
+          f"weights, KV cache {kv_bytes:,} bytes per token, at most {cache_mb:.1f} MB, "
+          f"block_size {cfg.block_size}, {dtype}, {device}, batch {batch}, "
+          f"{torch.get_num_threads()} threads")
 
     default = decode_step(model)  # what a user gets without choosing
     chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
@@ -164,6 +172,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     if json_path:
         json_path.write_text(json.dumps({
             "source": source, "device": device, "dtype": dtype, "batch": batch,
+            "kv_cache_bytes_per_token": kv_bytes,
             "threads": torch.get_num_threads(), "compile_s": compile_s, "rows": rows,
         }, indent=2) + "\n")
     return rows
@@ -171,10 +180,10 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 
 def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
-         decode: str = "auto", batch: int = 1) -> None:
-    """Benchmark a random-weight model shape (see model.PRESETS)."""
+         decode: str = "auto", batch: int = 1, layout: str = "gpt2", n_kv_head: int = 0) -> None:
+    """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
     run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, decode, batch)
+                  json, decode, batch, layout, n_kv_head)
 
 
 if __name__ == "__main__":

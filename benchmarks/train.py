@@ -5,6 +5,7 @@ Usage:
     python -m benchmarks.train --config config/baby_gpt.toml         # on a GPU: bf16, compiled
     python -m benchmarks.train --config config/gpt2_small.toml --max-iters 200 --no-compile
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
+    python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt --ablate
 
 One preset (by default config/quickstart.toml) is trained in this process into a temporary
 folder, on the text of --input (prepared char-level there) or else on the preset's own
@@ -12,7 +13,8 @@ data_dir. It prints median ms/iter and tokens/s, median MFU, the wall time of th
 (evaluations included), the final val loss and peak memory: allocated tensors on CUDA, the
 process's resident size on the CPU.
 
---time-to-loss races the training recipes of RECIPES instead, each as its own `train.py`
+--time-to-loss races the training recipes of RECIPES instead (with --ablate, those of
+ablation_recipes: what each switch of the model's layout buys), each as its own `train.py`
 process, as a user runs it, evaluating every 100 iterations. The recipes take turns,
 --repeats rounds of them, so that a machine's slow minute falls on all of them alike. One row
 per recipe: the medians of ms/iter, of the iterations and wall seconds (from process start)
@@ -36,10 +38,11 @@ import torch
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from checkpoint import load_checkpoint
 from data.prepare import prepare_text
 from data.sources import read_text
 from perf import memory_mb, reset_peak_memory
-from precision import cpu_flags, native_bf16, resolve_device, resolve_dtype
+from precision import cpu_flags, native_bf16, resolve_device
 from train import train
 from train_config import load_config
 
@@ -67,6 +70,28 @@ RECIPES = [
 ]
 
 
+# the layout switches: (the modern quickstart's value, GPT-2's value)
+SWITCHES = {"pos_embedding": ("rope", "learned"), "norm": ("rmsnorm", "layernorm"),
+            "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True)}
+GPT2_LAYOUT = {name: gpt2 for name, (_, gpt2) in SWITCHES.items()}
+
+
+def ablation_recipes() -> list[Recipe]:
+    """The classic recipe; the quickstart (modern layout, Muon) with each switch turned back
+    to GPT-2's, and GPT-2's layout with each turned on, Muon throughout; no positions; and
+    grouped-query attention at n_kv_head n_head / 2 and 1 (multi-query)."""
+    fp32 = {"dtype": "float32"}
+    rows = [RECIPES[0], Recipe("quickstart: modern layout, muon", QUICKSTART, fp32),
+            Recipe("GPT-2 layout, muon", QUICKSTART, {**fp32, **GPT2_LAYOUT})]
+    rows += [Recipe(f"modern, {name} = {gpt2}", QUICKSTART, {**fp32, name: gpt2})
+             for name, (_, gpt2) in SWITCHES.items()]
+    rows += [Recipe(f"GPT-2 layout, {name} = {modern}", QUICKSTART,
+                    {**fp32, **GPT2_LAYOUT, name: modern}) for name, (modern, _) in SWITCHES.items()]
+    rows += [Recipe("modern, pos_embedding = none", QUICKSTART, {**fp32, "pos_embedding": "none"})]
+    rows += [Recipe(f"modern, n_kv_head = {n}", QUICKSTART, {**fp32, "n_kv_head": n}) for n in (2, 1)]
+    return rows
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[Any]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
@@ -82,7 +107,11 @@ def run_recipe(recipe: Recipe, data_dir: Path, out_dir: Path, run_name: str, tar
         overrides["max_iters"] = max_iters
     args = [sys.executable, "train.py", "--config", str(recipe.config)]
     for key, value in overrides.items():
-        args.append(f"--{key.replace('_', '-')}={value}")
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args.append(f"--{flag}={value}")
     t0 = time.time()
     proc = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.time() - t0
@@ -156,16 +185,18 @@ def main(
     time_to_loss_target: Annotated[float | None, typer.Option(
         "--time-to-loss", help="Race the recipes to this val loss instead (needs --input).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Rounds of the race.")] = 2,
+    ablate: Annotated[bool, typer.Option(
+        help="With --time-to-loss: race the layout switches (ablation_recipes) instead.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
     """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
     if time_to_loss_target is not None:
         if input is None:
             raise typer.BadParameter("--time-to-loss needs --input FILE", param_hint="--input")
-        recipes = RECIPES
+        recipes = ablation_recipes() if ablate else RECIPES
         flag = native_bf16(cpu_flags())
         if not flag:  # emulated bf16 is about three times slower: no contest
-            recipes = [r for r in RECIPES if r.overrides.get("dtype") != "bfloat16"]
+            recipes = [r for r in recipes if r.overrides.get("dtype") != "bfloat16"]
         print(f"CPU: {'native bf16 (' + flag + ')' if flag else 'no native bf16'}, "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}")
         with tempfile.TemporaryDirectory() as tmp:
@@ -194,11 +225,11 @@ def main(
         tok_s = [e.value for e in scalars["perf/tokens_per_sec"]]
         mfu = [e.value for e in scalars["perf/mfu"]]
         val = scalars["loss/val"][-1]
+        chosen_dtype = load_checkpoint(result.run_dir / "last.pt")["dtype"]  # what auto chose
     figures = {
         "config": config.name,
         "device": str(run_device),
-        "dtype": str(resolve_dtype(cfg.dtype, run_device, tokens_per_iter, cfg.n_embd)[0]
-                     ).removeprefix("torch."),
+        "dtype": chosen_dtype,
         "optimizer": cfg.optimizer,
         "compile": cfg.compile,
         "iters": result.iter_num,

@@ -98,12 +98,19 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
               f"than it could", file=sys.stderr)
     lib = ctypes.CDLL(str(out))
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
-    # the C signature: logits, tokens, pos, T, wte, wte_scales, wpe, blocks, ln_f_w, ln_f_b,
-    # k_cache, v_cache, work, B, n_layer, n_head, n_embd, vocab_size, max_len, n_threads
-    lib.decode_step.argtypes = [ptr, ptr, i32, i32, ptr, ptr, ptr, ptrs, ptr, ptr, ptrs, ptrs,
-                                ptr, *[i32] * 7]
+    # the C signature: logits, tokens, pos, T, wte, wte_scales, wpe, rope_cos, rope_sin,
+    # blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B, n_layer,
+    # n_head, n_embd, vocab_size, max_len, layout, n_threads
+    lib.decode_step.argtypes = [ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, ptrs, ptr, ptr,
+                                ptr, ptr, ptrs, ptrs, ptr, *[i32] * 6, ctypes.POINTER(Layout), i32]
     lib.decode_step.restype = None
     return lib
+
+
+class Layout(ctypes.Structure):
+    """decode_step.c's layout_t: the switches of GPTConfig that the step follows."""
+    _fields_ = [("n_kv_head", ctypes.c_int), ("rms_norm", ctypes.c_int),
+                ("qk_norm", ctypes.c_int), ("relu2", ctypes.c_int)]
 
 
 def block_param_names(lib: ctypes.CDLL) -> list[str]:
@@ -152,9 +159,16 @@ class CDecodeStep:
         self.prefills = self.PREFILL_TOKENS[self.wte.dtype]
         # the C function gets only addresses: these references keep the tensors alive
         self.wte_scales = params.get("transformer.wte.scales")  # None unless int8
-        self.wpe = params["transformer.wpe.weight"]
-        self.ln_f_w = params["transformer.ln_f.weight"]
+        # each None below is C's NULL: a switch of the layout that leaves the tensor out
+        self.wpe = params.get("transformer.wpe.weight")
+        self.rope_cos, self.rope_sin = params.get("rope_cos"), params.get("rope_sin")
+        self.ln_f_w = params.get("transformer.ln_f.weight")  # None with rmsnorm
         self.ln_f_b = params.get("transformer.ln_f.bias")  # None in a model without biases
+        untied = not self.config.tie_embeddings
+        self.lm_head = params["lm_head.weight"] if untied else None
+        self.lm_head_scales = params.get("lm_head.scales") if untied else None
+        cfg = self.config
+        self.layout = Layout(cfg.n_kv_head, cfg.norm == "rmsnorm", cfg.qk_norm, cfg.mlp == "relu2")
         names = block_param_names(self.lib)
         self.block_params = [params.get(f"transformer.h.{i}.{name}")
                              for i in range(self.config.n_layer) for name in names]
@@ -166,7 +180,9 @@ class CDecodeStep:
         matrices = {name.replace(".scales", ".weight") for name in names
                     if name.endswith(".scales")}
         expected = [(self.wte, matrix), (self.wte_scales, torch.float32),
-                    (self.wpe, self.dtype), (self.ln_f_w, self.dtype), (self.ln_f_b, self.dtype)]
+                    (self.lm_head, matrix), (self.lm_head_scales, torch.float32),
+                    (self.wpe, self.dtype), (self.rope_cos, self.dtype), (self.rope_sin, self.dtype),
+                    (self.ln_f_w, self.dtype), (self.ln_f_b, self.dtype)]
         expected += [(t, matrix if name in matrices else
                       torch.float32 if name.endswith(".scales") else self.dtype)
                      for t, name in zip(self.block_params, names * self.config.n_layer, strict=True)]
@@ -198,9 +214,10 @@ class CDecodeStep:
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         self.lib.decode_step(
             address(logits), address(tokens), pos, T, address(self.wte),
-            address(self.wte_scales), address(self.wpe),
-            self.blocks, address(self.ln_f_w), address(self.ln_f_b),
+            address(self.wte_scales), address(self.wpe), address(self.rope_cos),
+            address(self.rope_sin), self.blocks, address(self.ln_f_w), address(self.ln_f_b),
+            address(self.lm_head), address(self.lm_head_scales),
             pointers(kv_cache.k), pointers(kv_cache.v),
             address(self.work), B, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size,
-            max_len, torch.get_num_threads())
+            max_len, ctypes.byref(self.layout), torch.get_num_threads())
         return logits.to(self.dtype).view(B, 1, cfg.vocab_size)

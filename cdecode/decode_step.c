@@ -79,12 +79,26 @@ enum { BLOCK_PARAMS(AS_ENUM) N_BLOCK_PARAMS };
 const char *const block_param_names[] = { BLOCK_PARAMS(AS_NAME) };
 const int n_block_params = N_BLOCK_PARAMS;
 
-/* out[b] = LayerNorm(x[b]) for each of B rows of n; a NULL bias means none */
+/* model.py's rms_norm: x / sqrt(mean(x^2) + eps), no gain, in place on n floats */
+static inline void rms_norm(float *x, int n) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / n + 1e-5f);
+    for (int i = 0; i < n; i++) x[i] *= r;
+}
+
+/* out[b] = LayerNorm(x[b]) for each of B rows of n, or with rms RMSNorm (model.py's
+ * make_norm); a NULL bias means none */
 static void layer_norm(float *out, const float *x, const param_t *w, const param_t *bias,
-                       int B, int n) {
+                       int B, int n, int rms) {
     #pragma omp for
     for (int b = 0; b < B; b++) {
         const float *xb = x + (size_t)b * n;
+        if (rms) {
+            for (int i = 0; i < n; i++) out[(size_t)b * n + i] = xb[i];
+            rms_norm(out + (size_t)b * n, n);
+            continue;
+        }
         float mean = 0.0f, var = 0.0f;
         for (int i = 0; i < n; i++) mean += xb[i];
         mean /= n;
@@ -120,6 +134,23 @@ static void gelu_tanh(float *x, size_t n) {
     for (size_t i = 0; i < n; i++) {
         float u = 0.7978845608f * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
         x[i] = x[i] / (1.0f + exp_approx(-2.0f * u));
+    }
+}
+
+/* model.py's relu2: relu(x)^2, in place on n floats */
+static void relu_square(float *x, size_t n) {
+    #pragma omp for simd schedule(static)
+    for (size_t i = 0; i < n; i++) x[i] = x[i] > 0.0f ? x[i] * x[i] : 0.0f;
+}
+
+/* model.py's apply_rope on one head of n floats at a position whose tables (n / 2 each)
+ * are cos and sin: pair (x_i, x_{i + n/2}) turns by that position's angle i */
+static inline void rope(float *x, const param_t *cos, const param_t *sin, int n) {
+    int half = n / 2;
+    for (int i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half], c = load(cos, i), s = load(sin, i);
+        x[i] = x1 * c - x2 * s;
+        x[i + half] = x1 * s + x2 * c;
     }
 }
 
@@ -249,30 +280,57 @@ static void matvec(float *restrict y, const float *restrict x, const weight_t *r
     }
 }
 
+/* The positions of model.py's CausalSelfAttention, on one head of a query or key at
+ * window position p: qk_norm, then RoPE when the tables are given (NULL: none) */
+static inline void place_head(float *x, int qk_norm, const param_t *rope_cos,
+                              const param_t *rope_sin, int p, int head_dim) {
+    if (qk_norm) rms_norm(x, head_dim);
+    if (rope_cos) {
+        size_t at = (size_t)p * (head_dim / 2);
+        rope(x, rope_cos + at, rope_sin + at, head_dim);
+    }
+}
+
 /* Store the keys and values of T new tokens per sequence at slots pos..pos+T-1, then let
  * each attend over the slots up to its own: a decode step has T = 1, a prefill T > 1.
- * qkv: (B*T, 3C) as c_attn makes it; y: (B*T, C), heads side by side as c_proj expects. */
-static void attention(float *restrict y, const float *restrict qkv, param_t *restrict k_cache,
-                      param_t *restrict v_cache, float *restrict scores,
-                      int B, int T, int n_head, int head_dim, int max_len, int pos) {
-    int C = n_head * head_dim;
+ * qkv: (B*T, C + 2 KV) as c_attn makes it, KV = n_kv_head * head_dim (GQA: query head h
+ * reads key/value head h / (n_head / n_kv_head), as SDPA's enable_gqa does); its queries
+ * and keys are normalized and rotated in place. y: (B*T, C), heads side by side. */
+static void attention(float *restrict y, float *restrict qkv, param_t *restrict k_cache,
+                      param_t *restrict v_cache, float *restrict scores, int qk_norm,
+                      const param_t *rope_cos, const param_t *rope_sin,
+                      int B, int T, int n_head, int n_kv_head, int head_dim, int max_len,
+                      int pos) {
+    int C = n_head * head_dim, KV = n_kv_head * head_dim, group = n_head / n_kv_head;
+    size_t row = (size_t)C + 2 * KV;
     float scale = 1.0f / sqrtf((float)head_dim);
+    if (qk_norm || rope_cos) {
+        #pragma omp for
+        for (int i = 0; i < B * n_head * T; i++) {
+            int t = i % T, b = i / T / n_head, h = i / T % n_head;
+            place_head(qkv + (b * T + t) * row + h * head_dim, qk_norm, rope_cos, rope_sin,
+                       pos + t, head_dim);
+        }
+    }
     #pragma omp for
-    for (int i = 0; i < B * n_head * T; i++) {
-        int bh = i / T, t = i % T, b = bh / n_head, h = bh % n_head;
-        const float *kv = qkv + (size_t)(b * T + t) * 3 * C + h * head_dim;
+    for (int i = 0; i < B * n_kv_head * T; i++) {
+        int bh = i / T, t = i % T, b = bh / n_kv_head, h = bh % n_kv_head;
+        float *k = qkv + (b * T + t) * row + C + h * head_dim;
+        const float *v = k + KV;
+        place_head(k, qk_norm, rope_cos, rope_sin, pos + t, head_dim);
         size_t slot = ((size_t)bh * max_len + pos + t) * head_dim;
         for (int d = 0; d < head_dim; d++) {
-            store(k_cache, slot + d, kv[C + d]);
-            store(v_cache, slot + d, kv[2 * C + d]);
+            store(k_cache, slot + d, k[d]);
+            store(v_cache, slot + d, v[d]);
         }
     }  /* the loop's barrier: every key is stored before any query reads it */
     #pragma omp for
     for (int i = 0; i < B * n_head * T; i++) {
-        int bh = i / T, t = i % T, b = bh / n_head, h = bh % n_head, last = pos + t;
-        const float *q = qkv + (size_t)(b * T + t) * 3 * C + h * head_dim;
-        const param_t *k = k_cache + (size_t)bh * max_len * head_dim;  /* (max_len, head_dim) */
-        const param_t *v = v_cache + (size_t)bh * max_len * head_dim;
+        int t = i % T, b = i / T / n_head, h = i / T % n_head, last = pos + t;
+        const float *q = qkv + (b * T + t) * row + h * head_dim;
+        size_t kv_head = (size_t)b * n_kv_head + h / group;
+        const param_t *k = k_cache + kv_head * max_len * head_dim;  /* (max_len, head_dim) */
+        const param_t *v = v_cache + kv_head * max_len * head_dim;
         float *att = scores + (size_t)i * max_len;
         float max = -INFINITY;
         for (int s = 0; s <= last; s++) {
@@ -295,22 +353,33 @@ static void attention(float *restrict y, const float *restrict qkv, param_t *res
     }
 }
 
+/* The switches of model.py's GPTConfig that the step follows (GPT-2's layout: all zero,
+ * n_kv_head = n_head) */
+typedef struct {
+    int n_kv_head, rms_norm, qk_norm, relu2;
+} layout_t;
+
 /* Logits (B, vocab_size) of the last of T new tokens per sequence, the tokens at window
  * positions pos..pos+T-1: a decode step (T = 1) or a prefill (T > 1), which reads each
  * weight once for all B*T tokens.
  * tokens: (B, T); blocks: n_layer * N_BLOCK_PARAMS pointers; k_cache, v_cache: one pointer
- * per layer. wte_scales: the int8 token table's row scales, NULL for a float one.
+ * per layer. wte_scales: the int8 token table's row scales, NULL for a float one. wpe: the
+ * learned position table, or NULL; rope_cos, rope_sin: model.py's rope tables, or NULL.
+ * lm_head (and its scales): an untied output layer, or NULL for wte's.
  * work: scratch of B * T * (9 * n_embd + n_head * max_len) floats. */
 void decode_step(float *logits, const int64_t *tokens, int pos, int T,
                  const weight_t *wte, const float *wte_scales, const param_t *wpe,
+                 const param_t *rope_cos, const param_t *rope_sin,
                  const void *const *blocks, const param_t *ln_f_w, const param_t *ln_f_b,
+                 const weight_t *lm_head, const float *lm_head_scales,
                  param_t *const *k_cache, param_t *const *v_cache, float *work,
                  int B, int n_layer, int n_head, int n_embd, int vocab_size, int max_len,
-                 int n_threads) {
+                 const layout_t *layout, int n_threads) {
     int C = n_embd, R = B * T;    /* R rows: token t of sequence b is row b * T + t */
+    int KV = layout->n_kv_head * (C / n_head), rms = layout->rms_norm;
     float *x = work;              /* (R, C) the residual stream */
     float *h = x + R * C;         /* (R, C) a LayerNorm's output */
-    float *qkv = h + R * C;       /* (R, 3C); at the end, the last rows of x */
+    float *qkv = h + R * C;       /* (R, C + 2 KV) <= (R, 3C); at the end, the last rows of x */
     float *y = qkv + R * 3 * C;   /* (R, C) attention output; also (R, 4C) MLP hidden */
     float *scores = y + R * 4 * C;  /* (R * n_head, max_len) */
     #pragma omp parallel num_threads(n_threads)
@@ -318,21 +387,23 @@ void decode_step(float *logits, const int64_t *tokens, int pos, int T,
         #pragma omp for
         for (int r = 0; r < R; r++) {
             const weight_t *tok_emb = wte + (size_t)tokens[r] * C;
-            const param_t *pos_emb = wpe + (size_t)(pos + r % T) * C;
             float scale = wte_scales ? wte_scales[tokens[r]] : 1.0f;
-            for (int i = 0; i < C; i++)
-                x[(size_t)r * C + i] = load_weight(tok_emb, i) * scale + load(pos_emb, i);
+            for (int i = 0; i < C; i++) {
+                float p = wpe ? load(wpe, (size_t)(pos + r % T) * C + i) : 0.0f;
+                x[(size_t)r * C + i] = load_weight(tok_emb, i) * scale + p;
+            }
         }
         for (int l = 0; l < n_layer; l++) {
             const void *const *p = blocks + (size_t)l * N_BLOCK_PARAMS;
-            layer_norm(h, x, p[LN1_W], p[LN1_B], R, C);
-            matvec(qkv, h, p[ATTN_W], p[ATTN_S], p[ATTN_B], R, C, 3 * C, SET);
-            attention(y, qkv, k_cache[l], v_cache[l], scores, B, T, n_head, C / n_head,
-                      max_len, pos);
+            layer_norm(h, x, p[LN1_W], p[LN1_B], R, C, rms);
+            matvec(qkv, h, p[ATTN_W], p[ATTN_S], p[ATTN_B], R, C, C + 2 * KV, SET);
+            attention(y, qkv, k_cache[l], v_cache[l], scores, layout->qk_norm, rope_cos,
+                      rope_sin, B, T, n_head, layout->n_kv_head, C / n_head, max_len, pos);
             matvec(x, y, p[ATTN_PROJ_W], p[ATTN_PROJ_S], p[ATTN_PROJ_B], R, C, C, ADD);
-            layer_norm(h, x, p[LN2_W], p[LN2_B], R, C);
+            layer_norm(h, x, p[LN2_W], p[LN2_B], R, C, rms);
             matvec(y, h, p[FC_W], p[FC_S], p[FC_B], R, C, 4 * C, SET);
-            gelu_tanh(y, (size_t)R * 4 * C);
+            if (layout->relu2) relu_square(y, (size_t)R * 4 * C);
+            else gelu_tanh(y, (size_t)R * 4 * C);
             matvec(x, y, p[MLP_PROJ_W], p[MLP_PROJ_S], p[MLP_PROJ_B], R, 4 * C, C, ADD);
         }
         float *last = qkv;  /* (B, C): only each sequence's last token needs logits */
@@ -340,8 +411,9 @@ void decode_step(float *logits, const int64_t *tokens, int pos, int T,
         for (int b = 0; b < B; b++)
             for (int i = 0; i < C; i++)
                 last[(size_t)b * C + i] = x[((size_t)b * T + T - 1) * C + i];
-        layer_norm(h, last, ln_f_w, ln_f_b, B, C);
-        /* weight tying: lm_head is wte */
-        matvec(logits, h, wte, wte_scales, NULL, B, C, vocab_size, SET);
+        layer_norm(h, last, ln_f_w, ln_f_b, B, C, rms);
+        /* with weight tying (lm_head NULL) the output layer is wte */
+        matvec(logits, h, lm_head ? lm_head : wte, lm_head ? lm_head_scales : wte_scales, NULL,
+               B, C, vocab_size, SET);
     }
 }

@@ -14,7 +14,6 @@ from train_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
-
 def make_corpus(n_lines: int = 3000, seed: int = 0) -> str:
     """Text with real structure (a small grammar) so a tiny model's loss can fall fast."""
     rng = random.Random(seed)

@@ -16,6 +16,7 @@ import torch
 from data.prepare import prepare_text
 from gpt2 import export_hf_gpt2
 from model import GPT, GPTConfig
+from tests.layouts import MODERN
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "config" / "tiny.toml")
@@ -49,6 +50,14 @@ def edited_checkpoint(**model_args) -> Callable[[Path, dict], None]:
         ckpt["model_args"].update(model_args)
         torch.save(ckpt, tmp / "c.pt")
     return make
+
+
+def modern_checkpoint(tmp: Path, ctx: dict) -> None:
+    """{tmp}/c.pt: the trained checkpoint's shape in the modern layout, fresh weights."""
+    ckpt = torch.load(ctx["ckpt"], weights_only=True)
+    ckpt["model_args"].update(MODERN)
+    ckpt["model"] = GPT(GPTConfig(**ckpt["model_args"])).state_dict()
+    torch.save(ckpt, tmp / "c.pt")
 
 
 def damaged_run(tmp: Path, ctx: dict) -> None:
@@ -219,6 +228,20 @@ CASES = {
     "export into /proc": (["gpt2.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),
     "export over a folder": (["gpt2.py", "{ckpt}", "{tmp}/keep"], write("keep/notes.txt", b"mine"),
                              1, "--force"),
+    # layouts that cannot be
+    "n_head not divisible by n_kv_head": ([*TRAIN, "--n-kv-head", "3"], nothing, 1,
+                                          "error: n_head (2) must be divisible by n_kv_head (3)"),
+    "rope with an odd head size": ([*TRAIN, "--pos-embedding", "rope", "--n-embd", "36",
+                                    "--n-head", "12"], nothing, 1,
+                                   "error: rope rotates pairs of dimensions: the head size "
+                                   "n_embd / n_head (3) must be even"),
+    "an unknown norm": ([*TRAIN, "--norm", "batchnorm"], nothing, 1,
+                        "error: norm must be one of layernorm, rmsnorm, got 'batchnorm'"),
+    "a modern layout exported to GPT-2": (["gpt2.py", "{tmp}/c.pt", "{tmp}/hf-out"],
+                                          modern_checkpoint, 1,
+                                          "a GPT-2 folder holds GPT-2's layout only"),
+    "a layout override on init_from": ([*BPE_TRAIN, "--init-from", "{tmp}/hf", "--mlp", "relu2"],
+                                       hf_folder(), 1, "error: init_from loads GPT-2's layout"),
 }
 
 

@@ -15,6 +15,7 @@ from generate import decode_step, generate, stream
 from model import GPT, GPTConfig
 from precision import cpu_flags
 from quantize import quantize_int8
+from tests.layouts import LAYOUTS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,9 +65,25 @@ def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias, march):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_c_step_follows_every_layout_switch(layout):
+    model = small_gpt(**LAYOUTS[layout])
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = decode_logits(model, prompt, 30)
+    c = decode_logits(model, prompt, 30, CDecodeStep(model))
+    for step, (a, b) in enumerate(zip(c, eager, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    int8 = quantize_int8(model)
+    eager = decode_logits(int8, prompt, 30)
+    c = decode_logits(int8, prompt, 30, CDecodeStep(int8))
+    for step, (a, b) in enumerate(zip(c, eager, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"int8, step {step}")
+
+
 @pytest.mark.parametrize("quantized", [False, True])
-def test_c_prefill_fills_the_cache_and_gives_the_logits_eager_does(quantized):
-    model = small_gpt()
+@pytest.mark.parametrize("layout", ["gpt2", "modern"])
+def test_c_prefill_fills_the_cache_and_gives_the_logits_eager_does(quantized, layout):
+    model = small_gpt(**LAYOUTS[layout])
     model = quantize_int8(model) if quantized else model
     prompt = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(5))
     c_cache, eager_cache = model.new_kv_cache(2, 16), model.new_kv_cache(2, 16)
@@ -85,10 +102,11 @@ def test_c_step_greedy_tokens_equal_eager_for_a_batch():
     assert torch.equal(generate(model, prompts, 50, temperature=0.0, decode="c"), eager)
 
 
+@pytest.mark.parametrize("layout", ["gpt2", "modern"])
 @pytest.mark.parametrize("march", MARCHES)
-def test_c_step_bf16_matches_eager_to_bf16_rounding(march):
+def test_c_step_bf16_matches_eager_to_bf16_rounding(march, layout):
     # eager rounds every activation to bf16; the C step keeps activations in float32
-    model = small_gpt().to(torch.bfloat16)
+    model = small_gpt(**LAYOUTS[layout]).to(torch.bfloat16)
     prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(3))
     eager = decode_logits(model, prompt, 30)
     c = decode_logits(model, prompt, 30, CDecodeStep(model, march))

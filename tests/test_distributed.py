@@ -13,6 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from checkpoint import load_checkpoint
+from tests.layouts import LAYOUTS, cli_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,9 +34,10 @@ def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data, optimizer):
-    common = ("--data-dir", str(char_data), "--optimizer", optimizer,
+@pytest.mark.parametrize("optimizer, layout", [("adamw", "gpt2"), ("muon", "gpt2"),
+                                               ("muon", "modern")])
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data, optimizer, layout):
+    common = ("--data-dir", str(char_data), "--optimizer", optimizer, *cli_args(LAYOUTS[layout]),
               "--gradient-accumulation-steps", "4",
               "--max-iters", "20", "--eval-interval", "10", "--eval-iters", "4")
     one = run(None, *common, "--out-dir", str(tmp_path / "one"))

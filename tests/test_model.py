@@ -7,9 +7,18 @@ import torch
 from torch.nn import functional as F
 
 from model import GPT, GPTConfig, explicit_attention, sdpa_attention
+from tests.layouts import LAYOUTS
 
 
-def test_future_tokens_do_not_change_past_logits(tiny_model):
+def layout_model(layout: str) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                         **LAYOUTS[layout])).eval()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_future_tokens_do_not_change_past_logits(layout):
+    tiny_model = layout_model(layout)
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     t = 7
     changed = idx.clone()
@@ -42,7 +51,9 @@ def test_fused_qkv_equals_three_separate_projections(tiny_model):
     assert attn.c_attn.weight.shape == (3 * 32, 32)  # one Linear(d, 3d)
 
 
-def test_sdpa_path_equals_explicit_path(tiny_model):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sdpa_path_equals_explicit_path(layout):
+    tiny_model = layout_model(layout)
     idx = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(4))
     fused, _ = tiny_model(idx)
     weights = []
@@ -116,7 +127,47 @@ def test_parameter_count_and_flops_follow_the_shape():
     ({"n_embd": 30, "n_head": 4}, "divisible by n_head"),
     ({"n_layer": 0}, "n_layer must be at least 1"),
     ({"dropout": 1.0}, "dropout must be in"),
+    ({"n_head": 6, "n_kv_head": 4}, r"n_head \(6\) must be divisible by n_kv_head \(4\)"),
+    ({"n_embd": 30, "n_head": 6, "pos_embedding": "rope"}, r"the head size n_embd / n_head \(5\) "
+                                                             r"must be even"),
+    ({"pos_embedding": "sinusoidal"}, "pos_embedding must be one of learned, rope, none"),
+    ({"norm": "batchnorm"}, "norm must be one of layernorm, rmsnorm"),
+    ({"mlp": "swiglu"}, "mlp must be one of gelu, relu2"),
 ])
 def test_impossible_shapes_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**kwargs)
+
+
+def last_position_output(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """One block's output (attention and MLP on the residual stream) at every position."""
+    x = model.transformer.wte(idx)
+    if "wpe" in model.transformer:
+        x = x + model.transformer.wpe(torch.arange(idx.size(1)))
+    rope = None
+    if model.config.pos_embedding == "rope":
+        rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
+    return model.transformer.h[0](x, rope)
+
+
+@pytest.mark.parametrize("layout", ["no_positions", "gpt2", "rope"])
+def test_without_positions_the_last_output_ignores_the_order_of_the_tokens_before_it(layout):
+    # attention is a weighted sum over keys: shuffle the keys and the sum is the same, so
+    # with nothing to mark positions the last token cannot tell the order of the others
+    model = layout_model(layout)
+    with torch.no_grad():  # sharper attention than at initialisation, as after training
+        model.transformer.h[0].attn.c_attn.weight.mul_(10)
+    idx = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(7))
+    shuffled = torch.cat([idx[:, :-1][:, torch.randperm(11, generator=torch.Generator().manual_seed(8))],
+                          idx[:, -1:]], dim=1)
+    assert not torch.equal(idx, shuffled)
+    with torch.no_grad():
+        a, b = last_position_output(model, idx), last_position_output(model, shuffled)
+    change = (a[0, -1] - b[0, -1]).abs().max().item()
+    if layout == "no_positions":
+        assert change < 1e-6
+        # the causal mask alone still breaks the symmetry for the positions before the
+        # last: each sees another set of tokens
+        assert (a[0, :-1] - b[0, :-1]).abs().max().item() > 1e-2
+    else:  # learned or rotary positions tell the orders apart
+        assert change > 1e-3

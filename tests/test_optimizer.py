@@ -146,8 +146,8 @@ def test_muon_parameters_of_a_model_without_biases(tiny_config):
 
 @pytest.mark.parametrize("flags, speedup, expected, reason", [
     ({"avx2", "fma"}, None, torch.float32, "no native bf16"),
-    ({"avx512f", "avx512_bf16"}, 1.4, torch.bfloat16, "has avx512_bf16 and bf16 measured 1.40x"),
-    ({"avx512f", "avx512_bf16"}, 0.55, torch.float32, "bf16 measured only 0.55x fp32"),
+    ({"avx512f", "avx512_bf16"}, 1.4, torch.bfloat16, "this run's step ran 1.40x as fast in bf16"),
+    ({"avx512f", "avx512_bf16"}, 0.55, torch.float32, "step ran only 0.55x as fast in bf16"),
     ({"amx_bf16", "amx_tile"}, 2.5, torch.bfloat16, "has amx_bf16"),
     (set(), None, torch.float32, "no native bf16"),  # no /proc/cpuinfo: macOS, Windows
 ])
@@ -162,6 +162,18 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(
     dtype, why = choose_cpu_dtype(flags, measure)
     assert dtype == expected and reason in why
     assert measured == ([True] if speedup is not None else [])  # no flag: nothing measured
+
+
+def test_auto_times_the_runs_own_step_and_leaves_its_initialisation_alone(tiny_config):
+    from session import training_step
+    torch.manual_seed(0)
+    before = GPT(tiny_config.model_config(50)).state_dict()
+    torch.manual_seed(0)
+    step = training_step(tiny_config, 50, torch.device("cpu"))
+    after = GPT(tiny_config.model_config(50)).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for dtype in (torch.float32, torch.bfloat16):  # a whole step in each dtype runs
+        step(dtype)
 
 
 def test_a_device_this_machine_lacks_is_one_clear_error():

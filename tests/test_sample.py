@@ -24,6 +24,7 @@ from generate import (
 from loading import LoadError, resolve_checkpoint
 from model import GPT, GPTConfig
 from sample import attention_target
+from tests.layouts import LAYOUTS
 from tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,11 +105,16 @@ def test_a_bigram_model_with_block_size_1_generates_past_its_window():
         assert uncached[0, n] == logits[0, -1].argmax()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("decode", DECODE_BACKENDS)
-def test_every_decode_backend_gives_the_uncached_tokens_past_block_size(model, decode):
+def test_every_decode_backend_gives_the_uncached_tokens_past_block_size(decode, layout):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                          **LAYOUTS[layout])).eval()
     # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
     uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
+    torch._dynamo.reset()  # graphs of the other layouts' models are not recompiles of this one
     with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for every position
         cached = generate(model, prompts, 40, temperature=0.0, decode=decode)
     assert cached.shape == (3, 44) and torch.equal(cached, uncached)

@@ -24,6 +24,7 @@ from checkpoint import (
 from data.loader import load_meta, load_split
 from model import GPT, GPTConfig
 from perf import datasheet_peak_flops, peak_flops
+from tests.layouts import LAYOUTS
 from train import estimate_loss, train
 from train_config import ConfigError, load_config
 
@@ -129,11 +130,13 @@ def test_broken_checkpoints_are_named(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread, optimizer):
+@pytest.mark.parametrize("optimizer, layout", [("adamw", "gpt2"), ("muon", "gpt2"),
+                                               ("muon", "modern")])
+def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread, optimizer,
+                                                          layout):
     # the schedule is pinned by lr_decay_iters, so stopping at 20 does not change it
     cfg = dataclasses.replace(tiny_config, max_iters=40, eval_interval=20, lr_decay_iters=40,
-                              dropout=0.1, optimizer=optimizer)
+                              dropout=0.1, optimizer=optimizer, **LAYOUTS[layout])
     straight = train(dataclasses.replace(cfg, run_name="straight"))
     train(dataclasses.replace(cfg, run_name="halves", max_iters=20))
     resumed = train(dataclasses.replace(cfg, run_name="halves"), resume=True)
@@ -272,3 +275,16 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     assert 1 < fast["seconds_to_target"] < fast["wall_s"]  # the process start counts
     assert fast["final_val_loss"] < 2.6 < slow["final_val_loss"]
     assert slow["ms_per_iter"] > 0 and fast["ms_per_iter"] > 0
+
+
+def test_a_checkpoint_from_before_the_layout_switches_loads_as_gpt2(trained_run, tmp_path):
+    ckpt = torch.load(trained_run / "best.pt", weights_only=True)
+    switches = ("pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "n_kv_head")
+    old = {**ckpt, "model_args": {k: v for k, v in ckpt["model_args"].items() if k not in switches}}
+    assert len(old["model_args"]) == len(ckpt["model_args"]) - len(switches)
+    torch.save(old, tmp_path / "old.pt")
+    then, now = (model_from_checkpoint(load_checkpoint(p)) for p in (tmp_path / "old.pt",
+                                                                      trained_run / "best.pt"))
+    assert then.config.is_gpt2 and then.config.n_kv_head == then.config.n_head
+    idx = torch.randint(0, then.config.vocab_size, (2, 16))
+    assert torch.equal(then(idx)[0], now(idx)[0])

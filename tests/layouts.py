@@ -1,0 +1,19 @@
+"""The model layouts that the tests run over: each switch of model.py's GPTConfig alone,
+and all of them (the modern layout)."""
+
+MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2",
+              tie_embeddings=False, n_kv_head=2)
+LAYOUTS = {"gpt2": {}, "rope": dict(pos_embedding="rope"), "no_positions": dict(pos_embedding="none"),
+           "rmsnorm": dict(norm="rmsnorm"), "qk_norm": dict(qk_norm=True), "relu2": dict(mlp="relu2"),
+           "untied": dict(tie_embeddings=False), "gqa": dict(n_kv_head=2), "mqa": dict(n_kv_head=1),
+           "modern": MODERN}
+
+
+def cli_args(overrides: dict) -> list[str]:
+    """Layout overrides as train.py options."""
+    args = []
+    for key, value in overrides.items():
+        flag = key.replace("_", "-")
+        args += [f"--{flag}" if value is True else f"--no-{flag}"] if isinstance(value, bool) \
+            else [f"--{flag}", str(value)]
+    return args
