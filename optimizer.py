@@ -10,7 +10,9 @@ Two recipes, chosen by TrainConfig.optimizer:
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon on the 2-D weights inside the
   blocks (attention's qkv and output projections, the MLP's two layers) at muon_lr, and
   AdamW at learning_rate on the rest: the token embedding (which is also the tied output
-  head), the position embedding, the biases and the LayerNorm gains. Muon orthogonalizes
+  head), the position embedding, the biases and the LayerNorm gains; an untied head too,
+  while its token table takes embedding_lr, undecayed (configure_optimizers says why).
+  Muon orthogonalizes
   each matrix's momentum, so every direction of the update moves at the same rate; that is
   what suits the hidden matrices and not the embeddings, whose rows are looked up one at a
   time.
@@ -107,13 +109,21 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     is the run's compute dtype: Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    rest = [p for p in trained if p not in hidden]
+    # an untied token table is a lookup: a row moves only where its token appears, and a
+    # much larger lr than the head's pays (as in nanochat), without decay, which at that lr
+    # would pull it twenty times harder; the head, whose every row the softmax reaches at
+    # every position, keeps learning_rate like the other AdamW weights
+    table = model.transformer.wte.weight if not model.config.tie_embeddings else None
+    rest = [p for p in trained if p not in hidden and p is not table]
     adamw_groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
+         "peak_lr": cfg.learning_rate},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0,
+         "peak_lr": cfg.learning_rate},
     ]
-    for group in adamw_groups:
-        group["peak_lr"] = cfg.learning_rate
+    if table is not None and table.requires_grad:
+        adamw_groups.append({"params": [table], "weight_decay": 0.0,
+                             "peak_lr": cfg.embedding_lr or cfg.learning_rate})
     # the fused kernel does the whole update in one pass over the parameters
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),

@@ -67,6 +67,8 @@ class TrainConfig:
     learning_rate: float = opt(1e-3, "peak AdamW learning rate")
     min_lr: float = opt(1e-4, "AdamW learning rate at the end of the cosine decay; every "
                         "group decays to the same fraction of its peak")
+    embedding_lr: float = opt(0.0, "peak AdamW learning rate of the token table when the head "
+                              "is untied (tie_embeddings false); 0 means learning_rate")
     muon_lr: float = opt(0.02, "peak Muon learning rate (optimizer = muon)")
     muon_momentum: float = opt(0.95, "Muon momentum (optimizer = muon)")
     warmup_iters: int = opt(100, "steps of linear warmup from 0 to learning_rate")
@@ -105,7 +107,8 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        non_negative = ("learning_rate", "min_lr", "muon_lr", "warmup_iters", "lr_decay_iters",
+        non_negative = ("learning_rate", "min_lr", "embedding_lr", "muon_lr", "warmup_iters",
+                        "lr_decay_iters",
                         "weight_decay", "grad_clip", "sample_tokens")
         for key in non_negative:
             if getattr(self, key) < 0:

@@ -87,6 +87,7 @@ def ablation_recipes() -> list[Recipe]:
              for name, (_, gpt2) in SWITCHES.items()]
     rows += [Recipe(f"GPT-2 layout, {name} = {modern}", QUICKSTART,
                     {**fp32, **GPT2_LAYOUT, name: modern}) for name, (modern, _) in SWITCHES.items()]
+    rows += [Recipe("modern, embedding_lr = learning_rate", QUICKSTART, {**fp32, "embedding_lr": 0})]
     rows += [Recipe("modern, pos_embedding = none", QUICKSTART, {**fp32, "pos_embedding": "none"})]
     rows += [Recipe(f"modern, n_kv_head = {n}", QUICKSTART, {**fp32, "n_kv_head": n}) for n in (2, 1)]
     return rows
