@@ -135,7 +135,8 @@ def race(text: str, train_text: str, held_out: str, work: Path) -> None:
     runs = work / "runs"
     calibration = {name: train_run(d, runs, f"cal-{name}", 30)[1] for name, d in datasets.items()}
     budget = 600 * calibration["char"]
-    print(f"time budget: 600 char iterations at {calibration['char']:.0f} ms = {budget / 1000:.0f} s")
+    print(f"iterations: 600 for char, the same time for the others by the ms/iter of "
+          f"30-iteration calibrations: {json.dumps({k: round(v, 1) for k, v in calibration.items()})}")
     print("| tokenizer | ms/iter | iterations in the budget | wall s | held-out bits per char |")
     print("| --- | --- | --- | --- | --- |")
     for name, data_dir in datasets.items():

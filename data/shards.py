@@ -40,6 +40,11 @@ from storage import fsync_dir
 SHARD_NAME = "tokens_{:06d}.bin"
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id of the vocabulary."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
 class ShardWriter:
     """Appends token ids to the stream, one shard file at a time."""
 

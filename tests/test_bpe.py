@@ -125,3 +125,11 @@ def test_a_damaged_tokenizer_in_a_dataset_or_a_checkpoint_is_one_line(bpe_datase
     assert sampled.returncode == 1 and len(sampled.stderr.splitlines()) == 1
     assert "the bpe tokenizer's description is damaged" in sampled.stderr
     assert "the checkpoint is damaged" in sampled.stderr
+
+
+def test_the_builtin_bpe_dataset_is_the_same_every_time(tmp_path):
+    from data.prepare import prepare_builtin
+    first = prepare_builtin("shakespeare_bpe2048", tmp_path / "a")
+    again = prepare_builtin("shakespeare_bpe2048", tmp_path / "b")
+    assert first["tokenizer"]["kind"] == "bpe" and first["vocab_size"] == 2048
+    assert first["tokenizer"] == again["tokenizer"] and first["shards"] == again["shards"]
