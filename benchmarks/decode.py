@@ -102,9 +102,11 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
                   lengths: list[int], repeats: int, json_path: Path | None,
                   decode: str = "auto", batch: int = 1, layout: str = "gpt2",
-                  n_kv_head: int = 0) -> list[dict]:
+                  n_kv_head: int = 0, baselines: bool = True) -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked. A preset
-    is built in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head)."""
+    is built in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head). Without
+    baselines only the default path runs: no eager, uncached or transformers rows, which at
+    GPT-2's shape take minutes."""
     if preset is not None:
         torch.manual_seed(0)
         shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
@@ -132,8 +134,9 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 
     default = decode_step(model)  # what a user gets without choosing
     chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
-    paths: dict[str, Tokens] = {f"default ({chosen})": ours(model, default),
-                                "eager": ours(model, decode_step(model, "eager"))}
+    paths: dict[str, Tokens] = {f"default ({chosen})": ours(model, default)}
+    if baselines:
+        paths["eager"] = ours(model, decode_step(model, "eager"))
     compile_s = None
     if decode == "compile":
         step = decode_step(model, "compile")
@@ -149,8 +152,9 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
             paths["compiled, no graphs"] = ours(model, compiled_step(model, cuda_graphs=False))
     if decode == "c" and chosen != "C step":
         paths["C step"] = ours(model, decode_step(model, "c"))
-    paths["uncached"] = ours(model, None)
-    theirs = transformers_generate(model) if dtype != "int8" else None
+    if baselines:
+        paths["uncached"] = ours(model, None)
+    theirs = transformers_generate(model) if dtype != "int8" and baselines else None
 
     print(f"{'new tokens':>10} {'path':>18} {'tokens/s':>9} {'vs uncached':>11} "
           f"{'peak MB':>8} {'growth MB':>10} {'identical':>9}")
@@ -160,10 +164,13 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
                  for name, run in paths.items()]
         if theirs is not None and PROMPT_LEN + n_new <= cfg.block_size:
             group.append({"path": "transformers", **measure(theirs, prompt, n_new, repeats)})
-        uncached = next(row for row in group if row["path"] == "uncached")
+        uncached = next((row for row in group if row["path"] == "uncached"), None)
         for row in group:
-            row.update(speedup=row["tokens_per_s"] / uncached["tokens_per_s"],
-                       identical=row["tokens"] == uncached["tokens"])
+            if uncached is not None:
+                row.update(speedup=row["tokens_per_s"] / uncached["tokens_per_s"],
+                           identical=row["tokens"] == uncached["tokens"])
+            else:
+                row.update(speedup=float("nan"), identical=None)
             memory = (f"{row['peak_memory_mb']:>8.0f} {row['memory_growth_mb']:>10.1f}"
                       if "peak_memory_mb" in row else f"{'-':>8} {'-':>10}")
             print(f"{n_new:>10} {row['path']:>18} {row['tokens_per_s']:>9.1f} "
@@ -180,10 +187,11 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 
 def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
-         decode: str = "auto", batch: int = 1, layout: str = "gpt2", n_kv_head: int = 0) -> None:
+         decode: str = "auto", batch: int = 1, layout: str = "gpt2", n_kv_head: int = 0,
+         baselines: bool = True) -> None:
     """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
     run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, decode, batch, layout, n_kv_head)
+                  json, decode, batch, layout, n_kv_head, baselines)
 
 
 if __name__ == "__main__":

@@ -125,9 +125,9 @@ def alphabet_of(batch: Batch) -> str:
 
 def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: int,
                 tokenizer_meta: dict | None) -> Iterator[tuple[Batch, Any]]:
-    """fn over the batches in worker processes, results in input order. At most two batches
+    """fn over the batches in worker processes, results in input order. At most four batches
     a worker are in flight, so reading never runs ahead of tokenizing: memory stays bounded
-    whatever the corpus size."""
+    whatever the corpus size, and a worker never waits for the main process's next batch."""
     if workers <= 1:
         init_worker(tokenizer_meta, in_process=True)
         yield from ((batch, fn(batch)) for batch in batches)
@@ -139,7 +139,7 @@ def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: i
     try:
         for batch in batches:
             pending.append((batch, pool.submit(fn, batch)))
-            if len(pending) >= 2 * workers:
+            if len(pending) >= 4 * workers:
                 done, future = pending.popleft()
                 yield done, future.result()
         while pending:

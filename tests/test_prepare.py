@@ -169,6 +169,27 @@ def test_a_killed_preparation_resumes_to_the_same_bytes(tmp_path):
     assert files(cut) == files(whole)
 
 
+def test_ctrl_c_stops_cleanly_in_one_line_and_the_same_command_resumes(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(3000), "jsonl")
+    command = [sys.executable, "-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2",
+               "--shard-tokens", "300"]
+    proc = subprocess.Popen([*command, "--out", str(tmp_path / "cut")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while len(list((tmp_path / "cut").glob("tokens_*.bin"))) < 5 and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines() == [f"interrupted: run the same command again to resume "
+                                   f"{tmp_path / 'cut'} after its last whole shard"]
+    assert not (tmp_path / "cut" / "meta.json").exists()
+    assert not list((tmp_path / "cut").glob(".tokens_*"))  # no half-written shard left
+    for out in ("cut", "whole"):
+        subprocess.run([*command, "--out", str(tmp_path / out)], cwd=REPO, check=True,
+                       capture_output=True)
+    assert files(tmp_path / "cut") == files(tmp_path / "whole")
+
+
 def test_a_disk_that_fills_mid_write_stops_cleanly_and_resumes(tmp_path):
     path = write_corpus(tmp_path / "in", make_documents(600), "jsonl")
     options = "shard_tokens=1000, batch_bytes=3000"
