@@ -173,8 +173,9 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
                 row.update(speedup=float("nan"), identical=None)
             memory = (f"{row['peak_memory_mb']:>8.0f} {row['memory_growth_mb']:>10.1f}"
                       if "peak_memory_mb" in row else f"{'-':>8} {'-':>10}")
+            speedup = f"{row['speedup']:>10.1f}x" if uncached is not None else f"{'-':>11}"
             print(f"{n_new:>10} {row['path']:>18} {row['tokens_per_s']:>9.1f} "
-                  f"{row['speedup']:>10.1f}x {memory} {str(row['identical']):>9}")
+                  f"{speedup} {memory} {str(row['identical'] if uncached else '-'):>9}")
             rows.append({k: v for k, v in row.items() if k != "tokens"})
     if json_path:
         json_path.write_text(json.dumps({
