@@ -1,4 +1,5 @@
-"""Corpora: fetch text (sources.py), tokenize it into train/val bins (prepare.py), and draw
+"""Corpora: fetch text (sources.py), read documents of every format (documents.py), train a
+BPE (bpe.py), tokenize on every core into shards (prepare.py, format in shards.py), and draw
 batches from them (loader.py).
 
 Usage:
