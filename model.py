@@ -307,11 +307,14 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without the position table (the token table is tied
-        to the output layer, so it does its share of the compute and stays counted)."""
+        """Parameter count; by default without the tables that are only looked up: the
+        position table, and the token table when untied (tied, it is the output layer too,
+        does its share of the compute and stays counted)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
+        if non_embedding and not self.config.tie_embeddings:
+            n -= self.transformer.wte.weight.numel()
         return n
 
     def crop_block_size(self, block_size: int) -> None:

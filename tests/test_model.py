@@ -121,6 +121,10 @@ def test_parameter_count_and_flops_follow_the_shape():
     assert model.num_params() == expected == 10_672_512
     assert model.num_params(non_embedding=False) == expected + 256 * d
     assert model.flops_per_token(256) == 6 * expected + 12 * 6 * d * 256
+    # untied, the table is only looked up, and the head does the compute the tied table did
+    untied = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384,
+                           tie_embeddings=False))
+    assert untied.num_params() == expected
 
 
 @pytest.mark.parametrize("kwargs, message", [
