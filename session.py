@@ -86,20 +86,24 @@ def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, ckpt: dic
 def training_step(cfg: TrainConfig, vocab_size: int,
                   device: torch.device) -> Callable[[torch.dtype], None]:
     """One step of this run in a given dtype, as the loop runs it (forward and backward of a
-    micro-batch, then the optimizers), on a model of its own: what auto times. Its weights
-    come from a forked RNG, so the run's own initialisation is as without it."""
-    with torch.random.fork_rng(devices=[]):
-        model = GPT(cfg.model_config(vocab_size)).to(device)
-    x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size), device=device,
-                      generator=torch.Generator(device).manual_seed(0))
-    optimizers = {dtype: configure_optimizers(model, cfg, device, dtype)
-                  for dtype in (torch.float32, torch.bfloat16)}
+    micro-batch, then the optimizers), on a model of its own: what auto times. The model is
+    built at the first call only, so a run that measures nothing (a set dtype, a GPU, a CPU
+    without native bf16) builds none; its weights come from a forked RNG, so the run's own
+    initialisation is as without it."""
+    parts: dict = {}
 
     def step(dtype: torch.dtype) -> None:
+        if not parts:
+            with torch.random.fork_rng(devices=[]):
+                parts["model"] = GPT(cfg.model_config(vocab_size)).to(device)
+            parts["x"] = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size), device=device,
+                                       generator=torch.Generator(device).manual_seed(0))
+            parts.update({d: configure_optimizers(parts["model"], cfg, device, d)
+                          for d in (torch.float32, torch.bfloat16)})
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            _, loss = model(x, x)
+            _, loss = parts["model"](parts["x"], parts["x"])
         loss.backward()
-        for opt in optimizers[dtype]:
+        for opt in parts[dtype]:
             opt.step()
             opt.zero_grad(set_to_none=True)
     return step
