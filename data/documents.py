@@ -31,7 +31,7 @@ import gzip
 import io
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -131,7 +131,7 @@ def read_batches(inputs: list[Input], text_field: str = "text",
         else:
             batches = stream_batches(item, kind, text_field, batch_bytes)
         for batch in batches:
-            yield Batch(**{**batch.__dict__, "read": done + batch.read})
+            yield replace(batch, read=done + batch.read)
         done += item.size
 
 
