@@ -13,6 +13,7 @@ If one process dies, torchrun ends the others, so a crash never leaves the run h
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +59,6 @@ def teardown(info: Dist) -> None:
         dist.destroy_process_group()
 
 
-def barrier(info: Dist) -> None:
-    """Wait until every process gets here."""
-    if info.enabled:
-        dist.barrier()
-
-
 def all_sum(values: torch.Tensor, info: Dist) -> torch.Tensor:
     """The element-wise sum of `values` over all processes (a copy; the input is untouched)."""
     total = values.clone()
@@ -79,10 +74,23 @@ def any_true(flag: bool, info: Dist, device: torch.device) -> bool:
     return bool(all_sum(torch.tensor([float(flag)], device=device), info).item() > 0)
 
 
-def from_main(value: Any, info: Dist) -> Any:
-    """Rank 0's `value`, on every process."""
+def from_main(make: Callable[[], Any], info: Dist) -> Any:
+    """Rank 0 calls make(); every process returns its value, or raises its error. Without
+    the error in the broadcast, a failure on rank 0 alone (a run folder it cannot take, data
+    it cannot prepare) would leave the others in the next collective until gloo gives up
+    with a traceback. An error raised here on another rank has `from_main` set: rank 0
+    reports it."""
     if not info.enabled:
-        return value
-    box = [value]
+        return make()
+    box: list[Any] = [None, None]  # (value, error)
+    if info.is_main:
+        try:
+            box[0] = make()
+        except Exception as e:
+            box[1] = e
     dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        if not info.is_main:
+            box[1].from_main = True
+        raise box[1]
     return box[0]

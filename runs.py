@@ -3,7 +3,7 @@ can be resumed, and how a run stops cleanly.
 
 Usage:
     from runs import choose_run_dir, check_writable, check_resumable, stop_signals
-    run_dir = choose_run_dir(cfg, resume=False)      # runs/quickstart, or runs/quickstart-2
+    run_dir, lock = choose_run_dir(cfg, resume=False)  # runs/quickstart, or runs/quickstart-2
     check_writable(run_dir, checkpoint_bytes)
     check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
     with stop_signals() as stop: ...                  # stop["signal"] once Ctrl-C arrives
@@ -11,49 +11,97 @@ Usage:
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from model import GPT
 from storage import probe_writable
 from train_config import ConfigError, TrainConfig
 
+LOCK = ".lock"
+
 
 def saved_nothing(run_dir: Path) -> bool:
-    """Whether run_dir holds only the TensorBoard events of a run that died before its first
-    checkpoint (killed, or a second Ctrl-C while it started): nothing worth keeping."""
+    """Whether run_dir holds only its lock and the TensorBoard events of a run that died
+    before its first checkpoint (killed, or a second Ctrl-C while it started): nothing worth
+    keeping. Ask only while holding the folder's lock, or a live run's start looks so too."""
     files = list(run_dir.iterdir())
-    return bool(files) and all(f.is_file() and f.name.startswith("events.out.tfevents.")
+    return bool(files) and all(f.is_file() and (f.name == LOCK or
+                                                f.name.startswith("events.out.tfevents."))
                                for f in files)
 
 
-def choose_run_dir(cfg: TrainConfig, resume: bool) -> Path:
-    """runs/<run_name>; a new run never writes into an old run's folder (it takes the next
-    free -2, -3, ... name instead), a resumed run must find its last.pt there. A folder
-    where a run saved nothing is taken over, its stale events deleted, so that a run killed
-    in its first seconds does not push the next one to -2."""
+def lock_run_dir(run_dir: Path) -> IO | None:
+    """Make run_dir and take its lock, or None if another live process holds it. The lock
+    is an flock on run_dir/.lock: the kernel drops it when its holder exits, however it
+    exits, so a killed run never leaves a stale lock behind. Hold the returned file open
+    for as long as the run writes to the folder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / LOCK, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")  # for the message that refuses a second run
+    lock.flush()
+    return lock
+
+
+def lock_holder(run_dir: Path) -> str:
+    try:
+        return f" (pid {int((run_dir / LOCK).read_text())})"
+    except (OSError, ValueError):
+        return ""
+
+
+def choose_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, IO]:
+    """runs/<run_name> and its lock, held. A new run never writes into another run's folder,
+    old or live: it takes the next free -2, -3, ... name instead. A resumed run must find
+    its last.pt there and no live run. A folder where a run saved nothing is taken over,
+    its stale events deleted, so that a run killed in its first seconds does not push the
+    next one to -2."""
     base = Path(cfg.out_dir) / (cfg.run_name or "run")
     if base.exists() and not base.is_dir():
         raise ConfigError(f"{base} is a file, not a run folder; choose another --run-name "
                           f"or --out-dir")
-    if resume:
-        if not (base / "last.pt").is_file():
-            raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
-                              f"drop --resume to start a new run")
-        return base
-    run_dir, n = base, 1
-    while run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())
-                                and not saved_nothing(run_dir)):
-        n += 1
-        run_dir = base.with_name(f"{base.name}-{n}")
-    if run_dir.exists() and saved_nothing(run_dir):
-        for events in run_dir.iterdir():
-            events.unlink()
-    return run_dir
+    try:
+        if resume:
+            if not (base / "last.pt").is_file():
+                raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
+                                  f"drop --resume to start a new run")
+            lock = lock_run_dir(base)
+            if lock is None:
+                raise ConfigError(f"{base} is in use by a run that is still going"
+                                  f"{lock_holder(base)}; wait for it to end, or start a "
+                                  f"new run without --resume")
+            return base, lock
+        for n in range(1, 10_000):
+            run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            if run_dir.exists() and not run_dir.is_dir():
+                continue
+            lock = lock_run_dir(run_dir)
+            if lock is None:
+                continue  # a live run's folder
+            if saved_nothing(run_dir):  # new, or a run's that died before saving
+                for f in run_dir.iterdir():
+                    if f.name != LOCK:
+                        f.unlink()
+                return run_dir, lock
+            lock.close()
+    except OSError as e:
+        raise ConfigError(f"cannot write to {e.filename or base} ({e.strerror}); choose "
+                          f"another --out-dir or --run-name") from None
+    raise ConfigError(f"{base} and 9,999 numbered folders beside it are taken; choose "
+                      f"another --run-name")
 
 
 def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:

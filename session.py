@@ -13,6 +13,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -37,10 +38,12 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
     """The dataset's meta and memmapped splits, preparing a built-in dataset if missing
     (by rank 0 alone, while the other processes wait)."""
     data_dir = Path(cfg.data_dir)
-    if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN and dist.is_main:
-        tqdm.write(f"preparing {data_dir} (first run only)")
-        prepare_builtin(data_dir.name, data_dir)
-    distributed.barrier(dist)
+
+    def prepare() -> None:
+        if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
+            tqdm.write(f"preparing {data_dir} (first run only)")
+            prepare_builtin(data_dir.name, data_dir)
+    distributed.from_main(prepare, dist)
     meta = load_meta(data_dir)
     splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
     for split, data in splits.items():
@@ -79,8 +82,7 @@ def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, ckpt: dic
     if cfg.dtype == "auto" and ckpt is not None and "dtype" in ckpt:
         return DTYPES[ckpt["dtype"]], "auto: as the run being resumed chose"
     return distributed.from_main(
-        resolve_dtype(cfg.dtype, device, training_step(cfg, vocab_size, device))
-        if dist.is_main else None, dist)
+        lambda: resolve_dtype(cfg.dtype, device, training_step(cfg, vocab_size, device)), dist)
 
 
 def training_step(cfg: TrainConfig, vocab_size: int,
@@ -154,8 +156,9 @@ class Session:
     best_val_loss: float
     sample_ids: list[int]
     probe_ids: list[int]
-    writer: SummaryWriter | None = None  # rank 0 only, as are the pictures
+    writer: SummaryWriter | None = None  # rank 0 only, as are the pictures and the lock
     pictures: LayerPictures | None = None
+    lock: IO | None = None  # the run folder's (runs.lock_run_dir): no second run writes there
 
 
 def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Session, str]:
@@ -178,12 +181,19 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
 
-    run_dir = distributed.from_main(choose_run_dir(cfg, resume) if dist.is_main else None, dist)
+    lock = None  # rank 0 holds the run folder's lock for as long as the run goes on
+
+    def take_run_dir() -> Path:
+        nonlocal lock
+        run_dir, lock = choose_run_dir(cfg, resume)
+        return run_dir
+    run_dir = distributed.from_main(take_run_dir, dist)
     ckpt = load_checkpoint(run_dir / "last.pt", map_location=device) if resume else None
     dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], ckpt, dist)
     model = build_model(cfg, meta).to(device)
-    if dist.is_main:  # fp32 weights plus AdamW's two moments
-        check_writable(run_dir, 3 * 4 * sum(p.numel() for p in model.parameters()))
+    # fp32 weights plus AdamW's two moments
+    checkpoint_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
+    distributed.from_main(lambda: check_writable(run_dir, checkpoint_bytes), dist)
     s = Session(
         cfg=cfg, dist=dist, device=device, dtype=dtype,
         autocast=(nullcontext() if dtype == torch.float32
@@ -194,7 +204,8 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
         scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
         batches=BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed,
                             dist.rank, dist.world_size),
-        iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
+        iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids,
+        lock=lock)
     if ckpt is not None:
         check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
         restore(s, ckpt)

@@ -292,6 +292,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
             s.writer.close()
         if s.pictures is not None:
             s.pictures.close()
+        if s.lock is not None:
+            s.lock.close()
     return TrainResult(s.run_dir, s.iter_num, s.best_val_loss, losses, time.time() - t_start)
 
 
@@ -322,9 +324,10 @@ def build_cli() -> typer.Typer:
         except USER_ERRORS as e:
             if debug:
                 raise
-            # under torchrun every rank reads the same config and fails the same way: rank 0
-            # says so once; other errors may differ between ranks, so each says its own
-            if is_main or not isinstance(e, ConfigError):
+            # under torchrun every rank reads the same config and fails the same way, or
+            # meets rank 0's error (distributed.from_main): rank 0 says so once; other
+            # errors may differ between ranks, so each says its own
+            if is_main or not (isinstance(e, ConfigError) or getattr(e, "from_main", False)):
                 typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
         if not is_main:

@@ -177,7 +177,7 @@ def test_an_unwritable_out_dir_is_reported_before_training(tmp_path, char_data):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert (f"error: cannot write to {not_a_dir / 'tiny'} (Not a directory); "
-            f"choose another --out-dir") in result.stderr
+            f"choose another --out-dir or --run-name") in result.stderr
 
 
 def test_resume_with_a_changed_model_shape_is_refused(tmp_path, char_data):
@@ -265,3 +265,42 @@ def test_a_folder_where_a_run_saved_nothing_is_taken_over(tiny_config, tmp_path)
     assert result.run_dir == dead and not (dead.parent / "tiny-2").exists()
     assert stale.isdisjoint(p.name for p in dead.iterdir())
     assert (dead / "last.pt").is_file()
+
+
+def test_two_runs_of_one_name_started_together_never_share_a_folder(tmp_path, char_data):
+    # a checkpoint at every step: before the run folder's lock, the two wrote each other's
+    # .last.pt.tmp, events and checkpoints
+    args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--max-iters", "30",
+            "--eval-interval", "1", "--eval-iters", "1", "--sample-tokens", "0")
+    procs = [start_training(*args) for _ in range(2)]
+    outputs = [proc.communicate(timeout=180) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    folders = sorted(line.split("writing to ")[1].rstrip("/\n") for out, _ in outputs
+                     for line in out.splitlines() if "writing to " in line)
+    assert folders == [str(tmp_path / "tiny"), str(tmp_path / "tiny-2")]
+    for folder in map(Path, folders):
+        assert load_checkpoint(folder / "last.pt")["iter_num"] == 30
+        events = [p for p in folder.iterdir() if p.name.startswith("events.out.tfevents.")]
+        assert len(events) == 2  # the run's scalars and its hparams: one run's, not two
+
+
+def test_resume_is_refused_while_the_run_is_still_going(tmp_path, char_data):
+    args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--eval-interval", "1",
+            "--eval-iters", "1", "--sample-tokens", "0")
+    proc = start_training(*args, "--max-iters", "100000")
+    try:
+        wait_for_line(proc, "iter 1:")
+        second = subprocess.run([*TRAIN, *args, "--max-iters", "100000", "--resume"], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert second.returncode == 1
+    assert second.stderr == (f"error: {tmp_path / 'tiny'} is in use by a run that is still "
+                             f"going (pid {proc.pid}); wait for it to end, or start a new run "
+                             f"without --resume\n")
+    # the lock went with its holder: now the same command resumes
+    more = str(load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"] + 2)
+    resumed = subprocess.run([*TRAIN, *args, "--max-iters", more, "--resume"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
