@@ -44,6 +44,21 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
         torch.save({"format": FORMAT, "version": VERSION, **state}, f)
 
 
+def non_finite(state: Any, name: str = "") -> str | None:
+    """The name of the first floating-point tensor in a nested state (dicts, lists) that
+    holds a NaN or an inf, or None: a checkpoint of such a state would be resumed, sampled
+    and trusted, and it is worth nothing."""
+    if isinstance(state, torch.Tensor):
+        return name if state.is_floating_point() and not torch.isfinite(state).all() else None
+    items = (state.items() if isinstance(state, dict)
+             else enumerate(state) if isinstance(state, list | tuple) else ())
+    for key, value in items:
+        found = non_finite(value, f"{name}.{key}" if name else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Make dst the same checkpoint as src without writing it again: a hard link (a copy
     where the file system has none), put in place by an atomic rename like any save."""
@@ -143,5 +158,9 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     if problem:
         raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
                               f"the file is damaged, use another checkpoint")
+    broken = non_finite(state)
+    if broken is not None:  # written before train.py checked what it saves
+        raise CheckpointError(f"the checkpoint's {broken} holds NaN or inf: its run diverged; "
+                              f"use an earlier checkpoint")
     model.load_state_dict(state)
     return model.eval()

@@ -12,7 +12,6 @@ Usage:
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import signal
 import threading
@@ -42,7 +41,8 @@ def lock_run_dir(run_dir: Path) -> IO | None:
     """Make run_dir and take its lock, or None if another live process holds it. The lock
     is an flock on run_dir/.lock: the kernel drops it when its holder exits, however it
     exits, so a killed run never leaves a stale lock behind. Hold the returned file open
-    for as long as the run writes to the folder."""
+    for as long as the run writes to the folder. The file stays empty: taking a lock, even
+    to find a folder in use, changes nothing on disk."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK, "a+")
     try:
@@ -50,17 +50,7 @@ def lock_run_dir(run_dir: Path) -> IO | None:
     except BlockingIOError:
         lock.close()
         return None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")  # for the message that refuses a second run
-    lock.flush()
     return lock
-
-
-def lock_holder(run_dir: Path) -> str:
-    try:
-        return f" (pid {int((run_dir / LOCK).read_text())})"
-    except (OSError, ValueError):
-        return ""
 
 
 def choose_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, IO]:
@@ -80,9 +70,8 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, IO]:
                                   f"drop --resume to start a new run")
             lock = lock_run_dir(base)
             if lock is None:
-                raise ConfigError(f"{base} is in use by a run that is still going"
-                                  f"{lock_holder(base)}; wait for it to end, or start a "
-                                  f"new run without --resume")
+                raise ConfigError(f"{base} is in use by a run that is still going; wait "
+                                  f"for it to end, or start a new run without --resume")
             return base, lock
         for n in range(1, 10_000):
             run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
@@ -138,8 +127,17 @@ def stop_signals() -> Iterator[dict[str, int]]:
             signal.signal(s, h)
 
 
+# What a resumed run cannot change, and why; every other setting is the new config's (the
+# lr schedule, the batch, the dtype, the intervals ...), the optimizer state included.
+FIXED_ON_RESUME = {
+    "seed": "a resumed run continues the random streams saved with it",
+    "init_from": "a resumed run starts from its checkpoint",
+}
+
+
 def check_resumable(ckpt: dict, model: GPT, meta: dict, cfg: TrainConfig, path: Path) -> None:
-    """Refuse to resume with other data, a different model shape or another optimizer."""
+    """Refuse to resume with other data, a different model shape, another optimizer, or a
+    setting that a resumed run would ignore."""
     saved_optimizer = ckpt["config"].get("optimizer", "adamw")
     if saved_optimizer != cfg.optimizer:
         raise ConfigError(f"cannot resume: {path} was trained with optimizer = "
@@ -153,3 +151,9 @@ def check_resumable(ckpt: dict, model: GPT, meta: dict, cfg: TrainConfig, path: 
         if getattr(model.config, key) != value:
             raise ConfigError(f"cannot resume: {key} is {getattr(model.config, key)} in the "
                               f"config but {value} in {path}; use the run's original settings")
+    for key, why in FIXED_ON_RESUME.items():
+        saved = ckpt["config"].get(key, getattr(cfg, key))
+        if getattr(cfg, key) != saved:
+            raise ConfigError(f"cannot resume: {key} is {getattr(cfg, key)!r} in the config "
+                              f"but {saved!r} in {path}, and {why}; drop the option or start "
+                              f"a new run")

@@ -240,7 +240,13 @@ def restore(s: Session, ckpt: dict) -> None:
     states = ckpt["optimizer"]  # a list since optimizer = muon; one dict before
     for opt, state in zip(s.optimizers, states if isinstance(states, list) else [states],
                           strict=True):
+        # the state (moments, momentum, step counts) is the run's; the settings (peak lr,
+        # decay, betas, momentum) are the config's, which a resumed run may change
+        settings = [{k: v for k, v in group.items() if k != "params"}
+                    for group in opt.param_groups]
         opt.load_state_dict(state)
+        for group, setting in zip(opt.param_groups, settings, strict=True):
+            group.update(setting)
     s.scaler.load_state_dict(ckpt["scaler"])
     s.iter_num, s.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
     torch.set_rng_state(ckpt["rng"]["torch"])

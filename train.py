@@ -28,7 +28,7 @@ from tqdm import tqdm
 import distributed
 from assets import AssetError
 from attention import log_attention
-from checkpoint import CheckpointError, link_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, link_checkpoint, non_finite, save_checkpoint
 from data.loader import Tokens, get_batch
 from data.sources import DataError
 from generate import generate
@@ -173,12 +173,19 @@ def checkpoint_state(model: GPT, optimizers: list[torch.optim.Optimizer],
 
 
 def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
-    """Write last.pt (and best.pt, the same file) from rank 0; other ranks do nothing."""
-    if not s.dist.is_main:
-        return
+    """Write last.pt (and best.pt, the same file) from rank 0, if the state is finite. Every
+    rank checks (their states are equal), so all of them stop together when it is not."""
     state = checkpoint_state(s.raw_model, s.optimizers, s.scaler, s.batches.state, s.device,
                              s.cfg, s.meta, s.dtype, s.iter_num, s.best_val_loss,
                              losses.get("val", math.nan))
+    # a loss that turned NaN between log points leaves no other trace before this write
+    broken = non_finite({"model": state["model"], "optimizer": state["optimizer"]})
+    if broken is not None:
+        raise TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no checkpoint "
+                            f"was written and the last good one is kept: lower learning_rate "
+                            f"or set grad_clip")
+    if not s.dist.is_main:
+        return
     try:
         save_checkpoint(state, s.run_dir / "last.pt")
         if is_best:  # the same file under a second name: no second write
@@ -264,7 +271,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                 t_log, iters_since_log = time.perf_counter(), 0
                 loss_sum = torch.zeros_like(loss_sum)
 
-            if it % cfg.eval_interval == 0 or it == cfg.max_iters:
+            evaluated = it % cfg.eval_interval == 0 or it == cfg.max_iters
+            if evaluated:
                 losses = evaluate(s, it)
                 say(f"iter {it}: train loss {losses['train']:.4f}, "
                     f"val loss {losses['val']:.4f}")
@@ -278,7 +286,8 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
             at_log_point = it % cfg.log_interval == 0
             if (stop if not dist.enabled else
                     at_log_point and distributed.any_true(bool(stop), dist, s.device)):
-                save(s, losses, is_best=False)
+                # an earlier evaluation's val loss is not this state's: NaN says unmeasured
+                save(s, losses if evaluated else {}, is_best=False)
                 signum = stop.get("signal", signal.SIGTERM)
                 raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter {it}; "
                                   f"saved {s.run_dir / 'last.pt'}; continue with the same "

@@ -60,6 +60,18 @@ def modern_checkpoint(tmp: Path, ctx: dict) -> None:
     torch.save(ckpt, tmp / "c.pt")
 
 
+def nan_checkpoint(tmp: Path, ctx: dict) -> None:
+    """{tmp}/c.pt: the trained checkpoint with one NaN weight, as a diverged run's."""
+    ckpt = torch.load(ctx["ckpt"], weights_only=True)
+    ckpt["model"]["transformer.h.1.ln_1.weight"][0] = float("nan")
+    torch.save(ckpt, tmp / "c.pt")
+
+
+def trained_copy(tmp: Path, ctx: dict) -> None:
+    """{tmp}/runs/tiny: a copy of the trained run, to resume."""
+    shutil.copytree(ctx["ckpt"].parent, tmp / "runs" / "tiny")
+
+
 def damaged_run(tmp: Path, ctx: dict) -> None:
     """{tmp}/runs/tiny, whose last.pt lacks one weight."""
     ckpt = torch.load(ctx["ckpt"], weights_only=True)
@@ -127,6 +139,10 @@ CASES = {
     "resume from damaged weights": ([*TRAIN, "--resume"], damaged_run, 1,
                                     "error: cannot resume: the weights in {tmp}/runs/tiny/last.pt do "
                                     "not match its model_args (missing transformer.h.1.ln_1.weight)"),
+    "resume with another seed": ([*TRAIN, "--resume", "--max-iters", "30", "--seed", "7"],
+                                 trained_copy, 1, "error: cannot resume: seed is 7 in the config "
+                                 "but 1337 in {tmp}/runs/tiny/last.pt, and a resumed run "
+                                 "continues the random streams saved with it"),
     "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
                              "Invalid value for '--max-iters'"),
     # prepared data
@@ -202,6 +218,9 @@ CASES = {
     "checkpoint weights that do not fit": (
         ["sample.py", "--checkpoint", "{tmp}/c.pt"], edited_checkpoint(n_layer=3), 1,
         "error: the checkpoint's weights do not match its model_args: missing transformer.h.2."),
+    "checkpoint of a run that diverged": (
+        ["sample.py", "--checkpoint", "{tmp}/c.pt"], nan_checkpoint, 1,
+        "error: the checkpoint's transformer.h.1.ln_1.weight holds NaN or inf: its run diverged"),
     "checkpoint with a foreign model_args key": (
         ["gpt2.py", "{tmp}/c.pt", "{tmp}/hf"], edited_checkpoint(rope=True), 1,
         "error: the checkpoint's model_args are not a model shape (GPTConfig.__init__() got an "

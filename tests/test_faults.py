@@ -297,10 +297,37 @@ def test_resume_is_refused_while_the_run_is_still_going(tmp_path, char_data):
         proc.wait()
     assert second.returncode == 1
     assert second.stderr == (f"error: {tmp_path / 'tiny'} is in use by a run that is still "
-                             f"going (pid {proc.pid}); wait for it to end, or start a new run "
-                             f"without --resume\n")
+                             f"going; wait for it to end, or start a new run without --resume\n")
     # the lock went with its holder: now the same command resumes
     more = str(load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"] + 2)
     resumed = subprocess.run([*TRAIN, *args, "--max-iters", more, "--resume"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
+
+
+def test_ctrl_c_after_the_loss_turned_nan_writes_no_checkpoint(tmp_path, char_data):
+    # the loss turns NaN between log points, so only the interrupt's save could notice
+    args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--learning-rate", "1e30",
+            "--grad-clip", "0", "--log-interval", "100000", "--eval-interval", "100000",
+            "--max-iters", "100000", "--sample-tokens", "0")
+    proc = start_training(*args)
+    wait_for_line(proc, "iter 0:")
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert "holds NaN or inf at iter" in stderr and "no checkpoint was written" in stderr
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()
+                  if not p.name.startswith("events.")) == [".lock"]
+
+
+def test_a_resumed_run_takes_the_new_learning_rate(tiny_config):
+    # the optimizer state is the run's, its settings the config's: lr 0 moves nothing
+    first = train(dataclasses.replace(tiny_config, max_iters=10, eval_interval=10))
+    before = load_checkpoint(first.run_dir / "last.pt")["model"]
+    train(dataclasses.replace(tiny_config, max_iters=15, eval_interval=5, learning_rate=0.0,
+                              min_lr=0.0), resume=True)
+    after = load_checkpoint(first.run_dir / "last.pt")
+    assert after["iter_num"] == 15 and after["config"]["learning_rate"] == 0.0
+    assert all(torch.equal(before[k], after["model"][k]) for k in before)
