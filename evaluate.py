@@ -138,8 +138,8 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
 
 def main(
     input: Annotated[Path, typer.Option(
-        "--input", help="A UTF-8 text file, or a folder of .txt files (read in path order, "
-                        "joined by blank lines).")],
+        "--input", help="A UTF-8 text file, scored exactly as it is, or a folder of .txt "
+                        "files (path order, a blank line between two files).")],
     run: Annotated[str | None, typer.Option(
         help="Run folder, or run name under runs/, whose best.pt (else last.pt) to score; "
              "default: the newest run.")] = None,

@@ -50,8 +50,9 @@ def decode_text(data: bytes, where: str, offset: int = 0, line: int = 1) -> str:
 
 
 def read_text(path: str | Path) -> str:
-    """The text of a UTF-8 file, or of every *.txt file under a folder (sorted by path,
-    separated by blank lines)."""
+    """The exact text of a UTF-8 file; or of every *.txt file under a folder, in path order,
+    each exactly, with a blank line between two files (one newline after a file that ends
+    in one, two after a file that does not)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
@@ -62,7 +63,8 @@ def read_text(path: str | Path) -> str:
     else:
         raise DataError(f"input {path} does not exist; give a text file or a folder of .txt files")
     texts = [decode_text(f.read_bytes(), str(f)) for f in files]
-    text = "\n\n".join(t.strip("\n") for t in texts if t.strip())
+    text = "".join(t + ("" if i == len(texts) - 1 else "\n" if t.endswith("\n") else "\n\n")
+                   for i, t in enumerate(texts))
     if not text.strip():
         raise DataError(f"input {path} holds no text")
-    return text + "\n"
+    return text

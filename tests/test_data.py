@@ -77,11 +77,13 @@ def test_get_batch_targets_are_inputs_shifted_by_one(char_data):
         assert any(torch.equal(flat[s + 1:s + 17], row_y) for s in starts)
 
 
-def test_read_text_joins_a_folder_in_name_order(tmp_path):
-    (tmp_path / "b.txt").write_text("second\n")
+def test_read_text_gives_a_file_exactly_and_joins_a_folder_in_name_order(tmp_path):
+    (tmp_path / "c.txt").write_text("third, no final newline")
+    (tmp_path / "b.txt").write_text("second")
     (tmp_path / "a.txt").write_text("first\n")
     (tmp_path / "skip.md").write_text("not text\n")
-    assert read_text(tmp_path) == "first\n\nsecond\n"
+    assert read_text(tmp_path / "c.txt") == "third, no final newline"
+    assert read_text(tmp_path) == "first\n\nsecond\n\nthird, no final newline"
 
 
 @pytest.mark.parametrize("content, message", [
