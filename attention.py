@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from model import GPT
+from storage import atomic_write, write_bytes_atomic
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -143,7 +144,8 @@ def log_attention(writer: SummaryWriter, model: GPT, ids: list[int], pictures: L
 def write_png(maps: torch.Tensor, labels: list[str], path: str | Path) -> Path:
     """All layers and heads as one grid of heatmaps."""
     path = Path(path)
-    pyplot().imsave(path, draw_grid(maps, labels))
+    with atomic_write(path) as f:  # a write that fails leaves no half picture
+        pyplot().imsave(f, draw_grid(maps, labels), format="png")
     return path
 
 
@@ -158,5 +160,5 @@ def write_html(maps: torch.Tensor, labels: list[str], path: str | Path) -> Path:
     }
     page = HTML_TEMPLATE.read_text().replace("/*DATA*/null", json.dumps(data))
     path = Path(path)
-    path.write_text(page, encoding="utf-8")
+    write_bytes_atomic(path, page.encode("utf-8"))
     return path

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -36,7 +35,7 @@ from data.sources import read_text
 from loading import load_model
 from model import GPT, GPTConfig
 from precision import resolve_device
-from storage import write_bytes_atomic
+from storage import check_output_file, write_bytes_atomic
 from tokenizer import Tokenizer
 
 
@@ -162,11 +161,7 @@ def main(
     """Score a model on a text: loss per token, perplexity and bits per character."""
     try:
         if json_path is not None:  # checked now, not after the evaluation
-            if json_path.is_dir():
-                raise ValueError(f"--json {json_path} is a folder; give a file name")
-            if not (json_path.parent.is_dir() and os.access(json_path.parent, os.W_OK)):
-                raise ValueError(f"--json {json_path}: {json_path.parent} is not a folder "
-                                 f"this process can write to; choose another path")
+            check_output_file(json_path, "--json")
         device = str(resolve_device(device))
         text = read_text(input)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)

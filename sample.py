@@ -27,7 +27,7 @@ from loading import load_model, resolve_checkpoint
 from model import GPT, LAYOUTS
 from precision import resolve_device
 from quantize import check_weight_dtype
-from storage import probe_writable
+from storage import check_output_file, probe_writable
 from tokenizer import Tokenizer
 
 
@@ -156,6 +156,8 @@ def main(
         if benchmark:
             if layout not in LAYOUTS:
                 raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+            if json_path is not None:  # checked now, not after the benchmark
+                check_output_file(json_path, "--json")
             from benchmarks.decode import run_benchmark  # keeps the sampling path light
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
                           preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
@@ -193,7 +195,12 @@ def main(
         first_sample = first_sample or "".join(generated)
     sys.stdout.flush()
     if attention_path is not None:
-        write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)
+        try:
+            write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)
+        except OSError as e:  # a disk that filled since the check: no file is half-written
+            typer.echo(f"error: --attention could not write {attention_path} ({e.strerror})",
+                       err=True)
+            raise typer.Exit(1) from None
 
 
 if __name__ == "__main__":

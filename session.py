@@ -159,6 +159,7 @@ class Session:
     writer: SummaryWriter | None = None  # rank 0 only, as are the pictures and the lock
     pictures: LayerPictures | None = None
     lock: IO | None = None  # the run folder's (runs.lock_run_dir): no second run writes there
+    saved_iter: int | None = None  # the iteration of the last checkpoint written or resumed
 
 
 def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Session, str]:
@@ -249,6 +250,7 @@ def restore(s: Session, ckpt: dict) -> None:
             group.update(setting)
     s.scaler.load_state_dict(ckpt["scaler"])
     s.iter_num, s.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    s.saved_iter = s.iter_num
     torch.set_rng_state(ckpt["rng"]["torch"])
     if s.device.type == "cuda" and "cuda" in ckpt["rng"]:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), s.device)

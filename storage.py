@@ -17,6 +17,7 @@ survives a power cut. A crash at any moment leaves the old file or the new one, 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,15 +53,63 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        failure = write_failure(e)
+        if failure is e:
+            raise
+        raise failure from None
     fsync_dir(path.parent)
+
+
+def write_failure(error: BaseException) -> BaseException:
+    """The OSError behind a failed write, where a writer wrapped it: torch.save's zip writer
+    turns a full disk into a RuntimeError whose context is the OSError. So every failed
+    write is an OSError, which callers report in one line; other errors stay as they are."""
+    if not isinstance(error, RuntimeError):
+        return error
+    cause = error.__cause__ or error.__context__
+    return cause if isinstance(cause, OSError) else error
+
+
+@contextmanager
+def quiet_writer_threads() -> Iterator[None]:
+    """TensorBoard writes its events from a thread, which re-raises a failed write (a full
+    disk) into threading's excepthook, and so prints a traceback; the main thread meets the
+    same error at its next write and reports it in one line. Meanwhile such errors are
+    silent in threads; every other error prints as before."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not issubclass(args.exc_type, OSError):
+            previous(args)
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     with atomic_write(path) as f:
         f.write(data)
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written; the message names the option and the fix."""
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output file that cannot be written, before the work that fills it: a
+    benchmark or an evaluation must not run for minutes and then lose its figures."""
+    if path.is_dir():
+        raise OutputError(f"{option} {path} is a folder; give a file name")
+    if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
+        raise OutputError(f"{option} {path}: {path.parent} is not a folder this process can "
+                          f"write to; choose another path")
+    if len(path.name.encode()) > os.pathconf(path.parent, "PC_NAME_MAX"):
+        raise OutputError(f"{option} {path}: the file name is longer than this file system "
+                          f"allows; choose a shorter one")
 
 
 def probe_writable(folder: Path) -> None:

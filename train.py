@@ -16,7 +16,7 @@ import inspect
 import math
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,6 +38,7 @@ from perf import peak_flops
 from precision import DeviceError, resolve_device
 from runs import stop_signals
 from session import Session, setup, text_block
+from storage import quiet_writer_threads
 from train_config import ConfigError, TrainConfig, cli_parameters, load_config
 
 
@@ -190,9 +191,25 @@ def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
         save_checkpoint(state, s.run_dir / "last.pt")
         if is_best:  # the same file under a second name: no second write
             link_checkpoint(s.run_dir / "last.pt", s.run_dir / "best.pt")
-    except OSError as e:
-        raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({e.strerror}); "
-                            f"the previous one is intact") from None
+    except OSError as e:  # a full disk, mid-write too (storage.atomic_write)
+        raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({e.strerror}) at "
+                            f"iter {s.iter_num}; {resume_hint(s)}") from None
+    s.saved_iter = s.iter_num
+
+
+def resume_command(s: Session) -> str:
+    """The same command resumes this run, unless it had to take another name than the
+    config's."""
+    flag = ("--resume" if s.run_dir.name == (s.cfg.run_name or "run")
+            else f"--run-name {s.run_dir.name} --resume")
+    return f"continue with the same command and {flag}"
+
+
+def resume_hint(s: Session) -> str:
+    """What is on disk to go on from after a failure, and how."""
+    if s.saved_iter is None:
+        return "no checkpoint was written yet; free space and start again"
+    return f"{s.run_dir / 'last.pt'} (iter {s.saved_iter}) is intact; {resume_command(s)}"
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
@@ -213,6 +230,22 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     """The loop as each process runs it (the only one, or one of torchrun's); `stop` holds
     the signal that asks it to save and leave (see runs.stop_signals)."""
     s, dtype_reason = setup(cfg, resume, dist)
+    try:
+        with quiet_writer_threads():
+            return loop(s, dtype_reason, t_start, stop)
+    except OSError as e:  # TensorBoard's events or pictures; a checkpoint's is a TrainingError
+        raise TrainingError(f"could not write to {s.run_dir} ({e.strerror}) at iter "
+                            f"{s.iter_num}; {resume_hint(s)}") from None
+    finally:  # once more, quietly, after a failure: closed files need no second report
+        for closeable in (s.writer, s.pictures, s.lock):
+            if closeable is not None:
+                with suppress(OSError):
+                    closeable.close()
+
+
+def loop(s: Session, dtype_reason: str, t_start: float, stop: dict[str, int]) -> TrainResult:
+    """Evaluate, step, log, evaluate and save, until max_iters or a signal."""
+    cfg, dist = s.cfg, s.dist
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     flops_per_iter = s.raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
     peak, peak_source = peak_flops(s.device, s.dtype)
@@ -223,9 +256,6 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
         f"device {s.device}{processes}, optimizer {cfg.optimizer}, writing to {s.run_dir}/")
     say(f"dtype {str(s.dtype).removeprefix('torch.')} ({dtype_reason})")
     say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
-    # the same command resumes this run, unless it had to take another name than the config's
-    resume_with = ("--resume" if s.run_dir.name == (cfg.run_name or "run")
-                   else f"--run-name {s.run_dir.name} --resume")
 
     losses = {}
     if s.iter_num == 0:
@@ -290,19 +320,14 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                 save(s, losses if evaluated else {}, is_best=False)
                 signum = stop.get("signal", signal.SIGTERM)
                 raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter {it}; "
-                                  f"saved {s.run_dir / 'last.pt'}; continue with the same "
-                                  f"command and {resume_with}", signum)
+                                  f"saved {s.run_dir / 'last.pt'}; {resume_command(s)}",
+                                  signum)
         if s.writer is not None:
             s.writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": s.best_val_loss},
                                  run_name=".", global_step=s.iter_num)
+            s.writer.close()  # its last writes can fail too: here, where they are reported
     finally:
         bar.close()
-        if s.writer is not None:
-            s.writer.close()
-        if s.pictures is not None:
-            s.pictures.close()
-        if s.lock is not None:
-            s.lock.close()
     return TrainResult(s.run_dir, s.iter_num, s.best_val_loss, losses, time.time() - t_start)
 
 

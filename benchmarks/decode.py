@@ -38,6 +38,7 @@ from generate import DecodeStep, compiled_step, decode_step, stream
 from model import GPT, LAYOUTS, GPTConfig
 from perf import memory_mb, reset_peak_memory, sync
 from quantize import cast_weights, weight_bytes
+from storage import write_bytes_atomic
 
 PROMPT_LEN = 8
 Tokens = Callable[[torch.Tensor, int], list[list[int]]]  # (prompt, n_new) -> (B, n_new) ids
@@ -178,11 +179,11 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
                   f"{speedup} {memory} {str(row['identical'] if uncached else '-'):>9}")
             rows.append({k: v for k, v in row.items() if k != "tokens"})
     if json_path:
-        json_path.write_text(json.dumps({
+        write_bytes_atomic(json_path, (json.dumps({
             "source": source, "device": device, "dtype": dtype, "batch": batch,
             "kv_cache_bytes_per_token": kv_bytes,
             "threads": torch.get_num_threads(), "compile_s": compile_s, "rows": rows,
-        }, indent=2) + "\n")
+        }, indent=2) + "\n").encode())
     return rows
 
 

@@ -231,6 +231,9 @@ CASES = {
         [*SAMPLE, "--device", "cuda"], nothing, 1,
         "error: device is cuda but no CUDA GPU is available to this torch; use --device cpu",
         marks=NO_GPU),
+    "benchmark figures into a missing folder": (
+        ["sample.py", "--benchmark", "--preset", "baby_gpt", "--json", "{tmp}/no/b.json"], nothing, 1,
+        "error: --json {tmp}/no/b.json: {tmp}/no is not a folder"),
     "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2, "No such option"),
     # evaluation and export
     "no text to score": ([*EVALUATE], write("text.txt", b"\n\n"), 1,

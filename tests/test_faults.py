@@ -5,10 +5,12 @@ import dataclasses
 import os
 import pickle
 import random
+import resource
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -331,3 +333,52 @@ def test_a_resumed_run_takes_the_new_learning_rate(tiny_config):
     after = load_checkpoint(first.run_dir / "last.pt")
     assert after["iter_num"] == 15 and after["config"]["learning_rate"] == 0.0
     assert all(torch.equal(before[k], after["model"][k]) for k in before)
+
+
+def small_disk(limit: int) -> Callable[[], None]:
+    """A preexec_fn: files past `limit` bytes fail to grow, as on a full disk (EFBIG, not a
+    signal)."""
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@pytest.mark.parametrize("what, limit, model, message", [
+    # a 0.4 MB checkpoint, cut at 100 KB inside torch's zip writer
+    ("checkpoint", 100_000, (), "could not write a checkpoint in {run} (File too large) at "
+                                "iter 5; no checkpoint was written yet; free space and start again"),
+    # 53 KB checkpoints fit; the events file reaches 60 KB near iter 200, in TensorBoard's thread
+    ("events", 60_000, ("--n-layer", "1", "--n-embd", "8", "--n-head", "1"),
+     "could not write to {run} (File too large) at iter "),
+])
+def test_a_disk_that_fills_mid_write_is_one_line_and_keeps_the_last_checkpoint(
+        tmp_path, char_data, what, limit, model, message):
+    result = subprocess.run([*TRAIN, "--data-dir", str(char_data), "--out-dir", str(tmp_path),
+                             "--max-iters", "100000", "--eval-interval", "5" if what ==
+                             "checkpoint" else "20", "--log-interval", "1", *model],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            preexec_fn=small_disk(limit))
+    run = tmp_path / "tiny"
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("error: " + message.format(run=run)), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert not list(run.glob(".*.tmp"))
+    if what == "events":  # the last checkpoint is whole, and the hint resumes it
+        saved = load_checkpoint(run / "last.pt")["iter_num"]
+        assert saved % 20 == 0 and saved > 0
+        assert result.stderr.endswith(f"{run / 'last.pt'} (iter {saved}) is intact; continue "
+                                      f"with the same command and --resume\n")
+
+
+def test_attention_pictures_that_fill_the_disk_leave_no_half_file(tmp_path, trained_run):
+    # the page (written first) is its 4.5 KB template and every weight in base64, while the
+    # file that --attention writes to try the folder is tiny
+    result = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(trained_run / "best.pt"),
+                             "--max-new-tokens", "20", "--attention", str(tmp_path / "a")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            preexec_fn=small_disk(4_000))
+    assert result.returncode == 1
+    assert result.stderr == (f"error: --attention could not write {tmp_path / 'a'} "
+                             f"(File too large)\n")
+    assert list(tmp_path.iterdir()) == []
