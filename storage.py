@@ -29,6 +29,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPTLAB_CACHE") or Path.home() / ".cache" / "gptlab")
 
 
+def cache_unusable(error: OSError) -> str:
+    """One line for a cache folder that cannot be used (GPTLAB_CACHE names a file, or a
+    folder this process cannot write), and the fix."""
+    why = "it is a file" if cache_dir().is_file() else error.strerror or str(error)
+    return (f"the cache folder {cache_dir()} cannot be used ({why}); set GPTLAB_CACHE to a "
+            f"folder you can write")
+
+
 def fsync_dir(folder: Path) -> None:
     """Make the renames in `folder` durable (a no-op where folders cannot be opened)."""
     try:

@@ -7,10 +7,12 @@ Usage:
 
 generate.py's decode="auto" (the default) runs this step on a CPU whenever it builds. The
 C compiler (`cc`, or $CC) builds the file once per weight dtype, for this CPU and with
-OpenMP where it can, into $GPTLAB_CACHE/decode_step (default ~/.cache/gptlab); a build
-without them says so on stderr. The step reads the model's own parameter and cache tensors
-in place, so it sees later weight updates, but the model must not be moved or cast after
-the step is built.
+OpenMP where it can (a build without them says so on stderr), into
+$GPTLAB_CACHE/decode_step (default ~/.cache/gptlab), with its sha256 beside it: a damaged
+copy is built again. A cache folder that cannot be used is a BuildError, so the default
+step falls back to eager. The step reads the model's own parameter and cache tensors in
+place, so it sees later weight updates, but the model must not be moved or cast after the
+step is built.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from model import GPT, KVCache
 from precision import cpu_identity
-from storage import cache_dir, write_bytes_atomic
+from storage import cache_dir, cache_unusable, write_bytes_atomic
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # the weight dtypes the step runs, and the define that builds decode_step.c for each; for
@@ -75,28 +77,17 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
                          + SOURCE.read_bytes()).hexdigest()[:16]
     out = cache_dir() / "decode_step" / f"{key}.so"
     note = out.with_suffix(".note")  # what a fallback build lacks, kept beside it
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            lacks = None
-            for without, flags in attempts.items():
-                result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"],
-                                        capture_output=True, text=True)
-                if result.returncode == 0:
-                    lacks = without
-                    break
-            if lacks is None:
-                last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
-                raise BuildError(f"{cc} could not build {SOURCE.name}: {last_line}")
-            if lacks:
-                write_bytes_atomic(note, lacks.encode())
-            # whole or not at all: a concurrent build never loads half a library
-            write_bytes_atomic(out, tmp_out.read_bytes())
+    try:
+        # a library damaged in the cache (a copy cut short) can crash the process that
+        # loads it (SIGBUS), so it is checked against the digest written when it was built
+        if not intact(out):
+            compile_library(cc, attempts, out, note)
+        lib = ctypes.CDLL(str(out))
+    except OSError as e:  # GPTLAB_CACHE names a file, a folder this user cannot write, ...
+        raise BuildError(cache_unusable(e)) from None
     if note.exists():
         print(f"note: {cc} built the C decode step {note.read_text()}, so it runs slower "
               f"than it could", file=sys.stderr)
-    lib = ctypes.CDLL(str(out))
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
     # the C signature: logits, tokens, pos, T, wte, wte_scales, wpe, rope_cos, rope_sin,
     # blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B, n_layer,
@@ -105,6 +96,39 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
                                 ptr, ptr, ptrs, ptrs, ptr, *[i32] * 6, ctypes.POINTER(Layout), i32]
     lib.decode_step.restype = None
     return lib
+
+
+def compile_library(cc: str, attempts: dict[str, list[str]], out: Path, note: Path) -> None:
+    """Build decode_step.c into `out` with the first flags in `attempts` that work, and say
+    in `note` what that build lacks, if anything."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        lacks = None
+        for without, flags in attempts.items():
+            result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                lacks = without
+                break
+        if lacks is None:
+            last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise BuildError(f"{cc} could not build {SOURCE.name}: {last_line}")
+        if lacks:
+            write_bytes_atomic(note, lacks.encode())
+        # whole or not at all: a concurrent build never loads half a library
+        library = tmp_out.read_bytes()
+        write_bytes_atomic(out, library)
+        write_bytes_atomic(out.with_suffix(".sha256"), hashlib.sha256(library).hexdigest().encode())
+
+
+def intact(library: Path) -> bool:
+    """Whether a cached library is there and has the digest recorded when it was built."""
+    digest = library.with_suffix(".sha256")
+    try:
+        return hashlib.sha256(library.read_bytes()).hexdigest() == digest.read_text()
+    except OSError:  # missing, or unreadable
+        return False
 
 
 class Layout(ctypes.Structure):

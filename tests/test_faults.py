@@ -382,3 +382,39 @@ def test_attention_pictures_that_fill_the_disk_leave_no_half_file(tmp_path, trai
     assert result.stderr == (f"error: --attention could not write {tmp_path / 'a'} "
                              f"(File too large)\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def run_with_cache(cache: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "GPTLAB_CACHE": cache})
+
+
+@pytest.mark.parametrize("cache, why", [("{tmp}/file", "it is a file"),
+                                        ("/sys/gptlab", "Operation not permitted")])
+def test_an_unusable_cache_folder_is_a_fallback_or_one_line(tmp_path, trained_run, cache, why):
+    (tmp_path / "file").write_text("not a folder")
+    cache = cache.format(tmp=tmp_path)
+    problem = (f"the cache folder {cache} cannot be used ({why}); set GPTLAB_CACHE to a folder "
+               f"you can write")
+    sample = ["sample.py", "--checkpoint", str(trained_run / "best.pt"), "--max-new-tokens", "5"]
+    # the default decode step falls back to eager, as it does without a compiler
+    auto = run_with_cache(cache, *sample)
+    assert auto.returncode == 0 and auto.stderr == f"note: decoding with the slower eager step: {problem}\n"
+    # asking for the C step, or for an asset the cache must hold, is one line
+    for argv in ([*sample, "--decode", "c"],
+                 ["-m", "data.prepare", "--tokenizer", "gpt2", "--out", str(tmp_path / "bpe")]):
+        result = run_with_cache(cache, *argv)
+        assert result.returncode == 1 and result.stderr == f"error: {problem}\n", argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_damaged_decode_step_in_the_cache_is_built_again(tmp_path, trained_run):
+    sample = ["sample.py", "--checkpoint", str(trained_run / "best.pt"), "--max-new-tokens", "5",
+              "--decode", "c"]
+    first = run_with_cache(str(tmp_path), *sample)
+    assert first.returncode == 0, first.stderr
+    [library] = (tmp_path / "decode_step").glob("*.so")
+    library.write_bytes(library.read_bytes()[:1000])  # a copy cut short
+    again = run_with_cache(str(tmp_path), *sample)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    assert library.read_bytes()[:4] == b"\x7fELF" and library.stat().st_size > 1000
