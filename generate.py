@@ -32,6 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from model import GPT, KVCache
+from precision import check_compile
 from tokenizer import TextStream, Tokenizer
 
 DECODE_BACKENDS = ("auto", "eager", "compile", "c")
@@ -152,6 +153,7 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     if decode == "eager":
         return eager_step(model)
     if decode == "compile":
+        check_compile(model.lm_head.weight.device, instead="choose another --decode")
         return compiled_step(model)
     from cdecode import BuildError, CDecodeStep  # only now: its build needs a C compiler
     if decode == "c":

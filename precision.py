@@ -112,6 +112,19 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def check_compile(device: torch.device, instead: str) -> None:
+    """Compile and run a two-op function on `device` now, so that a torch.compile that cannot
+    work here (no C++ compiler for inductor's CPU kernels, one that fails) is one line
+    before the work, not a long traceback at the first step. Seconds the first time;
+    inductor caches the build."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(8, device=device))
+    except Exception as e:  # InvalidCxxCompiler, a failed build, wrapped by dynamo
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise DeviceError(f"torch.compile does not work on {device} here ({reason.strip()}); "
+                          f"{instead}, or install a C++ compiler (g++, or set CXX)") from None
+
+
 def resolve_dtype(name: str, device: torch.device,
                   step: Callable[[torch.dtype], None] | None = None) -> tuple[torch.dtype, str]:
     """The compute dtype for `name` (auto, float32, bfloat16 or float16) on `device`, and

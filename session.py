@@ -28,7 +28,7 @@ from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
 from model import GPT
 from optimizer import configure_optimizers
-from precision import DTYPES, resolve_device, resolve_dtype
+from precision import DTYPES, check_compile, resolve_device, resolve_dtype
 from runs import check_resumable, check_writable, choose_run_dir
 from tokenizer import Tokenizer, load_tokenizer
 from train_config import ConfigError, TrainConfig
@@ -169,6 +169,8 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
         raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
                           f"must be divisible by the number of processes ({dist.world_size})")
     device = resolve_device(cfg.device, dist.local_rank)
+    if cfg.compile:  # before anything is written
+        check_compile(device, instead="drop --compile")
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls

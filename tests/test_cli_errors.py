@@ -306,3 +306,20 @@ def test_bad_input_is_one_line_and_nothing_written(argv, make, code, message, tm
         assert len(lines) == 1, result.stderr
     assert message.format(**fill) in result.stderr, result.stderr
     assert snapshot(tmp_path) == before  # nothing half-written, nothing overwritten
+
+
+@pytest.mark.parametrize("argv, instead", [
+    ([*TRAIN, "--compile", "--max-iters", "2"], "drop --compile"),
+    ([*SAMPLE, "--decode", "compile"], "choose another --decode"),
+])
+def test_torch_compile_without_a_working_compiler_is_one_line(argv, instead, tmp_path,
+                                                             trained_run, char_data):
+    fill = {"tmp": tmp_path, "data": char_data, "ckpt": trained_run / "best.pt"}
+    result = subprocess.run([sys.executable, *[a.format(**fill) for a in argv]], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "CXX": "/bin/false"})  # a compiler that fails
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: torch.compile does not work on cpu here "), result.stderr
+    assert result.stderr.endswith(f"; {instead}, or install a C++ compiler (g++, or set CXX)\n")
+    assert len(result.stderr.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
