@@ -25,11 +25,16 @@ from typing import Any
 import torch
 
 from model import GPT, GPTConfig
-from storage import atomic_write, fsync_dir
+from storage import atomic_write, fsync_dir, record_problem
+from tokenizer import tokenizer_problem
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1
-REQUIRED = ("model_args", "model", "iter_num", "config", "tokenizer")
+REQUIRED = {"model_args": dict, "model": dict, "iter_num": int, "config": dict,
+            "tokenizer": dict}
+# what --resume needs beyond that (train.checkpoint_state writes it all)
+RESUME = {"optimizer": (list, dict), "scaler": dict, "best_val_loss": (int, float), "rng": dict}
+RESUME_RNG = {"torch": torch.Tensor, "batches": torch.Tensor}
 
 
 class CheckpointError(ValueError):
@@ -100,8 +105,10 @@ def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
         raise UnreadableFile("not a file that torch.save wrote") from None
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load and check a checkpoint; CheckpointError if it is missing, truncated or foreign."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
+                    resume: bool = False) -> dict[str, Any]:
+    """Load and check a checkpoint, and with resume that it holds all a resumed run needs;
+    CheckpointError if it is missing, truncated, damaged or foreign."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
@@ -114,11 +121,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')}; "
                               f"this code reads version {VERSION}")
-    missing = [key for key in REQUIRED if key not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}")
-    if not isinstance(ckpt["model_args"], dict) or not isinstance(ckpt["model"], dict):
-        raise CheckpointError(f"{path} is damaged: its model_args or model is not a dict")
+    problem = record_problem(ckpt, REQUIRED)
+    if problem:
+        raise CheckpointError(f"{path} is damaged: {problem}; use another checkpoint")
+    problem = tokenizer_problem(ckpt["tokenizer"])
+    if problem:
+        raise CheckpointError(f"{path} is damaged: the tokenizer's description: {problem}; "
+                              f"use another checkpoint")
+    # what a resumed run needs besides (a file damaged, or written by other code)
+    problem = resume and (record_problem(ckpt, RESUME) or record_problem(ckpt["rng"], RESUME_RNG))
+    if problem:
+        raise CheckpointError(f"cannot resume from {path}: {problem}; it can be sampled, not "
+                              f"continued: start a new run without --resume")
     return ckpt
 
 

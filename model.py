@@ -21,7 +21,7 @@ its own (`tie_embeddings`) and grouped-query attention (`n_kv_head`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -45,6 +45,12 @@ class GPTConfig:
     n_kv_head: int = 0  # heads of keys and values; 0: n_head; 1: multi-query attention
 
     def __post_init__(self) -> None:
+        # a shape read from a file (a checkpoint, a Hugging Face config.json) may hold 1.0
+        # or "12" where a count belongs: refused here, by name, not deep inside the model
+        for field in fields(self):
+            value, (kind, described) = getattr(self, field.name), FIELD_TYPES[field.type]
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ValueError(f"{field.name} must be {described}, got {value!r}")
         self.n_kv_head = self.n_kv_head or self.n_head
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
             if getattr(self, name) < 1:
@@ -84,6 +90,8 @@ class GPTConfig:
         return cls(**PRESETS[name])
 
 
+FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
+               "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
            "mlp": ("gelu", "relu2")}
 ROPE_BASE = 10000.0  # RoFormer's: position p turns pair i by p / 10000^(2i / head_dim)

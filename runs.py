@@ -3,8 +3,9 @@ can be resumed, and how a run stops cleanly.
 
 Usage:
     from runs import choose_run_dir, check_writable, check_resumable, stop_signals
-    run_dir, lock = choose_run_dir(cfg, resume=False)  # runs/quickstart, or runs/quickstart-2
-    check_writable(run_dir, checkpoint_bytes)
+    folder = choose_run_dir(cfg, resume=False)  # runs/quickstart (or -2), locked
+    folder.release()                             # when the run ends
+    check_writable(folder.path, checkpoint_bytes)
     check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
     with stop_signals() as stop: ...                  # stop["signal"] once Ctrl-C arrives
 """
@@ -16,7 +17,8 @@ import shutil
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -37,28 +39,47 @@ def saved_nothing(run_dir: Path) -> bool:
                                for f in files)
 
 
-def lock_run_dir(run_dir: Path) -> IO | None:
+@dataclass
+class RunFolder:
+    """A run folder whose lock this process holds, and what taking the lock created."""
+    path: Path
+    lock: IO
+    made: list[Path]  # folders and the lock file, in the order they were made
+
+    def release(self, undo: bool = False) -> None:
+        """Drop the lock. With undo, first remove what taking it made: a run that fails
+        before it writes anything leaves nothing behind."""
+        if undo:
+            for path in reversed(self.made):
+                with suppress(OSError):
+                    path.rmdir() if path.is_dir() else path.unlink()
+        self.lock.close()
+
+
+def lock_run_dir(run_dir: Path) -> RunFolder | None:
     """Make run_dir and take its lock, or None if another live process holds it. The lock
     is an flock on run_dir/.lock: the kernel drops it when its holder exits, however it
-    exits, so a killed run never leaves a stale lock behind. Hold the returned file open
-    for as long as the run writes to the folder. The file stays empty: taking a lock, even
-    to find a folder in use, changes nothing on disk."""
+    exits, so a killed run never leaves a stale lock behind. Hold it for as long as the
+    run writes to the folder. The file stays empty: taking a lock changes nothing else."""
+    made = [folder for folder in (*reversed(run_dir.parents), run_dir) if not folder.exists()]
+    if not (run_dir / LOCK).exists():
+        made.append(run_dir / LOCK)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / LOCK, "a+")
+    folder = RunFolder(run_dir, open(run_dir / LOCK, "a+"), made)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(folder.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.close()
+        folder.lock.close()
         return None
-    return lock
+    return folder
 
 
-def choose_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, IO]:
-    """runs/<run_name> and its lock, held. A new run never writes into another run's folder,
-    old or live: it takes the next free -2, -3, ... name instead. A resumed run must find
-    its last.pt there and no live run. A folder where a run saved nothing is taken over,
-    its stale events deleted, so that a run killed in its first seconds does not push the
-    next one to -2."""
+def choose_run_dir(cfg: TrainConfig, resume: bool) -> RunFolder:
+    """runs/<run_name>, its lock held. A new run never writes into another run's folder, old
+    or live: it takes the next free -2, -3, ... name instead. A resumed run must find its
+    last.pt there and no live run. A folder where a run saved nothing is taken over, its
+    stale events deleted, so that a run killed in its first seconds does not push the next
+    one to -2."""
     base = Path(cfg.out_dir) / (cfg.run_name or "run")
     if base.exists() and not base.is_dir():
         raise ConfigError(f"{base} is a file, not a run folder; choose another --run-name "
@@ -68,24 +89,24 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> tuple[Path, IO]:
             if not (base / "last.pt").is_file():
                 raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
                                   f"drop --resume to start a new run")
-            lock = lock_run_dir(base)
-            if lock is None:
+            folder = lock_run_dir(base)
+            if folder is None:
                 raise ConfigError(f"{base} is in use by a run that is still going; wait "
                                   f"for it to end, or start a new run without --resume")
-            return base, lock
+            return folder
         for n in range(1, 10_000):
             run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
             if run_dir.exists() and not run_dir.is_dir():
                 continue
-            lock = lock_run_dir(run_dir)
-            if lock is None:
+            folder = lock_run_dir(run_dir)
+            if folder is None:
                 continue  # a live run's folder
             if saved_nothing(run_dir):  # new, or a run's that died before saving
                 for f in run_dir.iterdir():
                     if f.name != LOCK:
                         f.unlink()
-                return run_dir, lock
-            lock.close()
+                return folder
+            folder.release(undo=True)  # an old run's: as it was
     except OSError as e:
         raise ConfigError(f"cannot write to {e.filename or base} ({e.strerror}); choose "
                           f"another --out-dir or --run-name") from None

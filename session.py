@@ -3,7 +3,7 @@ the config, or restored from the run's last.pt.
 
 Usage:
     from session import setup
-    s, dtype_reason = setup(cfg, resume=False, dist=distributed.Dist())
+    s = setup(cfg, resume=False, dist=distributed.Dist())
     s.model, s.optimizers, s.batches.next(), s.run_dir, s.iter_num, ...
 """
 
@@ -13,7 +13,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -29,7 +28,7 @@ from data.sources import DataError
 from model import GPT
 from optimizer import configure_optimizers
 from precision import DTYPES, check_compile, resolve_device, resolve_dtype
-from runs import check_resumable, check_writable, choose_run_dir
+from runs import RunFolder, check_resumable, check_writable, choose_run_dir
 from tokenizer import Tokenizer, load_tokenizer
 from train_config import ConfigError, TrainConfig
 
@@ -142,6 +141,7 @@ class Session:
     dist: distributed.Dist
     device: torch.device
     dtype: torch.dtype
+    dtype_reason: str  # why dtype is what it is, as the run's first lines say
     autocast: AbstractContextManager
     run_dir: Path
     meta: dict
@@ -156,15 +156,14 @@ class Session:
     best_val_loss: float
     sample_ids: list[int]
     probe_ids: list[int]
-    writer: SummaryWriter | None = None  # rank 0 only, as are the pictures and the lock
+    writer: SummaryWriter | None = None  # rank 0 only, as are the pictures and the folder
     pictures: LayerPictures | None = None
-    lock: IO | None = None  # the run folder's (runs.lock_run_dir): no second run writes there
+    folder: RunFolder | None = None  # run_dir, locked (runs.lock_run_dir): no second run there
     saved_iter: int | None = None  # the iteration of the last checkpoint written or resumed
 
 
-def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Session, str]:
-    """Data, model, optimizers and run folder, restored from last.pt when resuming; and
-    why the dtype is what it is."""
+def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
+    """Data, model, optimizers and run folder, restored from last.pt when resuming."""
     if cfg.gradient_accumulation_steps % dist.world_size != 0:
         raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
                           f"must be divisible by the number of processes ({dist.world_size})")
@@ -184,21 +183,46 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
 
-    lock = None  # rank 0 holds the run folder's lock for as long as the run goes on
+    folder = None  # rank 0 holds the run folder's lock for as long as the run goes on
 
     def take_run_dir() -> Path:
-        nonlocal lock
-        run_dir, lock = choose_run_dir(cfg, resume)
-        return run_dir
+        nonlocal folder
+        folder = choose_run_dir(cfg, resume)
+        return folder.path
     run_dir = distributed.from_main(take_run_dir, dist)
-    ckpt = load_checkpoint(run_dir / "last.pt", map_location=device) if resume else None
+    try:
+        s = build_session(cfg, resume, dist, device, run_dir, meta, splits, tokenizer,
+                          sample_ids, probe_ids)
+    except BaseException:
+        if folder is not None:  # nothing was written: leave no folder or lock behind
+            folder.release(undo=True)
+        raise
+    s.folder = folder
+    if dist.is_main:
+        # on resume, drop the events a run logged after its last checkpoint (steps > iter_num)
+        s.writer = SummaryWriter(run_dir, purge_step=s.iter_num + 1 if resume else None)
+        if not resume:
+            settings = "\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())
+            s.writer.add_text("config", text_block(settings))
+        if cfg.log_attention:
+            s.pictures = LayerPictures(token_labels(tokenizer, probe_ids),
+                                       s.raw_model.config.n_head)
+    return s
+
+
+def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device,
+                  run_dir: Path, meta: dict, splits: dict[str, Tokens], tokenizer: Tokenizer,
+                  sample_ids: list[int], probe_ids: list[int]) -> Session:
+    """Model, optimizers and batch stream, restored from last.pt when resuming: the part of
+    setup that can still fail once the run folder is taken, and writes nothing."""
+    ckpt = load_checkpoint(run_dir / "last.pt", device, resume=True) if resume else None
     dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], ckpt, dist)
     model = build_model(cfg, meta).to(device)
     # fp32 weights plus AdamW's two moments
     checkpoint_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
     distributed.from_main(lambda: check_writable(run_dir, checkpoint_bytes), dist)
     s = Session(
-        cfg=cfg, dist=dist, device=device, dtype=dtype,
+        cfg=cfg, dist=dist, device=device, dtype=dtype, dtype_reason=dtype_reason,
         autocast=(nullcontext() if dtype == torch.float32
                   else torch.autocast(device.type, dtype=dtype)),
         run_dir=run_dir, meta=meta, splits=splits, tokenizer=tokenizer,
@@ -207,8 +231,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
         scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
         batches=BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed,
                             dist.rank, dist.world_size),
-        iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids,
-        lock=lock)
+        iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
     if ckpt is not None:
         check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
         restore(s, ckpt)
@@ -220,15 +243,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> tuple[Sessi
         s.model = torch.compile(s.model)
     if dist.enabled:  # gradients are averaged across processes during backward
         s.model = DDP(s.model, device_ids=[device.index] if device.type == "cuda" else None)
-    if dist.is_main:
-        # on resume, drop the events a run logged after its last checkpoint (steps > iter_num)
-        s.writer = SummaryWriter(run_dir, purge_step=s.iter_num + 1 if resume else None)
-        if not resume:
-            settings = "\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())
-            s.writer.add_text("config", text_block(settings))
-        if cfg.log_attention:
-            s.pictures = LayerPictures(token_labels(tokenizer, probe_ids), model.config.n_head)
-    return s, dtype_reason
+    return s
 
 
 def restore(s: Session, ckpt: dict) -> None:

@@ -1,7 +1,7 @@
 """Files that are whole or absent, folders tried before they are filled, and the cache folder.
 
 Usage:
-    from storage import atomic_write, write_bytes_atomic, cache_dir
+    from storage import atomic_write, write_bytes_atomic, cache_dir, record_problem
     with atomic_write(path) as f:          # a binary file object
         torch.save(state, f)
     write_bytes_atomic(path, data)
@@ -101,6 +101,24 @@ def quiet_writer_threads() -> Iterator[None]:
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     with atomic_write(path) as f:
         f.write(data)
+
+
+def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -> str | None:
+    """What is wrong with a record read from disk (meta.json, a checkpoint's dict, a
+    tokenizer's description): the first of `fields` that it lacks or that is not of its
+    type, in a few words that name the key; None if nothing is. A bool is no count here,
+    as JSON's true is no number."""
+    if not isinstance(record, dict):
+        return f"it is a {type(record).__name__}, not a record of keys"
+    for key, kind in fields.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if key not in record:
+            return f"it lacks {key}"
+        value = record[key]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            return (f"its {key} is {value!r:.40}, not of type "
+                    f"{' or '.join(k.__name__ for k in kinds)}")
+    return None
 
 
 class OutputError(ValueError):

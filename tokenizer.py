@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from storage import record_problem
+
 END_OF_TEXT = "<|endoftext|>"  # the special token that separates documents in BPE data
 
 
@@ -173,19 +175,41 @@ class TextStream:
         return "" if self.bytes_of is None else self.utf8.decode(b"", final=True)
 
 
-TOKENIZERS = ("char", "gpt2", "bpe")
+# each kind, and what its description (to_meta) must hold, of what type
+RECORDS = {"char": {"vocab_size": int, "chars": str}, "gpt2": {"vocab_size": int},
+           "bpe": {"vocab_size": int, "pattern": str, "tokens": list}}
+TOKENIZERS = tuple(RECORDS)
+GPT2_VOCAB_SIZE = 50257  # 50,000 merges, the 256 bytes and <|endoftext|>
+
+
+def tokenizer_problem(meta: object) -> str | None:
+    """What is wrong with a tokenizer's description read from disk (meta.json, a
+    checkpoint), in a few words naming the key; None if it can be loaded. Cheap: nothing is
+    built, so a damaged record is caught where the file is read."""
+    if not isinstance(meta, dict) or meta.get("kind") not in RECORDS:
+        kind = meta.get("kind") if isinstance(meta, dict) else meta
+        return f"its kind {kind!r:.40} is none of {', '.join(RECORDS)}"
+    problem = record_problem(meta, RECORDS[meta["kind"]])
+    if problem:
+        return problem
+    kind = meta["kind"]  # a BPE's table lacks <|endoftext|>, which comes after it
+    size = (len(meta["chars"]) if kind == "char" else len(meta["tokens"]) + 1 if kind == "bpe"
+            else GPT2_VOCAB_SIZE)
+    if size != meta["vocab_size"]:
+        return f"its vocab_size is {meta['vocab_size']} for a table of {size} tokens"
+    return None
 
 
 def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer | BPETokenizer:
     """Rebuild the tokenizer that `to_meta()` described; ValueError if it is damaged."""
-    kind = meta.get("kind")
+    problem = tokenizer_problem(meta)
+    if problem:
+        raise ValueError(f"the tokenizer's description is damaged: {problem}")
+    kind = meta["kind"]
     if kind == "char":
-        if not isinstance(meta.get("chars"), str) or len(meta["chars"]) != meta.get("vocab_size"):
-            raise ValueError("the char tokenizer's table is damaged")
         return CharTokenizer(meta["chars"])
     if kind == "gpt2":
         return GPT2Tokenizer()
     if kind == "bpe":
         return BPETokenizer.from_meta(meta)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZERS)}")
 

@@ -229,21 +229,23 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                   t_start: float, stop: dict[str, int]) -> TrainResult:
     """The loop as each process runs it (the only one, or one of torchrun's); `stop` holds
     the signal that asks it to save and leave (see runs.stop_signals)."""
-    s, dtype_reason = setup(cfg, resume, dist)
+    s = setup(cfg, resume, dist)
     try:
         with quiet_writer_threads():
-            return loop(s, dtype_reason, t_start, stop)
+            return loop(s, t_start, stop)
     except OSError as e:  # TensorBoard's events or pictures; a checkpoint's is a TrainingError
         raise TrainingError(f"could not write to {s.run_dir} ({e.strerror}) at iter "
                             f"{s.iter_num}; {resume_hint(s)}") from None
     finally:  # once more, quietly, after a failure: closed files need no second report
-        for closeable in (s.writer, s.pictures, s.lock):
+        for closeable in (s.writer, s.pictures):
             if closeable is not None:
                 with suppress(OSError):
                     closeable.close()
+        if s.folder is not None:
+            s.folder.release()
 
 
-def loop(s: Session, dtype_reason: str, t_start: float, stop: dict[str, int]) -> TrainResult:
+def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
     """Evaluate, step, log, evaluate and save, until max_iters or a signal."""
     cfg, dist = s.cfg, s.dist
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
@@ -254,7 +256,7 @@ def loop(s: Session, dtype_reason: str, t_start: float, stop: dict[str, int]) ->
                  if dist.enabled else "")
     say(f"{s.raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
         f"device {s.device}{processes}, optimizer {cfg.optimizer}, writing to {s.run_dir}/")
-    say(f"dtype {str(s.dtype).removeprefix('torch.')} ({dtype_reason})")
+    say(f"dtype {str(s.dtype).removeprefix('torch.')} ({s.dtype_reason})")
     say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
     losses = {}

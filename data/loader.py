@@ -22,10 +22,12 @@ import torch
 
 from data.shards import open_shards
 from data.sources import DataError
-from tokenizer import TOKENIZERS
+from storage import record_problem
+from tokenizer import tokenizer_problem
 
 SPLITS = ("train", "val")
-META_KEYS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
+META_FIELDS = {"tokenizer": dict, "vocab_size": int, "dtype": str, "train_tokens": int,
+               "val_tokens": int}
 
 
 def load_meta(data_dir: str | Path) -> dict:
@@ -39,13 +41,16 @@ def load_meta(data_dir: str | Path) -> dict:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DataError(f"{path} is not valid JSON; {again}") from None
-    missing = [key for key in META_KEYS if not isinstance(meta, dict) or key not in meta]
-    if missing:
-        raise DataError(f"{path} lacks {', '.join(missing)}; {again}")
-    if meta["dtype"] not in ("uint16", "uint32") or not isinstance(meta["tokenizer"], dict) \
-            or meta["tokenizer"].get("kind") not in TOKENIZERS:
-        raise DataError(f"{path} names an unknown dtype ({meta['dtype']!r}) or tokenizer "
-                        f"({meta['tokenizer']!r:.60}); {again}")
+    problem = record_problem(meta, META_FIELDS)
+    if problem:
+        raise DataError(f"{path} is damaged: {problem}; {again}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{path} names an unknown dtype ({meta['dtype']!r}); {again}")
+    problem = tokenizer_problem(meta["tokenizer"])
+    if problem or meta["tokenizer"]["vocab_size"] != meta["vocab_size"]:
+        problem = problem or (f"its vocab_size is {meta['tokenizer']['vocab_size']}, the "
+                              f"dataset's {meta['vocab_size']}")
+        raise DataError(f"{path} is damaged: the tokenizer's description: {problem}; {again}")
     if "shards" in meta:  # the sharded format (data/shards.py)
         shards, split = meta["shards"], meta.get("split")
         whole = isinstance(shards, list) and all(

@@ -51,7 +51,7 @@ from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, 
 from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
 from storage import write_bytes_atomic
-from tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer
+from tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 # built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
 # works. A 2,048-token BPE gives the quickstart's model the fewest bits per character in its
@@ -277,7 +277,7 @@ def make_tokenizer(kind: str, run: Callable, sample: Callable[[], Iterator[str]]
         return CharTokenizer("".join(sorted(chars))).to_meta()
     if kind == "bpe":
         return train_bpe(sample(), vocab_size).to_meta()
-    return load_tokenizer({"kind": kind}).to_meta()
+    return GPT2Tokenizer().to_meta()
 
 
 def sample_texts(inputs: list[Input], text_field: str, limit: int) -> Iterator[str]:

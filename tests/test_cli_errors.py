@@ -37,6 +37,22 @@ def edit_meta(**changes) -> Callable[[Path], None]:
     return change
 
 
+def edit_tokenizer(**changes) -> Callable[[Path], None]:
+    """meta.json's tokenizer record, changed (a value None drops the key)."""
+    def change(data: Path) -> None:
+        meta = json.loads((data / "meta.json").read_text())
+        record = {**meta["tokenizer"], **changes}
+        meta["tokenizer"] = {k: v for k, v in record.items() if v is not None}
+        (data / "meta.json").write_text(json.dumps(meta))
+    return change
+
+
+def shorter_chars(data: Path) -> None:
+    meta = json.loads((data / "meta.json").read_text())
+    meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"][:-1]
+    (data / "meta.json").write_text(json.dumps(meta))
+
+
 def drop_meta_key(data: Path) -> None:
     meta = json.loads((data / "meta.json").read_text())
     del meta["vocab_size"]
@@ -72,6 +88,18 @@ def trained_copy(tmp: Path, ctx: dict) -> None:
     shutil.copytree(ctx["ckpt"].parent, tmp / "runs" / "tiny")
 
 
+def checkpoint_without(key: str, where: str) -> Callable[[Path, dict], None]:
+    """The trained checkpoint without `key` (at the top, or in its rng or tokenizer record),
+    as {tmp}/c.pt and as the last.pt of a run at {tmp}/runs/tiny."""
+    def make(tmp: Path, ctx: dict) -> None:
+        ckpt = torch.load(ctx["ckpt"], weights_only=True)
+        del (ckpt if where == "top" else ckpt[where])[key]
+        (tmp / "runs" / "tiny").mkdir(parents=True)
+        for path in (tmp / "c.pt", tmp / "runs" / "tiny" / "last.pt"):
+            torch.save(ckpt, path)
+    return make
+
+
 def damaged_run(tmp: Path, ctx: dict) -> None:
     """{tmp}/runs/tiny, whose last.pt lacks one weight."""
     ckpt = torch.load(ctx["ckpt"], weights_only=True)
@@ -93,6 +121,15 @@ def hf_folder(damage: dict[str, bytes] | None = None, vocab_size: int = 50257,
             (tmp / "hf" / "model.safetensors").unlink()
         for name, data in (damage or {}).items():
             (tmp / "hf" / name).write_bytes(data)
+    return make
+
+
+def hf_config(**changes) -> Callable[[Path, dict], None]:
+    """A small GPT-2 folder at {tmp}/hf whose config.json has `changes`."""
+    def make(tmp: Path, ctx: dict) -> None:
+        hf_folder()(tmp, ctx)
+        config = json.loads((tmp / "hf" / "config.json").read_text())
+        (tmp / "hf" / "config.json").write_text(json.dumps({**config, **changes}))
     return make
 
 
@@ -143,6 +180,19 @@ CASES = {
                                  trained_copy, 1, "error: cannot resume: seed is 7 in the config "
                                  "but 1337 in {tmp}/runs/tiny/last.pt, and a resumed run "
                                  "continues the random streams saved with it"),
+    "resume without the optimizer state": (
+        [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("optimizer", "top"), 1,
+        "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks optimizer; it can be "
+        "sampled, not continued"),
+    "resume without the batch stream's state": (
+        [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("batches", "rng"), 1,
+        "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks batches"),
+    "resume without the best loss": (
+        [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("best_val_loss", "top"), 1,
+        "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks best_val_loss"),
+    "resume without the scaler": (
+        [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("scaler", "top"), 1,
+        "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks scaler"),
     "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
                              "Invalid value for '--max-iters'"),
     # prepared data
@@ -154,6 +204,17 @@ CASES = {
     "unknown tokenizer": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
                           damaged_data(edit_meta(tokenizer={"kind": "sentencepiece"})), 1,
                           "sentencepiece"),
+    "tokenizer record lacks its table": (
+        [*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+        damaged_data(edit_tokenizer(chars=None)), 1,
+        "meta.json is damaged: the tokenizer's description: it lacks chars"),
+    "tokenizer record of the wrong type": (
+        [*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+        damaged_data(edit_tokenizer(vocab_size="38")), 1,
+        "meta.json is damaged: the tokenizer's description: its vocab_size is '38', not of type int"),
+    "character table shorter than the vocabulary": (
+        [*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+        damaged_data(shorter_chars), 1, "the tokenizer's description: its vocab_size is "),
     "unknown token dtype": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
                             damaged_data(edit_meta(dtype="int3")), 1, "int3"),
     "token ids outside the vocabulary": (
@@ -182,6 +243,9 @@ CASES = {
         ["sample.py", "--init-from", "{tmp}/hf"],
         hf_folder({"pytorch_model.bin": b"PK\x03\x04" + b"\0" * 60}, bin_weights=True), 1,
         "pytorch_model.bin is truncated or not a weights file"),
+    "--init-from config.json with a count that is not an integer": (
+        ["sample.py", "--init-from", "{tmp}/hf"], hf_config(n_layer=1.0), 1,
+        "config.json: n_layer must be an integer, got 1.0"),
     "--init-from without GPT-2's vocabulary": (
         ["sample.py", "--init-from", "{tmp}/hf"], hf_folder(vocab_size=100), 1,
         "has a vocabulary of 100 tokens, fewer than GPT-2's 50,257"),
@@ -218,6 +282,10 @@ CASES = {
     "checkpoint weights that do not fit": (
         ["sample.py", "--checkpoint", "{tmp}/c.pt"], edited_checkpoint(n_layer=3), 1,
         "error: the checkpoint's weights do not match its model_args: missing transformer.h.2."),
+    "checkpoint with a damaged tokenizer": (
+        ["sample.py", "--checkpoint", "{tmp}/c.pt"], checkpoint_without("chars", "tokenizer"), 1,
+        "error: {tmp}/c.pt is damaged: the tokenizer's description: it lacks chars; use "
+        "another checkpoint"),
     "checkpoint of a run that diverged": (
         ["sample.py", "--checkpoint", "{tmp}/c.pt"], nan_checkpoint, 1,
         "error: the checkpoint's transformer.h.1.ln_1.weight holds NaN or inf: its run diverged"),

@@ -23,6 +23,7 @@ from train import TrainingError, train
 from train_config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
+TWO_CHARS = {"kind": "char", "vocab_size": 2, "chars": "ab"}  # a tokenizer, for checkpoints
 TRAIN = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml")]
 
 
@@ -115,7 +116,8 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
 WRITER = """
 import sys, torch
 from checkpoint import save_checkpoint
-state = {"model_args": {}, "config": {}, "tokenizer": {}, "model": {"w": torch.randn(10_000_000)}}
+state = {"model_args": {}, "config": {}, "model": {"w": torch.randn(10_000_000)},
+         "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
 for i in range(10**6):
     save_checkpoint({**state, "iter_num": i}, sys.argv[1])
     print("saved", flush=True)
@@ -163,11 +165,12 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_config, 
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path):
     path = tmp_path / "last.pt"
-    save_checkpoint({"model_args": {}, "model": {}, "iter_num": 1, "config": {}, "tokenizer": {}}, path)
+    save_checkpoint({"model_args": {}, "model": {}, "iter_num": 1, "config": {},
+                     "tokenizer": TWO_CHARS}, path)
     before = path.read_bytes()
     with pytest.raises((pickle.PicklingError, AttributeError)):  # a lambda does not pickle
         save_checkpoint({"model_args": {}, "model": {}, "iter_num": 2, "config": {},
-                         "tokenizer": {}, "unsaveable": lambda: None}, path)
+                         "tokenizer": TWO_CHARS, "unsaveable": lambda: None}, path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
@@ -198,7 +201,7 @@ def test_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path):
     compiled_state = torch.compile(plain).state_dict()
     assert all(k.startswith("_orig_mod.") for k in compiled_state)
     save_checkpoint({"model_args": dataclasses.asdict(plain.config), "model": compiled_state,
-                     "iter_num": 0, "config": {}, "tokenizer": {}}, tmp_path / "c.pt")
+                     "iter_num": 0, "config": {}, "tokenizer": TWO_CHARS}, tmp_path / "c.pt")
     loaded = model_from_checkpoint(load_checkpoint(tmp_path / "c.pt"))
     idx = torch.randint(0, 20, (1, 8))
     assert torch.equal(plain(idx)[0], loaded(idx)[0])

@@ -94,7 +94,7 @@ def test_checkpoint_round_trips_to_identical_logits(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=30, block_size=8, n_layer=2, n_head=2, n_embd=16)).eval()
     state = {"model_args": dataclasses.asdict(model.config), "model": model.state_dict(),
-             "iter_num": 3, "config": {}, "tokenizer": {"kind": "char", "chars": "ab"}}
+             "iter_num": 3, "config": {}, "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
     save_checkpoint(state, tmp_path / "ckpt.pt")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
     loaded = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt"))
@@ -105,7 +105,7 @@ def test_checkpoint_round_trips_to_identical_logits(tmp_path):
 def test_best_is_linked_not_rewritten_and_survives_the_next_save(tmp_path):
     def state(it):
         return {"model_args": {}, "model": {"w": torch.full((4,), float(it))}, "iter_num": it,
-                "config": {}, "tokenizer": {}}
+                "config": {}, "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
     save_checkpoint(state(1), tmp_path / "last.pt")
     link_checkpoint(tmp_path / "last.pt", tmp_path / "best.pt")
     save_checkpoint(state(2), tmp_path / "last.pt")  # a rename: best.pt keeps the old file
@@ -117,7 +117,7 @@ def test_best_is_linked_not_rewritten_and_survives_the_next_save(tmp_path):
 def test_broken_checkpoints_are_named(tmp_path):
     good = tmp_path / "good.pt"
     save_checkpoint({"model_args": {}, "model": {}, "iter_num": 0, "config": {},
-                     "tokenizer": {}}, good)
+                     "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}, good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:100])
     foreign = tmp_path / "foreign.pt"
