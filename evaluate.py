@@ -35,7 +35,7 @@ from data.sources import read_text
 from loading import load_model
 from model import GPT, GPTConfig
 from precision import resolve_device
-from storage import check_output_file, write_bytes_atomic
+from storage import check_output_file, path_error, write_bytes_atomic
 from tokenizer import Tokenizer
 
 
@@ -178,11 +178,12 @@ def main(
             except OSError as e:
                 raise ValueError(f"cannot write --json {json_path} ({e.strerror}); choose "
                                  f"another path") from None
-    # DataError, LoadError, CheckpointError, GPT2FormatError, DeviceError and our checks
-    except ValueError as e:
+    # DataError, LoadError, CheckpointError, GPT2FormatError, DeviceError, our checks, and a
+    # path the file system refuses
+    except (ValueError, OSError) as e:
         if debug:
             raise
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(f"error: {path_error(e) if isinstance(e, OSError) else e}", err=True)
         raise typer.Exit(1) from None
     print(f"{source} ({dtype}) on {input}: {scores.tokens:,} tokens, {scores.chars:,} characters, "
           f"{scores.windows:,} windows")

@@ -50,8 +50,9 @@ class DecodeStep(Protocol):
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise ValueError for sampling settings that mean nothing."""
-    if not temperature >= 0:  # also refuses nan
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # also refuses nan
+        raise ValueError(f"temperature must be >= 0 (0 means greedy) and finite, got "
+                         f"{temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -80,7 +81,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # From the largest logit down: it becomes 0, so a temperature however small cannot
+    # overflow the others to inf (they go to -inf, and sampling to greedy). Below float32's
+    # smallest normal number a temperature would divide as zero, and 0 / 0 is nan.
+    logits = logits.float()
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         logits = filter_top_k(logits, top_k)
     if top_p is not None and top_p < 1.0:

@@ -101,6 +101,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     except RuntimeError:
         raise DeviceError(f"device {name!r} is not a device; use auto, cpu, cuda, cuda:N "
                           f"or mps") from None
+    if device.type not in ("cpu", "cuda", "mps"):  # xpu, meta, vulkan ...: torch's, not ours
+        raise DeviceError(f"device {name!r} is not one this project runs on; use auto, cpu, "
+                          f"cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device is {name} but no CUDA GPU is available to this torch; "
                           f"use --device cpu")

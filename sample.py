@@ -27,8 +27,9 @@ from loading import load_model, resolve_checkpoint
 from model import GPT, LAYOUTS
 from precision import resolve_device
 from quantize import check_weight_dtype
-from storage import check_output_file, probe_writable
+from storage import check_output_file, path_error, probe_writable
 from tokenizer import Tokenizer
+from train_config import check_seed
 
 
 class SampleError(ValueError):
@@ -142,6 +143,7 @@ def main(
         check_weight_dtype(dtype)  # here, not only in load_model: --benchmark loads none
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         check_sampling(temperature, top_k, top_p)
+        check_seed(seed)
         if decode not in DECODE_BACKENDS:
             raise SampleError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, "
                               f"got {decode!r}")
@@ -169,11 +171,12 @@ def main(
         text = decode_text(prompt_file.read_bytes(), str(prompt_file)) if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
-    # SampleError, LoadError, CheckpointError, the sampling checks, a C step that cannot build
-    except (ValueError, BuildError) as e:
+    # SampleError, LoadError, CheckpointError, the sampling checks, a C step that cannot build,
+    # and a path the file system refuses
+    except (ValueError, BuildError, OSError) as e:
         if debug:
             raise
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(f"error: {path_error(e) if isinstance(e, OSError) else e}", err=True)
         raise typer.Exit(1) from None
 
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -16,6 +16,7 @@ survives a power cut. A crash at any moment leaves the old file or the new one, 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Iterator
@@ -121,6 +122,16 @@ def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -
     return None
 
 
+def path_error(error: OSError) -> str:
+    """One line for an OSError that reached a command (a path too long for the file system,
+    a folder without permission): the path, the reason, the fix."""
+    where = f" {error.filename}" if error.filename else ""
+    if error.errno == errno.ENAMETOOLONG:
+        return (f"cannot use{where}: a name in it is longer than the file system allows; "
+                f"choose a shorter one")
+    return f"cannot use{where} ({error.strerror or error}); check the path and its permissions"
+
+
 class OutputError(ValueError):
     """An output path that cannot be written; the message names the option and the fix."""
 
@@ -133,9 +144,6 @@ def check_output_file(path: Path, option: str) -> None:
     if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
         raise OutputError(f"{option} {path}: {path.parent} is not a folder this process can "
                           f"write to; choose another path")
-    if len(path.name.encode()) > os.pathconf(path.parent, "PC_NAME_MAX"):
-        raise OutputError(f"{option} {path}: the file name is longer than this file system "
-                          f"allows; choose a shorter one")
 
 
 def probe_writable(folder: Path) -> None:

@@ -130,6 +130,7 @@ class TrainConfig:
                               f"got {self.dtype!r}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        check_seed(self.seed)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
@@ -140,6 +141,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_seed(seed: int) -> None:
+    """A seed every random generator here takes: torch's take 64 bits, and the evaluation
+    batches use seed + 1, so 63 bits keep every use in range."""
+    if not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be in [0, 2^63), got {seed}")
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}

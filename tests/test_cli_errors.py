@@ -149,6 +149,7 @@ BPE_TRAIN = ["train.py", "--config", TINY, "--data-dir", "{bpe}", "--out-dir", "
 SAMPLE = ["sample.py", "--checkpoint", "{ckpt}", "--max-new-tokens", "5"]
 EVALUATE = ["evaluate.py", "--checkpoint", "{ckpt}", "--input", "{tmp}/text.txt"]
 TEXT = write("text.txt", b"ROMEO: Juliet sees the moon.\n")
+LONG = "x" * 300  # a path component past what file systems allow (255 bytes)
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a GPU")
 
 # (command, files to make first, exit code, what the one line must contain)
@@ -193,6 +194,18 @@ CASES = {
     "resume without the scaler": (
         [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("scaler", "top"), 1,
         "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks scaler"),
+    "seed past 64 bits": ([*TRAIN, "--seed", str(2**64)], nothing, 1,
+                          "error: seed must be in [0, 2^63), got 18446744073709551616"),
+    "seed past 64 bits in TOML": (["train.py", "--config", "{tmp}/c.toml"],
+                                  write("c.toml", b"seed = 18446744073709551617\n"), 1,
+                                  "error: seed must be in [0, 2^63), got 18446744073709551617"),
+    "run name longer than a file name can be": (
+        [*TRAIN, "--run-name", LONG], nothing, 1,
+        f"error: cannot write to {{tmp}}/runs/{LONG} (File name too long)"),
+    "prepare into a path too long": (
+        ["-m", "data.prepare", "--input", "{tmp}/c.txt", "--out", "{tmp}/" + LONG],
+        write("c.txt", b"some text\n" * 100), 1,
+        f"error: cannot use {{tmp}}/{LONG}: a name in it is longer than the file system allows"),
     "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
                              "Invalid value for '--max-iters'"),
     # prepared data
@@ -251,9 +264,19 @@ CASES = {
         "has a vocabulary of 100 tokens, fewer than GPT-2's 50,257"),
     # sampling
     "temperature nan": ([*SAMPLE, "--temperature", "nan"], nothing, 1,
-                        "error: temperature must be >= 0 (0 means greedy), got nan"),
+                        "error: temperature must be >= 0 (0 means greedy) and finite, got nan"),
     "temperature below zero": ([*SAMPLE, "--temperature", "-1"], nothing, 1,
                                "error: temperature must be >= 0"),
+    "temperature inf": ([*SAMPLE, "--temperature", "inf"], nothing, 1,
+                        "error: temperature must be >= 0 (0 means greedy) and finite, got inf"),
+    "sampling seed past 64 bits": ([*SAMPLE, "--seed", str(2**64 + 5)], nothing, 1,
+                                   "error: seed must be in [0, 2^63)"),
+    "a device type this build cannot run": ([*SAMPLE, "--device", "xpu"], nothing, 1,
+                                            "error: device 'xpu' is not one this project runs on"),
+    "evaluate on the meta device": ([*EVALUATE, "--device", "meta"], TEXT, 1,
+                                    "error: device 'meta' is not one this project runs on"),
+    "checkpoint path too long": (["sample.py", "--checkpoint", f"{{tmp}}/{LONG}.pt"], nothing, 1,
+                                 "a name in it is longer than the file system allows"),
     "top-p zero": ([*SAMPLE, "--top-p", "0"], nothing, 1, "error: top_p must be in (0, 1]"),
     "top-k zero": ([*SAMPLE, "--top-k", "0"], nothing, 1, "error: top_k must be at least 1"),
     "empty stop string": ([*SAMPLE, "--stop", ""], nothing, 1,

@@ -19,6 +19,7 @@ from generate import (
     filter_top_p,
     generate,
     generate_text,
+    sample_next,
     stream,
 )
 from loading import LoadError, resolve_checkpoint
@@ -320,3 +321,11 @@ def test_attention_pictures_go_inside_a_folder_and_beside_a_name(tmp_path):
     assert (tmp_path / "new").is_dir() and list((tmp_path / "new").iterdir()) == []
     assert attention_target(str(tmp_path / "out" / "romeo")) == tmp_path / "out" / "romeo"
 
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-300, 5e-324])
+def test_a_temperature_however_small_samples_the_likeliest_token(temperature):
+    # logits / 1e-300 would overflow to inf, and inf - inf is nan in the softmax
+    logits = torch.tensor([[3.0, 9.5, -2.0, 9.25], [100.0, -100.0, 0.0, 50.0]])
+    picked = sample_next(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert picked.flatten().tolist() == [1, 0]
