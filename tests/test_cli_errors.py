@@ -188,12 +188,6 @@ CASES = {
     "resume without the batch stream's state": (
         [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("batches", "rng"), 1,
         "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks batches"),
-    "resume without the best loss": (
-        [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("best_val_loss", "top"), 1,
-        "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks best_val_loss"),
-    "resume without the scaler": (
-        [*TRAIN, "--resume", "--max-iters", "30"], checkpoint_without("scaler", "top"), 1,
-        "error: cannot resume from {tmp}/runs/tiny/last.pt: it lacks scaler"),
     "seed past 64 bits": ([*TRAIN, "--seed", str(2**64)], nothing, 1,
                           "error: seed must be in [0, 2^63), got 18446744073709551616"),
     "seed past 64 bits in TOML": (["train.py", "--config", "{tmp}/c.toml"],

@@ -120,13 +120,10 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
 
 @pytest.mark.parametrize("args, error", [
     (("--learning-rate", "nan"), "error: learning_rate must be a finite number, got nan"),
-    # errors that rank 0 alone meets, in the steps it takes for all (distributed.from_main)
+    # an error that rank 0 alone meets, in a step it takes for all (distributed.from_main)
     (("--resume",), "error: nothing to resume: "),
-    (("--out-dir", "{tmp}/file"), "error: {tmp}/file/tiny is a file, not a run folder"),
 ])
 def test_a_bad_config_is_reported_once_not_once_per_process(tmp_path, char_data, args, error):
-    (tmp_path / "file" / "tiny").parent.mkdir()
-    (tmp_path / "file" / "tiny").write_text("")
     result = run(2, "--data-dir", str(char_data), "--out-dir", str(tmp_path / "runs"),
                  "--gradient-accumulation-steps", "2", *(a.format(tmp=tmp_path) for a in args),
                  timeout=120)
