@@ -8,9 +8,8 @@ Usage:
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
 
 This file is about the model alone: no I/O, no CLI, no training state, no sampling (that is
-generate.py). Names follow GPT-2
-(`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`, `ln_f`) so its checkpoints map
-one to one.
+generate.py). Names follow GPT-2 (`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`,
+`ln_f`) so its checkpoints map one to one.
 
 The defaults are GPT-2's layout. Each switch of GPTConfig turns on one idea of the models
 since (nanochat's and the modded-nanogpt speedruns'): rotary positions (`pos_embedding`),
@@ -21,6 +20,7 @@ its own (`tie_embeddings`) and grouped-query attention (`n_kv_head`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -56,9 +56,7 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
                              f"({self.n_kv_head}): each key/value head serves a group of heads")
@@ -298,21 +296,30 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             # the output projection reads tokens with the same table that embeds them
             self.transformer.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
-        # GPT-2: scale residual projections so the residual stream's variance does not grow
-        # with depth (each block adds two of them)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        # one draw from torch's RNG seeds the initialisation's own generator: a model built
+        # on the meta device and sharded (distributed.shard_model) fills its shards from the
+        # same full draws, and starts from the weights of this one built whole
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
+        self.init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """GPT-2's initialisation: N(0, 0.02) for matrices and tables, the residual
+        projections scaled down with depth (each block adds two of them to the residual
+        stream, whose variance would otherwise grow), zero biases, LayerNorm at its identity.
+        `assign(parameter, full value)` puts each value in place (a shard of it, sharded)."""
+        assign = assign or (lambda param, value: param.copy_(value))
+        generator = torch.Generator().manual_seed(self.init_seed)
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if name == "bias" or isinstance(module, nn.LayerNorm):
+                    value = torch.full(param.shape, float(name == "weight"))
+                else:
+                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
+                    value = torch.empty(param.shape).normal_(0.0, std, generator=generator)
+                assign(param, value)
+        if self.config.pos_embedding == "rope":  # computed, not drawn; garbage after to_empty
+            self.rope_cos[:], self.rope_sin[:] = rope_tables(self.config)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the tables that are only looked up: the

@@ -112,6 +112,10 @@ def test_c_step_bf16_matches_eager_to_bf16_rounding(march, layout):
     c = decode_logits(model, prompt, 30, CDecodeStep(model, march))
     for step, (a, b) in enumerate(zip(c, eager, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2, msg=f"step {step}")
+        if a.argmax() != b.argmax():  # rounding may flip a near tie; the texts part there
+            top2 = b.topk(2).values[0]
+            assert top2[0] - top2[1] < 6e-2, f"step {step}: a token that was no near tie"
+            break
 
 
 @pytest.mark.parametrize("march", MARCHES)
