@@ -1,24 +1,39 @@
-"""Data-parallel training: which process this is, and the few collectives the loop needs.
+"""Data-parallel training: which process this is, the few collectives the loop needs, and
+the two ways to share a model (parallel = "ddp" or "fsdp").
 
 Usage:
     torchrun --standalone --nproc_per_node=2 train.py --config config/quickstart.toml
+    torchrun --standalone --nproc_per_node=2 train.py --config ... --parallel fsdp
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE (and MASTER_ADDR/MASTER_PORT); without them
 this is a single process and every helper here is a no-op. Under torchrun the processes
 form a group, even a group of one (as in nanoGPT), so that one GPU runs the same code as
 eight. NCCL on CUDA, gloo on the CPU.
 If one process dies, torchrun ends the others, so a crash never leaves the run hanging.
+
+DDP keeps the whole model, its gradients and its optimizer state on every process and
+averages gradients. FSDP (torch's fully_shard) keeps 1/N of each on each process, gathers a
+block's weights for its forward and backward, and reduce-scatters its gradients: the
+memory per process falls with N, for more communication (docs/distributed.md). Checkpoints
+are the same files either way: `gathered` assembles the full state on rank 0, one tensor at
+a time, and `sharded_like` hands each process its part back on resume.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from model import GPT, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -94,3 +109,81 @@ def from_main(make: Callable[[], Any], info: Dist) -> Any:
             box[1].from_main = True
         raise box[1]
     return box[0]
+
+
+# --- FSDP: a model sharded across the processes --------------------------------------------
+
+def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtype | None,
+                compile: bool) -> GPT:
+    """The model built on the meta device, each block sharded with fully_shard and the rest
+    (the embeddings, the final norm, the head) as the root's group; then each process makes
+    its shards and fills them from the full initial values one parameter at a time, so no
+    process ever holds the whole model. param_dtype (a GPU's bf16) is FSDP's mixed
+    precision: weights gathered in it, gradients reduced in fp32. compile compiles each
+    block before it is sharded, as torchtitan does."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
+                                  if param_dtype else None)
+    with torch.device("meta"):
+        model = GPT(config)
+    for block in model.transformer.h:
+        if compile:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
+    model.init_weights(lambda param, value: param.copy_(sharded_like(value, param)))
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A full tensor laid out as `like`: this process's shard if `like` is sharded (every
+    process has the full value and takes its part; no communication), else as it is."""
+    if not isinstance(like, DTensor):
+        return value
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements,
+                             src_data_rank=None)
+
+
+def gathered(state: Any, info: Dist) -> Any:
+    """A nested state (dicts, lists) with each sharded tensor gathered whole: on the CPU on
+    rank 0, None elsewhere (every process must call, in the same order). One tensor at a
+    time, so no process holds more than the file needs. Plain tensors stay as they are."""
+    if isinstance(state, dict):
+        return {key: gathered(value, info) for key, value in state.items()}
+    if isinstance(state, list):
+        return [gathered(value, info) for value in state]
+    if not isinstance(state, DTensor):
+        return state
+    whole = state.full_tensor()
+    return whole.cpu() if info.is_main else None
+
+
+def sharded_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A full optimizer state_dict (as a checkpoint holds it) laid out for `optimizer`,
+    whose parameters may be sharded: each tensor the shape of its parameter becomes this
+    process's shard; step counts stay as they are."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {**state, "state": {
+        index: {key: sharded_like(value, params[index])
+                if isinstance(value, torch.Tensor) and value.shape == params[index].shape
+                else value for key, value in entry.items()}
+        for index, entry in state["state"].items()}}
+
+
+def gradient_sync(model: torch.nn.Module, info: Dist, sync: bool) -> AbstractContextManager:
+    """Whether this backward reduces gradients across processes: only the last of a step's
+    micro-batches needs to; the earlier reductions would be wasted work."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+        return nullcontext()
+    return model.no_sync() if info.enabled and not sync else nullcontext()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded result (FSDP's gradient norm) as one tensor; a plain one as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -280,6 +280,10 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        # one draw from torch's RNG, before any module's own init draws, seeds the weights'
+        # generator: a model built on the meta device and sharded (distributed.shard_model)
+        # fills its shards from the same full draws, and starts as this one built whole
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -296,11 +300,8 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             # the output projection reads tokens with the same table that embeds them
             self.transformer.wte.weight = self.lm_head.weight
-        # one draw from torch's RNG seeds the initialisation's own generator: a model built
-        # on the meta device and sharded (distributed.shard_model) fills its shards from the
-        # same full draws, and starts from the weights of this one built whole
-        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
-        self.init_weights()
+        if not self.lm_head.weight.is_meta:  # on the meta device: shard, then initialise
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:

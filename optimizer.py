@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import GPT
 from train_config import TrainConfig
@@ -78,8 +79,14 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"],
-                                       group["eps"], self.ns_dtype)
+                sharded = isinstance(update, DTensor)  # FSDP: this process's rows only
+                # Newton-Schulz needs the whole matrix: a sharded update is gathered, each
+                # process orthogonalizes it (the same work on each), and keeps its own rows
+                whole = update.full_tensor() if sharded else update
+                whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"],
+                                      group["eps"], self.ns_dtype)
+                update = (distribute_tensor(whole, update.device_mesh, update.placements,
+                                            src_data_rank=None) if sharded else whole)
                 # a tall matrix's update has smaller entries; the original rule makes up
                 # for it with sqrt(rows / cols)
                 scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
@@ -124,10 +131,12 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     if table is not None and table.requires_grad:
         adamw_groups.append({"params": [table], "weight_decay": 0.0,
                              "peak_lr": cfg.embedding_lr or cfg.learning_rate})
-    # the fused kernel does the whole update in one pass over the parameters
+    # the fused kernel does the whole update in one pass over the parameters (of plain
+    # tensors: FSDP's sharded ones take the default path)
+    sharded = any(isinstance(p, DTensor) for p in trained)
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-        fused=device.type in ("cuda", "cpu"))]
+        fused=device.type in ("cuda", "cpu") and not sharded)]
     if hidden:
         # the model's order, not the set's: a checkpoint's optimizer state is matched to
         # parameters by position

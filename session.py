@@ -52,10 +52,19 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
     return meta, splits
 
 
-def build_model(cfg: TrainConfig, meta: dict) -> GPT:
-    """A fresh model of the config's shape, or a pretrained GPT-2 to fine-tune."""
+def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
+                dist: distributed.Dist) -> GPT:
+    """A fresh model of the config's shape on the device, sharded under parallel = fsdp; or
+    a pretrained GPT-2 to fine-tune."""
+    if sharded(cfg, dist):
+        if cfg.init_from:
+            raise ConfigError("init_from loads the whole model in each process; fine-tune with "
+                              "parallel = ddp")
+        param_dtype = dtype if device.type == "cuda" and dtype != torch.float32 else None
+        return distributed.shard_model(cfg.model_config(meta["vocab_size"]), device,
+                                       param_dtype, cfg.compile)
     if not cfg.init_from:
-        return GPT(cfg.model_config(meta["vocab_size"]))
+        return GPT(cfg.model_config(meta["vocab_size"])).to(device)
     if not cfg.model_config(meta["vocab_size"]).is_gpt2:
         raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, qk_norm, "
                           "mlp, tie_embeddings and n_kv_head at their defaults to fine-tune it")
@@ -71,7 +80,20 @@ def build_model(cfg: TrainConfig, meta: dict) -> GPT:
         raise ConfigError(f"init_from: {cfg.init_from} has a vocabulary of "
                           f"{model.config.vocab_size:,} tokens, fewer than the "
                           f"{meta['vocab_size']:,} of {cfg.data_dir}; use a GPT-2 folder")
-    return model
+    return model.to(device)
+
+
+def sharded(cfg: TrainConfig, dist: distributed.Dist) -> bool:
+    """Whether this run shards its model (FSDP); ConfigError where it cannot."""
+    if cfg.parallel != "fsdp":
+        return False
+    if not dist.enabled:
+        raise ConfigError("parallel = fsdp shards the model across torchrun's processes; "
+                          "launch with torchrun --nproc_per_node=N, or drop --parallel")
+    if cfg.dtype == "float16":
+        raise ConfigError("parallel = fsdp trains in float32 or bfloat16; float16's loss "
+                          "scaling is not wired for sharded gradients: use --dtype bfloat16")
+    return True
 
 
 def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, ckpt: dict | None,
@@ -80,6 +102,8 @@ def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, ckpt: dic
     started (a new measurement could differ); under torchrun rank 0's choice holds for all."""
     if cfg.dtype == "auto" and ckpt is not None and "dtype" in ckpt:
         return DTYPES[ckpt["dtype"]], "auto: as the run being resumed chose"
+    if cfg.dtype == "auto" and cfg.parallel == "fsdp" and device.type == "cpu":
+        return torch.float32, "auto: a sharded model on CPUs trains in float32"
     return distributed.from_main(
         lambda: resolve_dtype(cfg.dtype, device, training_step(cfg, vocab_size, device)), dist)
 
@@ -170,6 +194,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
     device = resolve_device(cfg.device, dist.local_rank)
     if cfg.compile:  # before anything is written
         check_compile(device, instead="drop --compile")
+    sharded(cfg, dist)  # a parallel setting that cannot be, before the work
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls
@@ -204,7 +229,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
         if not resume:
             settings = "\n".join(f"{k} = {v!r}" for k, v in cfg.to_dict().items())
             s.writer.add_text("config", text_block(settings))
-        if cfg.log_attention:
+        if cfg.log_attention and not distributed.is_sharded(s.raw_model):  # whole weights
             s.pictures = LayerPictures(token_labels(tokenizer, probe_ids),
                                        s.raw_model.config.n_head)
     return s
@@ -217,13 +242,15 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
     setup that can still fail once the run folder is taken, and writes nothing."""
     ckpt = load_checkpoint(run_dir / "last.pt", device, resume=True) if resume else None
     dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], ckpt, dist)
-    model = build_model(cfg, meta).to(device)
+    model = build_model(cfg, meta, device, dtype, dist)
+    fsdp = distributed.is_sharded(model)
     # fp32 weights plus AdamW's two moments
     checkpoint_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
     distributed.from_main(lambda: check_writable(run_dir, checkpoint_bytes), dist)
     s = Session(
         cfg=cfg, dist=dist, device=device, dtype=dtype, dtype_reason=dtype_reason,
-        autocast=(nullcontext() if dtype == torch.float32
+        # under FSDP on a GPU the weights are gathered in bf16 (its mixed precision): no autocast
+        autocast=(nullcontext() if dtype == torch.float32 or fsdp and device.type == "cuda"
                   else torch.autocast(device.type, dtype=dtype)),
         run_dir=run_dir, meta=meta, splits=splits, tokenizer=tokenizer,
         raw_model=model, model=model,
@@ -239,9 +266,9 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
             raise ConfigError(f"{run_dir / 'last.pt'} is at iter {s.iter_num}, past max_iters "
                               f"({cfg.max_iters}), so there is nothing to train; raise "
                               f"--max-iters to continue it")
-    if cfg.compile:
+    if cfg.compile and not fsdp:  # FSDP compiled each block before sharding it
         s.model = torch.compile(s.model)
-    if dist.enabled:  # gradients are averaged across processes during backward
+    if dist.enabled and not fsdp:  # gradients are averaged across processes during backward
         s.model = DDP(s.model, device_ids=[device.index] if device.type == "cuda" else None)
     return s
 
@@ -254,7 +281,8 @@ def restore(s: Session, ckpt: dict) -> None:
         raise CheckpointError(f"cannot resume: the weights in {s.run_dir / 'last.pt'} do not "
                               f"match its model_args ({problem}); the file is damaged: start "
                               f"a new run without --resume")
-    s.raw_model.load_state_dict(state)
+    current = s.raw_model.state_dict()  # sharded under FSDP: each process takes its part
+    s.raw_model.load_state_dict({k: distributed.sharded_like(v, current[k]) for k, v in state.items()})
     states = ckpt["optimizer"]  # a list since optimizer = muon; one dict before
     for opt, state in zip(s.optimizers, states if isinstance(states, list) else [states],
                           strict=True):
@@ -262,7 +290,7 @@ def restore(s: Session, ckpt: dict) -> None:
         # decay, betas, momentum) are the config's, which a resumed run may change
         settings = [{k: v for k, v in group.items() if k != "params"}
                     for group in opt.param_groups]
-        opt.load_state_dict(state)
+        opt.load_state_dict(distributed.sharded_optimizer_state(state, opt))
         for group, setting in zip(opt.param_groups, settings, strict=True):
             group.update(setting)
     s.scaler.load_state_dict(ckpt["scaler"])

@@ -16,7 +16,7 @@ import inspect
 import math
 import signal
 import time
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -83,16 +83,22 @@ def estimate_loss(model: torch.nn.Module, splits: dict[str, Tokens], cfg: TrainC
     the same at every evaluation (a fixed seed), so the curve shows the model changing,
     not the sample. Under torchrun the processes share the batches out and average."""
     dist = dist or distributed.Dist()
+    # a sharded model's forward is a collective: every process runs as many, the last
+    # batch again (and not counted) where eval_iters does not divide among them
+    rounds = -(-cfg.eval_iters // dist.world_size) * dist.world_size
     out = {}
     for name, data in splits.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         total = torch.zeros(2, device=device)  # (sum of losses, batches)
-        for k in range(cfg.eval_iters):
-            x, y = get_batch(data, cfg.block_size, cfg.batch_size, generator)
+        for k in range(rounds if distributed.is_sharded(model) else cfg.eval_iters):
+            if k < cfg.eval_iters:
+                x, y = get_batch(data, cfg.block_size, cfg.batch_size, generator)
             if k % dist.world_size == dist.rank:
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
-                total += torch.stack([loss.float(), torch.ones((), device=device)])
+                counted = float(k < cfg.eval_iters)
+                total += torch.stack([loss.float() * counted,
+                                      torch.full((), counted, device=device)])
         loss_sum, count = distributed.all_sum(total, dist).tolist()
         out[name] = loss_sum / count
     return out
@@ -109,7 +115,7 @@ def train_step(s: Session, x: torch.Tensor, y: torch.Tensor,
         # under DDP, average gradients across processes only after the last micro-step:
         # the earlier all-reduces would be wasted work
         last = micro_step == accum_steps - 1
-        with s.model.no_sync() if s.dist.enabled and not last else nullcontext():
+        with distributed.gradient_sync(s.model, s.dist, sync=last):
             with s.autocast:
                 _, loss = s.model(to_device(x, s.device), to_device(y, s.device))
             loss = loss / accum_steps
@@ -118,8 +124,8 @@ def train_step(s: Session, x: torch.Tensor, y: torch.Tensor,
         loss_sum += loss.detach()
     for opt in s.optimizers:
         s.scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.raw_model.parameters(),
-                                               s.cfg.grad_clip or math.inf)
+    grad_norm = distributed.whole(torch.nn.utils.clip_grad_norm_(  # over every shard
+        s.raw_model.parameters(), s.cfg.grad_clip or math.inf))
     for opt in s.optimizers:
         s.scaler.step(opt)
     s.scaler.update()
@@ -132,15 +138,20 @@ def evaluate(s: Session, it: int) -> dict[str, float]:
     """Losses on both splits, logged with a text sample and the attention pictures."""
     s.model.eval()  # no dropout while measuring or sampling
     losses = estimate_loss(s.model, s.splits, s.cfg, s.device, s.autocast, s.dist)
+    # a sharded model samples on every process (its forward is a collective), in eager
+    # steps (the C step reads whole weights); rank 0 logs the text
+    fsdp = distributed.is_sharded(s.raw_model)
+    if s.cfg.sample_tokens and (s.writer is not None or fsdp):
+        sample_gen = torch.Generator(device=s.device).manual_seed(s.cfg.seed)
+        prompt = torch.tensor([s.sample_ids], dtype=torch.long, device=s.device)
+        with s.autocast:
+            out = generate(s.raw_model, prompt, s.cfg.sample_tokens, generator=sample_gen,
+                           decode="eager" if fsdp else "auto")
+        if s.writer is not None:
+            s.writer.add_text("sample", text_block(s.tokenizer.decode(out[0].tolist())), it)
     if s.writer is not None:
         for split, loss in losses.items():
             s.writer.add_scalar(f"loss/{split}", loss, it)
-        if s.cfg.sample_tokens:
-            sample_gen = torch.Generator(device=s.device).manual_seed(s.cfg.seed)
-            prompt = torch.tensor([s.sample_ids], dtype=torch.long, device=s.device)
-            with s.autocast:
-                out = generate(s.raw_model, prompt, s.cfg.sample_tokens, generator=sample_gen)
-            s.writer.add_text("sample", text_block(s.tokenizer.decode(out[0].tolist())), it)
         if s.pictures is not None:
             log_attention(s.writer, s.raw_model, s.probe_ids, s.pictures, it)
     s.model.train()
@@ -153,17 +164,22 @@ def evaluate(s: Session, it: int) -> dict[str, float]:
 def checkpoint_state(model: GPT, optimizers: list[torch.optim.Optimizer],
                      scaler: torch.amp.GradScaler, batch_state: torch.Tensor,
                      device: torch.device, cfg: TrainConfig, meta: dict, dtype: torch.dtype,
-                     iter_num: int, best_val_loss: float, val_loss: float) -> dict[str, Any]:
+                     iter_num: int, best_val_loss: float, val_loss: float,
+                     dist: distributed.Dist) -> dict[str, Any]:
     """The contents of last.pt: everything a resumed run needs to go on exactly. The batch
     state is the batch stream's before the batch still pending was drawn, so a resumed run
     draws exactly the batches this run would have drawn next."""
     rng = {"torch": torch.get_rng_state(), "batches": batch_state}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
+    # sharded (FSDP): gathered whole on rank 0, one tensor at a time; None elsewhere
+    weights = distributed.gathered(model.state_dict(), dist)
+    if model.config.tie_embeddings and dist.is_main:  # one table in the file, as unsharded
+        weights["lm_head.weight"] = weights["transformer.wte.weight"]
     return {
         "model_args": vars(model.config).copy(),
-        "model": model.state_dict(),
-        "optimizer": [opt.state_dict() for opt in optimizers],
+        "model": weights,
+        "optimizer": distributed.gathered([opt.state_dict() for opt in optimizers], dist),
         "scaler": scaler.state_dict(),
         "iter_num": iter_num,
         "dtype": str(dtype).removeprefix("torch."),
@@ -176,17 +192,19 @@ def checkpoint_state(model: GPT, optimizers: list[torch.optim.Optimizer],
 
 
 def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
-    """Write last.pt (and best.pt, the same file) from rank 0, if the state is finite. Every
-    rank checks (their states are equal), so all of them stop together when it is not."""
+    """Write last.pt (and best.pt, the same file) from rank 0, if the state is finite. Rank
+    0 checks and every rank hears its verdict, so all of them stop together when it is not."""
     state = checkpoint_state(s.raw_model, s.optimizers, s.scaler, s.batches.state, s.device,
                              s.cfg, s.meta, s.dtype, s.iter_num, s.best_val_loss,
-                             losses.get("val", math.nan))
-    # a loss that turned NaN between log points leaves no other trace before this write
-    broken = non_finite({"model": state["model"], "optimizer": state["optimizer"]})
-    if broken is not None:
-        raise TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no checkpoint "
-                            f"was written and the last good one is kept: lower learning_rate "
-                            f"or set grad_clip")
+                             losses.get("val", math.nan), s.dist)
+
+    def check_finite() -> None:  # a loss that turned NaN between log points: no other trace
+        broken = non_finite({"model": state["model"], "optimizer": state["optimizer"]})
+        if broken is not None:
+            raise TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no "
+                                f"checkpoint was written and the last good one is kept: "
+                                f"lower learning_rate or set grad_clip")
+    distributed.from_main(check_finite, s.dist)
     if not s.dist.is_main:
         return
     try:

@@ -95,6 +95,8 @@ class TrainConfig:
     dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (autocast); auto is "
                      "bfloat16 on GPUs that support it, else float32")
     compile: bool = opt(False, "torch.compile the model (slow start, faster steps)")
+    parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
+                               "fsdp (each holds 1/N of it; see docs/distributed.md)")
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")
 
     def __post_init__(self) -> None:
@@ -131,6 +133,8 @@ class TrainConfig:
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         check_seed(self.seed)
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,

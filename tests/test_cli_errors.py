@@ -200,6 +200,11 @@ CASES = {
         ["-m", "data.prepare", "--input", "{tmp}/c.txt", "--out", "{tmp}/" + LONG],
         write("c.txt", b"some text\n" * 100), 1,
         f"error: cannot use {{tmp}}/{LONG}: a name in it is longer than the file system allows"),
+    "fsdp outside torchrun": ([*TRAIN, "--parallel", "fsdp"], nothing, 1,
+                              "error: parallel = fsdp shards the model across torchrun's "
+                              "processes; launch with torchrun --nproc_per_node=N"),
+    "an unknown parallel": ([*TRAIN, "--parallel", "zero3"], nothing, 1,
+                            "error: parallel must be ddp or fsdp, got 'zero3'"),
     "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
                              "Invalid value for '--max-iters'"),
     # prepared data

@@ -35,14 +35,17 @@ def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-@pytest.mark.parametrize("optimizer, layout", [("adamw", "gpt2"), ("muon", "gpt2"),
-                                               ("muon", "modern")])
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data, optimizer, layout):
+@pytest.mark.parametrize("optimizer, layout, parallel", [
+    ("adamw", "gpt2", "ddp"), ("muon", "gpt2", "ddp"), ("muon", "modern", "ddp"),
+    # sharded: Muon gathers each matrix's update whole; eval_iters 3 does not divide by 2
+    ("adamw", "gpt2", "fsdp"), ("muon", "modern", "fsdp")])
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, char_data, optimizer,
+                                                            layout, parallel):
     common = ("--data-dir", str(char_data), "--optimizer", optimizer, *cli_args(LAYOUTS[layout]),
-              "--gradient-accumulation-steps", "4",
-              "--max-iters", "20", "--eval-interval", "10", "--eval-iters", "4")
+              "--gradient-accumulation-steps", "4", "--max-iters", "20", "--eval-interval", "10",
+              "--eval-iters", "3" if parallel == "fsdp" else "4")
     one = run(None, *common, "--out-dir", str(tmp_path / "one"))
-    two = run(2, *common, "--out-dir", str(tmp_path / "two"))
+    two = run(2, *common, "--parallel", parallel, "--out-dir", str(tmp_path / "two"))
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("done: 20 iters") == 1  # only rank 0 reports
     a = load_checkpoint(tmp_path / "one" / "tiny" / "last.pt")["model"]
@@ -79,9 +82,11 @@ def test_torchrun_with_one_process_trains_in_a_group_of_one_as_a_plain_run_does(
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_under_two_processes_continues_the_curve(tmp_path, char_data):
+@pytest.mark.parametrize("parallel, optimizer", [("ddp", "adamw"), ("fsdp", "muon")])
+def test_resume_under_two_processes_continues_the_curve(tmp_path, char_data, parallel, optimizer):
     common = ("--data-dir", str(char_data), "--gradient-accumulation-steps", "2",
-              "--eval-interval", "10", "--eval-iters", "4", "--lr-decay-iters", "20")
+              "--eval-interval", "10", "--eval-iters", "4", "--lr-decay-iters", "20",
+              "--parallel", parallel, "--optimizer", optimizer)
     straight = run(2, *common, "--out-dir", str(tmp_path / "a"), "--max-iters", "20")
     first = run(2, *common, "--out-dir", str(tmp_path / "b"), "--max-iters", "10")
     resumed = run(2, *common, "--out-dir", str(tmp_path / "b"), "--max-iters", "20", "--resume")
@@ -90,6 +95,11 @@ def test_resume_under_two_processes_continues_the_curve(tmp_path, char_data):
     b = load_checkpoint(tmp_path / "b" / "tiny" / "last.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "a" / "tiny", "loss/val") == losses(tmp_path / "b" / "tiny", "loss/val")
+    # the sharded run's checkpoint is today's file: a plain process samples from it
+    sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--run",
+                              str(tmp_path / "b" / "tiny"), "--max-new-tokens", "8"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and len(sampled.stdout) > 8, sampled.stderr
 
 
 def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
