@@ -64,9 +64,8 @@ class GPTConfig:
             raise ValueError(f"rope rotates pairs of dimensions: the head size "
                              f"n_embd / n_head ({self.n_embd // self.n_head}) must be even")
         for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
-                                 f"{getattr(self, name)!r}")
+            if (value := getattr(self, name)) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
