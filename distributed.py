@@ -22,6 +22,7 @@ a time, and `sharded_like` hands each process its part back on resume.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -29,9 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import GPT, GPTConfig
 
@@ -121,6 +119,9 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     process ever holds the whole model. param_dtype (a GPU's bf16) is FSDP's mixed
     precision: weights gathered in it, gradients reduced in fp32. compile compiles each
     block before it is sharded, as torchtitan does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
                                   if param_dtype else None)
@@ -136,15 +137,26 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     return model
 
 
+# FSDP's modules take most of a second to import: every command would pay it at its
+# start. Nothing can be sharded before they are imported, so the checks look them up.
+
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether t is sharded (a DTensor, FSDP's parameters and their state)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(t, tensor.DTensor)
 
 
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A full tensor laid out as `like`: this process's shard if `like` is sharded (every
     process has the full value and takes its part; no communication), else as it is."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return value
+    from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(value.to(like.device), like.device_mesh, like.placements,
                              src_data_rank=None)
 
@@ -157,7 +169,7 @@ def gathered(state: Any, info: Dist) -> Any:
         return {key: gathered(value, info) for key, value in state.items()}
     if isinstance(state, list):
         return [gathered(value, info) for value in state]
-    if not isinstance(state, DTensor):
+    if not is_dtensor(state):
         return state
     whole = state.full_tensor()
     return whole.cpu() if info.is_main else None
@@ -186,4 +198,4 @@ def gradient_sync(model: torch.nn.Module, info: Dist, sync: bool) -> AbstractCon
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded result (FSDP's gradient norm) as one tensor; a plain one as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t

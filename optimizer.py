@@ -35,8 +35,8 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from distributed import is_dtensor, sharded_like
 from model import GPT
 from train_config import TrainConfig
 
@@ -79,14 +79,12 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                sharded = isinstance(update, DTensor)  # FSDP: this process's rows only
-                # Newton-Schulz needs the whole matrix: a sharded update is gathered, each
-                # process orthogonalizes it (the same work on each), and keeps its own rows
-                whole = update.full_tensor() if sharded else update
+                # Newton-Schulz needs the whole matrix: a sharded update (FSDP) is gathered,
+                # each process orthogonalizes it (the same work on each), keeps its own rows
+                whole = update.full_tensor() if is_dtensor(update) else update
                 whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"],
                                       group["eps"], self.ns_dtype)
-                update = (distribute_tensor(whole, update.device_mesh, update.placements,
-                                            src_data_rank=None) if sharded else whole)
+                update = sharded_like(whole, update)
                 # a tall matrix's update has smaller entries; the original rule makes up
                 # for it with sqrt(rows / cols)
                 scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
@@ -133,7 +131,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
                              "peak_lr": cfg.embedding_lr or cfg.learning_rate})
     # the fused kernel does the whole update in one pass over the parameters (of plain
     # tensors: FSDP's sharded ones take the default path)
-    sharded = any(isinstance(p, DTensor) for p in trained)
+    sharded = any(is_dtensor(p) for p in trained)
     optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
         fused=device.type in ("cuda", "cpu") and not sharded)]

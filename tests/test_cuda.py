@@ -1,6 +1,6 @@
 """The GPU path, where a CUDA GPU is at hand; skipped everywhere else, CI included. Training
 in bf16 and in fp16 (with the gradient scaler) follows fp32, --compile follows eager,
-torchrun trains under NCCL, a checkpoint written on the GPU runs on the CPU, and cached
+torchrun trains under NCCL (FSDP too), a checkpoint written on the GPU runs on the CPU, and cached
 decoding gives the uncached tokens past block_size."""
 
 import dataclasses
@@ -65,6 +65,23 @@ def test_torchrun_trains_one_process_under_nccl(tmp_path, char_data):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "device cuda:0 x 1 process," in result.stdout
     assert "done: 20 iters" in result.stdout
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fsdp_trains_under_nccl_in_bf16_compiled_or_not(tmp_path, char_data, compile):
+    # FSDP's mixed precision (bf16 weights, fp32 reductions); compiled, each block before
+    # it is sharded
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+         "train.py", "--config", "config/tiny.toml", "--data-dir", str(char_data),
+         "--out-dir", str(tmp_path), "--device", "cuda", "--dtype", "bfloat16",
+         "--parallel", "fsdp", "--max-iters", "20", "--eval-interval", "10",
+         *(["--compile"] if compile else [])],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "done: 20 iters" in result.stdout
+    losses = val_losses(tmp_path / "tiny")
+    assert losses[-1] < losses[0] - 0.5
 
 
 @pytest.fixture
