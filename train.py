@@ -112,7 +112,7 @@ def train_step(s: Session, x: torch.Tensor, y: torch.Tensor,
     accum_steps = s.cfg.gradient_accumulation_steps // s.dist.world_size  # this process's
     loss_sum = torch.zeros((), device=s.device)
     for micro_step in range(accum_steps):
-        # under DDP, average gradients across processes only after the last micro-step:
+        # under torchrun, reduce gradients across processes only after the last micro-step:
         # the earlier all-reduces would be wasted work
         last = micro_step == accum_steps - 1
         with distributed.gradient_sync(s.model, s.dist, sync=last):
