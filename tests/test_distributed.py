@@ -35,49 +35,48 @@ def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-@pytest.mark.parametrize("optimizer, layout, resume_with", [("adamw", "gpt2", "ddp"),
-                                                             ("muon", "modern", "fsdp")])
+@pytest.mark.parametrize("optimizer, layout, parallel", [("adamw", "gpt2", "ddp"),
+                                                          ("muon", "modern", "fsdp")])
 def test_two_processes_equal_one_and_resume_exactly(tmp_path, char_data, optimizer, layout,
-                                                   resume_with):
+                                                   parallel):
     # under FSDP Muon gathers each matrix's update whole, and eval_iters 3 does not divide
-    # among 2 processes whose every forward is a collective
+    # among 2 processes whose every forward is a collective (AdamW is FSDP's plain path)
     common = ("--data-dir", str(char_data), "--optimizer", optimizer, *cli_args(LAYOUTS[layout]),
               "--gradient-accumulation-steps", "4", "--eval-interval", "10", "--eval-iters", "3",
               "--lr-decay-iters", "20")
     one = run(None, *common, "--max-iters", "20", "--out-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-2000:]
     a = load_checkpoint(tmp_path / "one" / "tiny" / "last.pt")["model"]
-    for parallel in ("ddp", "fsdp"):
-        two = run(2, *common, "--max-iters", "20", "--parallel", parallel,
-                  "--out-dir", str(tmp_path / parallel))
-        assert two.returncode == 0, two.stderr[-2000:]
-        assert two.stdout.count("done: 20 iters") == 1  # only rank 0 reports
-        b = load_checkpoint(tmp_path / parallel / "tiny" / "last.pt")["model"]
-        # an fp32 run's Muon orthogonalizes in fp32 too, so it holds to AdamW's tolerance
-        for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=(parallel, key))
-        for tag in ("train/loss_step", "loss/val"):
-            steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag), strict=True)
-            steps_two, values_two = zip(*losses(tmp_path / parallel / "tiny", tag), strict=True)
-            assert steps_one == steps_two
-            torch.testing.assert_close(torch.tensor(values_one), torch.tensor(values_two),
-                                       rtol=1e-5, atol=1e-5)
-        # one writer: a single run folder, one set of checkpoints, one events stream
-        assert [p.name for p in (tmp_path / parallel).iterdir()] == ["tiny"]
-        files = sorted(p.name for p in (tmp_path / parallel / "tiny").iterdir())
-        assert [name for name in files if name.endswith(".pt")] == ["best.pt", "last.pt"]
-        assert sum(name.startswith("events.out.tfevents") for name in files) == 2  # + hparams
-        assert len(files) == 5 and ".lock" in files
+    two = run(2, *common, "--max-iters", "20", "--parallel", parallel,
+              "--out-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("done: 20 iters") == 1  # only rank 0 reports
+    b = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
+    # an fp32 run's Muon orthogonalizes in fp32 too, so it holds to AdamW's tolerance
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+    for tag in ("train/loss_step", "loss/val"):
+        steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag), strict=True)
+        steps_two, values_two = zip(*losses(tmp_path / "two" / "tiny", tag), strict=True)
+        assert steps_one == steps_two
+        torch.testing.assert_close(torch.tensor(values_one), torch.tensor(values_two),
+                                   rtol=1e-5, atol=1e-5)
+    # one writer: a single run folder, one set of checkpoints, one events stream
+    assert [p.name for p in (tmp_path / "two").iterdir()] == ["tiny"]
+    files = sorted(p.name for p in (tmp_path / "two" / "tiny").iterdir())
+    assert [name for name in files if name.endswith(".pt")] == ["best.pt", "last.pt"]
+    assert sum(name.startswith("events.out.tfevents") for name in files) == 2  # + hparams
+    assert len(files) == 5 and ".lock" in files
     # 10 iterations, then 10 more resumed, equal the 20 straight, bit for bit
     resumed = tmp_path / "resumed"
     for more in ("10", "20"):
-        result = run(2, *common, "--max-iters", more, "--parallel", resume_with,
+        result = run(2, *common, "--max-iters", more, "--parallel", parallel,
                      "--out-dir", str(resumed), *(["--resume"] if more == "20" else []))
         assert result.returncode == 0, result.stderr[-2000:]
-    straight = load_checkpoint(tmp_path / resume_with / "tiny" / "last.pt")["model"]
     b = load_checkpoint(resumed / "tiny" / "last.pt")["model"]
+    straight = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
     assert all(torch.equal(straight[k], b[k]) for k in straight)
-    assert losses(tmp_path / resume_with / "tiny", "loss/val") == losses(resumed / "tiny", "loss/val")
+    assert losses(tmp_path / "two" / "tiny", "loss/val") == losses(resumed / "tiny", "loss/val")
     # a sharded run's checkpoint is today's file: a plain process samples from it
     sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--run",
                               str(resumed / "tiny"), "--max-new-tokens", "8"],
