@@ -35,7 +35,7 @@ from data.sources import read_text
 from loading import load_model
 from model import GPT, GPTConfig
 from precision import resolve_device
-from storage import check_output_file, path_error, write_bytes_atomic
+from storage import check_output_file, error_line, write_bytes_atomic
 from tokenizer import Tokenizer
 
 
@@ -183,7 +183,7 @@ def main(
     except (ValueError, OSError) as e:
         if debug:
             raise
-        typer.echo(f"error: {path_error(e) if isinstance(e, OSError) else e}", err=True)
+        typer.echo(f"error: {error_line(e)}", err=True)
         raise typer.Exit(1) from None
     print(f"{source} ({dtype}) on {input}: {scores.tokens:,} tokens, {scores.chars:,} characters, "
           f"{scores.windows:,} windows")

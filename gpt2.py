@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save
 
 from checkpoint import UnreadableFile, load_checkpoint, model_from_checkpoint, safe_load, state_dict_mismatch
 from model import GPT, GPTConfig
-from storage import fsync_dir, path_error, write_bytes_atomic
+from storage import error_line, fsync_dir, write_bytes_atomic
 
 # Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -186,7 +186,7 @@ def main(checkpoint: Path, folder: Path,
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     except OSError as e:  # reading the checkpoint's path, or writing the export
-        typer.echo(f"error: {path_error(e)}" if e.filename == str(checkpoint) else
+        typer.echo(f"error: {error_line(e)}" if e.filename == str(checkpoint) else
                    f"error: cannot write {folder} ({e.strerror}); choose another folder", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")

@@ -4,10 +4,10 @@ can be resumed, and how a run stops cleanly.
 Usage:
     from runs import choose_run_dir, check_writable, check_resumable, stop_signals
     folder = choose_run_dir(cfg, resume=False)  # runs/quickstart (or -2), locked
-    folder.release()                             # when the run ends
     check_writable(folder.path, checkpoint_bytes)
-    check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
-    with stop_signals() as stop: ...                  # stop["signal"] once Ctrl-C arrives
+    check_resumable(ckpt, model, meta, cfg, folder.path / "last.pt")
+    with stop_signals() as stop: ...            # stop["signal"] once Ctrl-C arrives
+    folder.release()                            # when the run ends
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from loading import load_model, resolve_checkpoint
 from model import GPT, LAYOUTS
 from precision import resolve_device
 from quantize import check_weight_dtype
-from storage import check_output_file, path_error, probe_writable
+from storage import check_output_file, error_line, probe_writable
 from tokenizer import Tokenizer
 from train_config import check_seed
 
@@ -176,7 +176,7 @@ def main(
     except (ValueError, BuildError, OSError) as e:
         if debug:
             raise
-        typer.echo(f"error: {path_error(e) if isinstance(e, OSError) else e}", err=True)
+        typer.echo(f"error: {error_line(e)}", err=True)
         raise typer.Exit(1) from None
 
     generator = torch.Generator(device=device).manual_seed(seed)

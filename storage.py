@@ -122,9 +122,12 @@ def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -
     return None
 
 
-def path_error(error: OSError) -> str:
-    """One line for an OSError that reached a command (a path too long for the file system,
-    a folder without permission): the path, the reason, the fix."""
+def error_line(error: Exception) -> str:
+    """What a command prints after "error: " for a failure it reports in one line: the
+    message of its own errors; for an OSError that reached it (a path too long for the file
+    system, a folder without permission), the path, the reason and the fix."""
+    if not isinstance(error, OSError):
+        return str(error)
     where = f" {error.filename}" if error.filename else ""
     if error.errno == errno.ENAMETOOLONG:
         return (f"cannot use{where}: a name in it is longer than the file system allows; "

@@ -38,7 +38,7 @@ from perf import peak_flops
 from precision import DeviceError, resolve_device
 from runs import stop_signals
 from session import Session, setup, text_block
-from storage import path_error, quiet_writer_threads
+from storage import error_line, quiet_writer_threads
 from train_config import ConfigError, TrainConfig, cli_parameters, load_config
 
 
@@ -384,7 +384,7 @@ def build_cli() -> typer.Typer:
             # meets rank 0's error (distributed.from_main): rank 0 says so once; other
             # errors may differ between ranks, so each says its own
             if is_main or not (isinstance(e, ConfigError) or getattr(e, "from_main", False)):
-                typer.echo(f"error: {path_error(e) if isinstance(e, OSError) else e}", err=True)
+                typer.echo(f"error: {error_line(e)}", err=True)
             raise typer.Exit(1) from None
         if not is_main:
             return

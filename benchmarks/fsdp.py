@@ -128,10 +128,9 @@ def main(
         print(f"| {r['config']} | {r['parallel']} | {r['processes']} | {r['weights_mb']:.0f} | "
               f"{r['grads_mb']:.0f} | {r['optimizer_mb']:.0f} | {r['ms_per_iter']:.0f} | "
               f"{r['peak_rss_mb']:.0f} |")
-    single, sharded = rows[0], rows[2]
-    held = lambda r: r["weights_mb"] + r["grads_mb"] + r["optimizer_mb"]  # noqa: E731
-    print(f"fsdp on 2 processes holds {held(sharded) / held(single):.2f}x of one process's "
-          f"weights, gradients and optimizer state")
+    held = [r["weights_mb"] + r["grads_mb"] + r["optimizer_mb"] for r in (rows[0], rows[2])]
+    print(f"fsdp on 2 processes holds {held[1] / held[0]:.2f}x of one process's weights, "
+          f"gradients and optimizer state")
 
 
 if __name__ == "__main__":

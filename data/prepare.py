@@ -50,7 +50,7 @@ from data.bpe import check_vocab_size, train_bpe
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
-from storage import path_error, write_bytes_atomic
+from storage import error_line, write_bytes_atomic
 from tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 # built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
@@ -480,7 +480,7 @@ def main(
                        val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
                        force=force, progress=True)
     except (DataError, AssetError, OSError) as e:  # OSError: a path the file system refuses
-        typer.echo(f"error: {path_error(e) if isinstance(e, OSError) else e}", err=True)
+        typer.echo(f"error: {error_line(e)}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo(f"interrupted: run the same command again to resume {out} after its last "
