@@ -7,14 +7,11 @@ Usage:
     cache = model.new_kv_cache(batch_size=1)                    # for generate.py's decoding
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
 
-This file is about the model alone: no I/O, no CLI, no training state, no sampling (that is
-generate.py). Names follow GPT-2 (`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`,
-`ln_f`) so its checkpoints map one to one.
-
-The defaults are GPT-2's layout. Each switch of GPTConfig turns on one idea of the models
-since (nanochat's and the modded-nanogpt speedruns'): rotary positions (`pos_embedding`),
-RMSNorm (`norm`), normalized queries and keys (`qk_norm`), ReLU^2 (`mlp`), an output layer of
-its own (`tie_embeddings`) and grouped-query attention (`n_kv_head`).
+The model alone: no I/O, no CLI, no training state, no sampling (that is generate.py). Names
+follow GPT-2 (`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`, `ln_f`) so its
+checkpoints map one to one. The defaults are GPT-2's layout; each switch of GPTConfig turns
+on one idea of the models since (nanochat's, the modded-nanogpt speedruns'): rotary positions,
+RMSNorm, QK-norm, ReLU^2, an output layer of its own and grouped-query attention.
 """
 
 from __future__ import annotations
@@ -109,14 +106,11 @@ PRESETS = {
 
 
 class KVCache:
-    """Preallocated keys and values of every layer, written in place as decoding goes on.
-
-    Each forward writes its keys/values at the window positions it is given (`input_pos`) and
-    attends over the whole buffer under a mask, so a one-token decode step has the same shapes
-    at every position; that is what lets torch.compile build it once. The same mask hides
-    entries left over from before a re-prefill. The cache keeps no position of its own: the
-    caller says where each forward's tokens go.
-    """
+    """Preallocated keys and values of every layer, written in place at the window positions
+    each forward is given (`input_pos`: the caller keeps the position, not the cache). Every
+    forward attends over the whole buffer under a mask, which also hides what a re-prefill
+    left behind, so a decode step has one shape at every position: torch.compile builds it
+    once."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -143,7 +137,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.n_embd = config.n_embd
         self.rope, self.qk_norm = config.pos_embedding == "rope", config.qk_norm
         self.dropout = config.dropout
         # one fused projection for queries, keys and values: a single matmul instead of
@@ -157,15 +150,15 @@ class CausalSelfAttention(nn.Module):
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         B, T, C = x.size()
-        hd, kv_dim = self.head_dim, self.n_kv_head * self.head_dim
-        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)  # (B, T, C), (B, T, kv_dim) x2
-        q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, n_kv, T, hd)
-        v = v.view(B, T, self.n_kv_head, hd).transpose(1, 2)
+        nh, n_kv = self.n_head, self.n_kv_head
+        qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
+        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys, normalized and rotated alike
         if self.qk_norm:  # bounds the logits q.k, which lets the lr go higher
-            q, k = rms_norm(q), rms_norm(k)
+            qk = rms_norm(qk)
         if self.rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(qk, *rope)
+        q, k = qk.transpose(1, 2).split([nh, n_kv], dim=1)  # (B, nh, T, hd), (B, n_kv, T, hd)
+        v = v.transpose(1, 2)
         mask = None  # None: plain causal attention over these T tokens
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
@@ -183,35 +176,68 @@ class CausalSelfAttention(nn.Module):
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, without a gain: before a Linear,
     a gain would only rescale the Linear's columns, which the Linear can learn itself."""
-    return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+    if x.is_cuda:  # one fused kernel each way
+        return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+    return RMSNormFunction.apply(x)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """rms_norm with its gradient written out: for y = x r, r = 1 / rms(x), the input's
+    gradient is r (g - y mean(g y)). Elsewhere than CUDA, F.rms_norm is made of small ops,
+    and autograd's way back through them passes over the tensor about eight times."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)  # (..., 1)
+        y = xf * r
+        ctx.save_for_backward(y, r)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        y, r = ctx.saved_tensors
+        gf = g.float()
+        return torch.addcmul(gf * r, y, r * (gf * y).mean(-1, keepdim=True), value=-1).to(g.dtype)
+
+
+class ReLUSquared(torch.autograd.Function):
+    """relu(h)^2, whose gradient is 2 relu(h): one saved tensor and two products on the way
+    back, where autograd's through relu and a product takes five passes."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(r := F.relu(h))
+        return r * r
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return (g * ctx.saved_tensors[0]).mul_(2)
 
 
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, (block_size, head_dim / 2) each."""
+    """cos and sin of every position's angles, (block_size, head_dim) each, laid out for
+    apply_rope: cos repeated for both halves of a head, sin with its first half negated."""
     freqs = ROPE_BASE ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
     angles = torch.arange(config.block_size).double()[:, None] * freqs  # (block_size, hd/2)
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i + hd/2}) of (B, h, T, hd) by its position's angle; cos and
-    sin are (T, hd/2), already taken at the tokens' positions. A query at p and a key at s
-    then meet through p - s alone."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return rotated.to(x.dtype)
+    """Rotate each pair (x_i, x_{i + hd/2}) of (B, T, heads, hd) by its position's angle:
+    (x1 cos - x2 sin, x2 cos + x1 sin), with rope_tables' rows at the tokens' positions,
+    (T, 1, hd). A query at p and a key at s then meet through p - s alone."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)  # fp32 tables: in fp32
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask is a (T_q, T_k) bool of allowed pairs, None for causal. Keys
     and values may have fewer heads than the queries (GQA): each serves a group of them."""
-    gqa = k.size(1) != q.size(1)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                              enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          enable_gqa=gqa)
+                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -235,13 +261,12 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.relu2 = config.mlp == "relu2"
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, 4C)
-        h = F.relu(h).square() if self.relu2 else self.gelu(h)
+        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's
         return self.dropout(self.c_proj(h))
 
 
@@ -253,9 +278,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm()
-    return nn.LayerNorm(config.n_embd, bias=config.bias)
+    return RMSNorm() if config.norm == "rmsnorm" else nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -304,10 +327,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        """GPT-2's initialisation: N(0, 0.02) for matrices and tables, the residual
-        projections scaled down with depth (each block adds two of them to the residual
-        stream, whose variance would otherwise grow), zero biases, LayerNorm at its identity.
-        `assign(parameter, full value)` puts each value in place (a shard of it, sharded)."""
+        """GPT-2's: N(0, 0.02) for matrices and tables, the residual projections scaled down
+        with depth (each block adds two to the residual stream, whose variance would grow),
+        zero biases, LayerNorm at its identity. `assign(param, full value)` puts each value
+        in place (a shard of it, sharded)."""
         assign = assign or (lambda param, value: param.copy_(value))
         generator = torch.Generator().manual_seed(self.init_seed)
         for module_name, module in self.named_modules():
@@ -354,14 +377,12 @@ class GPT(nn.Module):
         """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
 
         kv_cache: write this pass's keys/values into the cache and attend over all it holds.
-        input_pos: (T,) positions of idx's tokens in the context window, 0.. by default; with
-            a cache, the caller advances them and keeps them below block_size.
-        attn_weights: pass a list to run the explicit attention path and receive each
-            layer's (B, n_head, T, T_k) weights in it.
-        logits_from: without targets, compute logits for positions logits_from: onwards
-            only: -1 for the last, all that sampling needs, or the tail of an evaluation
-            window that is scored. With a large vocabulary the output layer is much of
-            the work.
+        input_pos: (T,) positions of idx's tokens in the window, 0.. by default; with a
+            cache, the caller advances them and keeps them below block_size.
+        attn_weights: a list, to run the explicit attention path and receive each layer's
+            (B, n_head, T, T_k) weights in it.
+        logits_from: without targets, logits for positions logits_from: only (-1: the last,
+            all that sampling needs); with a large vocabulary the output layer is much work.
         """
         B, T = idx.size()
         if input_pos is None:
@@ -374,8 +395,8 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(input_pos)
         # without positions, the causal mask alone carries order
         rope = None
-        if self.config.pos_embedding == "rope":
-            rope = (self.rope_cos[input_pos], self.rope_sin[input_pos])  # (T, hd/2) each
+        if self.config.pos_embedding == "rope":  # (T, 1, hd) each: every head alike
+            rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attn_weights)
@@ -389,9 +410,7 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device, in the dtype its keys and values come out
-        in: that of the float weights (the embedding's output: quantize.py's int8 models give
-        float), or the autocast dtype when autocast is on (as it is when a bf16 training run
-        samples at an evaluation)."""
+        in: the float weights' (int8 models give float32), or autocast's when it is on."""
         p = self.transformer.wte.weight
         dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
         if torch.is_autocast_enabled(p.device.type):

@@ -150,7 +150,7 @@ def last_position_output(model: GPT, idx: torch.Tensor) -> torch.Tensor:
         x = x + model.transformer.wpe(torch.arange(idx.size(1)))
     rope = None
     if model.config.pos_embedding == "rope":
-        rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])
+        rope = (model.rope_cos[:idx.size(1), None], model.rope_sin[:idx.size(1), None])
     return model.transformer.h[0](x, rope)
 
 
