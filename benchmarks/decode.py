@@ -7,11 +7,14 @@ Usage:
     python -m benchmarks.decode --preset gpt2 --lengths 64
 
 Greedy, an 8-token prompt, batch 1 unless --batch says otherwise; tokens/s counts the
-tokens of every sequence. The rows: the default path (decode="auto", labelled with what it
-chose), the eager cached step, the compiled or C step when --decode names it (on a GPU,
-compiled with and without CUDA graphs), the uncached path, and transformers' generate on
-the same weights when transformers is installed (up to block_size tokens: its position
-table ends there; not for int8, which it cannot load). For every length and path: one
+tokens of every sequence. With a longer prompt (--prompt-len, in `python -m
+benchmarks.decode`), tokens/s is that of decoding alone, from a context that long: each
+timed run is the time of n_new tokens less that of one token, which holds the prefill.
+The rows: the default path (decode="auto", labelled with what it chose), the eager cached
+step, the compiled or C step when --decode names it (on a GPU, compiled with and without
+CUDA graphs), the uncached path, and transformers' generate on the same weights when
+transformers is installed (up to block_size tokens: its position table ends there; not for
+int8, which it cannot load). For every length and path: one
 warm-up, then the median of `repeats` timed runs. Every row says whether its greedy tokens
 are identical to the uncached path's. Memory is the peak while a path runs: allocated
 tensors on CUDA, the resident size of the whole process on the CPU (weights included), with
@@ -78,22 +81,31 @@ def transformers_generate(model: GPT) -> Tokens | None:
     return run
 
 
+def timed(run: Tokens, prompt: torch.Tensor, n_new: int) -> tuple[float, list[list[int]]]:
+    sync(prompt.device)
+    t0 = time.perf_counter()
+    tokens = run(prompt, n_new)
+    sync(prompt.device)
+    return time.perf_counter() - t0, tokens
+
+
 def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict:
-    """Median speed of `repeats` runs after one warm-up, and the memory they took."""
+    """Median speed of `repeats` runs after one warm-up, and the memory they took. After a
+    prompt longer than PROMPT_LEN, the speed of decoding alone: each run's time less that
+    of a run of one token (the prefill and the first token)."""
     device = prompt.device
+    decode_only = prompt.size(1) > PROMPT_LEN
     run(prompt, n_new)  # warm-up
     reset_peak_memory(device)
     before = memory_mb(device)
     times, tokens = [], []
     for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        tokens = run(prompt, n_new)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        seconds, tokens = timed(run, prompt, n_new)
+        times.append(seconds - timed(run, prompt, 1)[0] if decode_only else seconds)
     after = memory_mb(device)
+    counted = n_new - 1 if decode_only else n_new
     row = {"new_tokens": n_new,
-           "tokens_per_s": prompt.size(0) * n_new / statistics.median(times),
+           "tokens_per_s": prompt.size(0) * counted / statistics.median(times),
            "tokens": tokens}
     if before is not None and after is not None:
         row.update(peak_memory_mb=after[1], memory_growth_mb=after[1] - before[0])
@@ -103,7 +115,8 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
                   lengths: list[int], repeats: int, json_path: Path | None,
                   decode: str = "auto", batch: int = 1, layout: str = "gpt2",
-                  n_kv_head: int = 0, baselines: bool = True) -> list[dict]:
+                  n_kv_head: int = 0, baselines: bool = True,
+                  prompt_len: int = PROMPT_LEN) -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked. A preset
     is built in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head). Without
     baselines only the default path runs: no eager, uncached or transformers rows, which at
@@ -119,7 +132,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         source = str(checkpoint)
     n_params = model.num_params()  # before int8 turns the matrices into buffers
     model = cast_weights(model.to(device), dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT_LEN),
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)
     weights_mb = weight_bytes(model) / 1e6
     cfg = model.config
@@ -131,7 +144,8 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     print(f"{source}: {n_params / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
           f"weights, KV cache {kv_bytes:,} bytes per token, at most {cache_mb:.1f} MB, "
           f"block_size {cfg.block_size}, {dtype}, {device}, batch {batch}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, a {prompt_len}-token prompt"
+          f"{' (tokens/s: decoding alone)' if prompt_len > PROMPT_LEN else ''}")
 
     default = decode_step(model)  # what a user gets without choosing
     chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
@@ -163,7 +177,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     for n_new in lengths:
         group = [{"path": name, **measure(run, prompt, n_new, repeats)}
                  for name, run in paths.items()]
-        if theirs is not None and PROMPT_LEN + n_new <= cfg.block_size:
+        if theirs is not None and prompt_len + n_new <= cfg.block_size:
             group.append({"path": "transformers", **measure(theirs, prompt, n_new, repeats)})
         uncached = next((row for row in group if row["path"] == "uncached"), None)
         for row in group:
@@ -181,6 +195,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     if json_path:
         write_bytes_atomic(json_path, (json.dumps({
             "source": source, "device": device, "dtype": dtype, "batch": batch,
+            "prompt_len": prompt_len,
             "kv_cache_bytes_per_token": kv_bytes,
             "threads": torch.get_num_threads(), "compile_s": compile_s, "rows": rows,
         }, indent=2) + "\n").encode())
@@ -190,10 +205,10 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
 def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
          decode: str = "auto", batch: int = 1, layout: str = "gpt2", n_kv_head: int = 0,
-         baselines: bool = True) -> None:
+         baselines: bool = True, prompt_len: int = PROMPT_LEN) -> None:
     """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
     run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, decode, batch, layout, n_kv_head, baselines)
+                  json, decode, batch, layout, n_kv_head, baselines, prompt_len)
 
 
 if __name__ == "__main__":
