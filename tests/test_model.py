@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, explicit_attention, sdpa_attention
+from model import GPT, NORM_EPS, GPTConfig, ReLUSquared, RMSNormFunction, explicit_attention, sdpa_attention
 from tests.layouts import LAYOUTS
 
 
@@ -82,6 +82,26 @@ def test_attention_functions_agree_under_a_cache_mask():
     assert torch.all(att[..., 0, 6:] == 0) and torch.all(att[..., 2, 8:] == 0)
     y_prefix, _ = explicit_attention(q, k[:, :, :8], v[:, :, :8], mask[:, :8], dropout_p=0.0)
     torch.testing.assert_close(y_explicit, y_prefix)  # stale slots change nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradients_written_out_equal_autograds(dtype):
+    # RMSNorm's and ReLU^2's backward are written by hand for speed: the same values and
+    # gradients as autograd through the composed ops, in fp32 and from bf16 activations
+    gen = torch.Generator().manual_seed(0)
+    for fast, composed in [
+        (RMSNormFunction.apply, lambda x: F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)),
+        (ReLUSquared.apply, lambda h: F.relu(h) * F.relu(h)),
+    ]:
+        x = (3 * torch.randn(4, 7, 32, generator=gen)).to(dtype).requires_grad_()
+        g = torch.randn(4, 7, 32, generator=gen).to(dtype)
+        ours, = torch.autograd.grad(fast(x), x, g)
+        theirs, = torch.autograd.grad(composed(x), x, g)
+        assert fast(x).dtype == composed(x).dtype == ours.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(fast(x), composed(x), rtol=tol, atol=tol)
+        torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+        assert ours.abs().max() > 0.1  # not an empty comparison
 
 
 def test_initial_loss_is_close_to_uniform_guess():
