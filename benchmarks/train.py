@@ -169,7 +169,8 @@ def print_rows(rows: list[dict], target: float) -> None:
     for row in rows:
         print(f"| {row['recipe']} | {fmt(row['ms_per_iter'], '.1f')} | "
               f"{fmt(row['iters_to_target'], '.0f')} | {fmt(row['seconds_to_target'], '.1f')} | "
-              f"{fmt(row['final_val_loss'], '.3f')} | {fmt(row['speedup'], '.2f')}x |")
+              f"{fmt(row['final_val_loss'], '.3f')} | "
+              f"{'missed' if row['speedup'] is None else format(row['speedup'], '.2f') + 'x'} |")
 
 
 def main(
