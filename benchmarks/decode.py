@@ -14,9 +14,9 @@ The rows: the default path (decode="auto", labelled with what it chose), the eag
 step, the compiled or C step when --decode names it (on a GPU, compiled with and without
 CUDA graphs), the uncached path, and transformers' generate on the same weights when
 transformers is installed (up to block_size tokens: its position table ends there; not for
-int8, which it cannot load). For every length and path: one
-warm-up, then the median of `repeats` timed runs. Every row says whether its greedy tokens
-are identical to the uncached path's. Memory is the peak while a path runs: allocated
+int8, which it cannot load). For every length and path: one warm-up, then the median of
+`repeats` timed runs. Every row says whether its greedy tokens are identical to the
+uncached path's. Memory is the peak while a path runs: allocated
 tensors on CUDA, the resident size of the whole process on the CPU (weights included), with
 its growth during that path.
 """
