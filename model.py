@@ -236,6 +236,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask is a (T_q, T_k) bool of allowed pairs, None for causal. Keys
     and values may have fewer heads than the queries (GQA): each serves a group of them."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
+        # torch's CPU kernel is 1.3-2x slower in bf16 than fp32 on sequences this short (its
+        # backward, docs/performance.md); autocast would cast the inputs straight back
+        with torch.autocast("cpu", enabled=False):
+            return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 

@@ -56,9 +56,9 @@ def test_no_import_cycles():
 def test_the_model_file_imports_nothing_of_the_project():
     modules = project_modules()
     assert imports(modules["model"], modules) == set()
-    # about two screens: GPT-2's layout, its switches and the two gradients written out for
-    # speed, read in one sitting
-    assert len(modules["model"].read_text().splitlines()) < 420
+    # about two screens: GPT-2's layout, its switches, and the two gradients and the CPU's
+    # bf16 attention written out for speed, read in one sitting
+    assert len(modules["model"].read_text().splitlines()) < 425
 
 
 def test_every_source_file_says_what_it_is_for_and_how_to_use_it():

@@ -84,6 +84,22 @@ def test_attention_functions_agree_under_a_cache_mask():
     torch.testing.assert_close(y_explicit, y_prefix)  # stale slots change nothing
 
 
+def test_short_bf16_attention_on_a_cpu_computes_in_fp32():
+    # torch's CPU kernel is slower in bf16 than in fp32 below 256 keys: there the fused path
+    # computes in fp32, also under autocast (which would cast back), and rounds the output;
+    # from 256 keys on it stays in bf16
+    g = torch.Generator().manual_seed(3)
+    for T, fp32 in [(64, True), (256, False)]:
+        q, k, v = (torch.randn(2, 4, T, 32, generator=g).bfloat16().requires_grad_()
+                   for _ in range(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = sdpa_attention(q, k, v, None, dropout_p=0.0)
+        in_fp32 = sdpa_attention(q.float(), k.float(), v.float(), None, 0.0).bfloat16()
+        assert y.dtype == torch.bfloat16 and torch.equal(y, in_fp32) == fp32
+        y.sum().backward()
+        assert q.grad.dtype == torch.bfloat16 and q.grad.abs().max() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gradients_written_out_equal_autograds(dtype):
     # RMSNorm's and ReLU^2's backward are written by hand for speed: the same values and
