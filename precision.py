@@ -60,15 +60,17 @@ def native_bf16(flags: frozenset[str] | set[str]) -> str | None:
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
 
 
-def bf16_speedup(step: Callable[[torch.dtype], None], rounds: int = 6) -> float:
+def bf16_speedup(step: Callable[[torch.dtype], None], rounds: int = 4) -> float:
     """How many times faster step(torch.bfloat16) runs than step(torch.float32), on medians
-    of alternating rounds (so that a busy moment costs both), the first two to warm up."""
+    of alternating rounds (so that a busy moment costs both), after one to warm up. Few:
+    they are part of the run's start, and a speed-up near the threshold is a choice between
+    two near-equal steps."""
     times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
-    for i in range(rounds + 2):
+    for i in range(rounds + 1):
         for dtype, runs in times.items():
             t0 = time.perf_counter()
             step(dtype)
-            if i >= 2:
+            if i >= 1:
                 runs.append(time.perf_counter() - t0)
     return statistics.median(times[torch.float32]) / statistics.median(times[torch.bfloat16])
 
