@@ -275,6 +275,7 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     assert 1 < fast["seconds_to_target"] < fast["wall_s"]  # the process start counts
     assert fast["final_val_loss"] < 2.6 < slow["final_val_loss"]
     assert slow["ms_per_iter"] > 0 and fast["ms_per_iter"] > 0
+    assert slow["dtype"] == fast["dtype"] == "float32"  # what each run computed in (tiny's)
 
 
 def test_a_checkpoint_from_before_the_layout_switches_loads_as_gpt2(trained_run, tmp_path):
