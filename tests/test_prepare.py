@@ -170,6 +170,14 @@ def test_a_killed_preparation_resumes_to_the_same_bytes(tmp_path):
     assert files(cut) == files(whole)
 
 
+def as_from_a_terminal() -> None:
+    """A preexec_fn: Ctrl-C reaches the command as it does from a shell's prompt, whatever
+    the test process inherited (a test worker may run with SIGINT ignored or blocked, and a
+    child inherits both)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_stops_cleanly_in_one_line_and_the_same_command_resumes(tmp_path):
     # about 1,500 shards, three seconds of writing: the signal must come while shards are
     # still being written, however late a busy machine runs this test's polling loop (with
@@ -178,12 +186,14 @@ def test_ctrl_c_stops_cleanly_in_one_line_and_the_same_command_resumes(tmp_path)
     command = [sys.executable, "-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2",
                "--shard-tokens", "300"]
     proc = subprocess.Popen([*command, "--out", str(tmp_path / "cut")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_from_a_terminal)
     while len(list((tmp_path / "cut").glob("tokens_*.bin"))) < 5 and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, (stderr, signal.getsignal(signal.SIGINT),
+                                    signal.pthread_sigmask(signal.SIG_BLOCK, []))
     assert stderr.splitlines() == [f"interrupted: run the same command again to resume "
                                    f"{tmp_path / 'cut'} after its last whole shard"]
     assert not (tmp_path / "cut" / "meta.json").exists()
