@@ -160,10 +160,11 @@ def main(
                 raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
             if json_path is not None:  # checked now, not after the benchmark
                 check_output_file(json_path, "--json")
-            from benchmarks.decode import run_benchmark  # keeps the sampling path light
+            # imported here: keeps the sampling path light
+            from benchmarks.decode import parse_lengths, run_benchmark
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
-                          preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                          json_path, decode, batch, layout, n_kv_head)
+                          preset, device, dtype, parse_lengths(lengths), repeats, json_path,
+                          decode, batch, layout, n_kv_head)
             return
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind

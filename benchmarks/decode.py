@@ -47,6 +47,18 @@ PROMPT_LEN = 8
 Tokens = Callable[[torch.Tensor, int], list[list[int]]]  # (prompt, n_new) -> (B, n_new) ids
 
 
+def parse_lengths(text: str) -> list[int]:
+    """--lengths: counts of new tokens, comma-separated, each at least 1."""
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths takes counts of new tokens separated by commas, each at "
+                         f"least 1, like 64,248,1024; got {text!r}")
+    return lengths
+
+
 def ours(model: GPT, step: DecodeStep | None) -> Tokens:
     """Greedy generation through `stream` with this decode step; None is uncached."""
     def run(prompt: torch.Tensor, n_new: int) -> list[list[int]]:
@@ -207,8 +219,12 @@ def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          decode: str = "auto", batch: int = 1, layout: str = "gpt2", n_kv_head: int = 0,
          baselines: bool = True, prompt_len: int = PROMPT_LEN) -> None:
     """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
-    run_benchmark(None, preset, device, dtype, [int(n) for n in lengths.split(",")], repeats,
-                  json, decode, batch, layout, n_kv_head, baselines, prompt_len)
+    try:
+        counts = parse_lengths(lengths)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    run_benchmark(None, preset, device, dtype, counts, repeats, json, decode, batch, layout,
+                  n_kv_head, baselines, prompt_len)
 
 
 if __name__ == "__main__":

@@ -319,6 +319,9 @@ CASES = {
     "benchmark figures into a missing folder": (
         ["sample.py", "--benchmark", "--preset", "baby_gpt", "--json", "{tmp}/no/b.json"], nothing, 1,
         "error: --json {tmp}/no/b.json: {tmp}/no is not a folder"),
+    "benchmark of zero new tokens": (
+        ["sample.py", "--benchmark", "--preset", "baby_gpt", "--lengths", "64,0"], nothing, 1,
+        "error: --lengths takes counts of new tokens separated by commas, each at least 1"),
     "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2, "No such option"),
     # evaluation and export
     "no text to score": ([*EVALUATE], write("text.txt", b"\n\n"), 1,
