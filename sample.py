@@ -14,6 +14,7 @@ The context-window policy past block_size is stated in main's docstring, which i
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -50,6 +51,46 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return tokenizer.encode("\n")
     except ValueError:  # a character vocabulary without newlines
         return [0]
+
+
+def check_decode(decode: str, kv_cache: bool) -> None:
+    """--decode names a backend, and one of its own only with the cache it steps through."""
+    if decode not in DECODE_BACKENDS:
+        raise SampleError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+    if decode != "auto" and not kv_cache:
+        raise SampleError(f"--decode {decode} chooses the cached decode step; drop "
+                          f"--no-kv-cache or --decode")
+
+
+def stop_strings(stop: list[str]) -> tuple[str, ...]:
+    """--stop's strings, with \\n and \\t read as a newline and a tab: a shell passes "\\n" as
+    a backslash and an n, and a stop string almost always means a newline."""
+    stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)
+    if any(not s for s in stops):
+        raise SampleError("--stop is empty, which would end every sample at once; give "
+                          "some text or drop it")
+    return stops
+
+
+def print_samples(draw: Callable[[], Iterator[str]], prompt: str, num_samples: int,
+                  stream: bool) -> str:
+    """Print num_samples continuations of the prompt, each drawn by `draw` (pieces of text)
+    after the prompt, with a rule between them; return the first continuation."""
+    samples = []
+    for i in range(num_samples):
+        sys.stdout.write(prompt)
+        pieces = []
+        for piece in draw():
+            pieces.append(piece)
+            if stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        if not stream:
+            sys.stdout.write("".join(pieces))
+        sys.stdout.write("\n" if i == num_samples - 1 else "\n---------------\n")
+        samples.append("".join(pieces))
+    sys.stdout.flush()
+    return samples[0]
 
 
 def attention_target(path: str) -> Path:
@@ -144,17 +185,8 @@ def main(
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         check_sampling(temperature, top_k, top_p)
         check_seed(seed)
-        if decode not in DECODE_BACKENDS:
-            raise SampleError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, "
-                              f"got {decode!r}")
-        if decode != "auto" and not kv_cache:
-            raise SampleError(f"--decode {decode} chooses the cached decode step; drop "
-                              f"--no-kv-cache or --decode")
-        # a shell passes "\n" as backslash and n; a stop string almost always means a newline
-        stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop or ())
-        if any(not s for s in stops):
-            raise SampleError("--stop is empty, which would end every sample at once; give "
-                              "some text or drop it")
+        check_decode(decode, kv_cache)
+        stops = stop_strings(stop or [])
         if benchmark:
             if layout not in LAYOUTS:
                 raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -181,23 +213,11 @@ def main(
         raise typer.Exit(1) from None
 
     generator = torch.Generator(device=device).manual_seed(seed)
-    first_sample = ""
-    for i in range(num_samples):
-        pieces = generate_text(model, tokenizer, ids, max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
-                               generator=generator, stop=stops, decode=step or "eager")
-        sys.stdout.write(text)
-        generated = []
-        for piece in pieces:
-            generated.append(piece)
-            if stream:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        if not stream:
-            sys.stdout.write("".join(generated))
-        sys.stdout.write("\n" if i == num_samples - 1 else "\n---------------\n")
-        first_sample = first_sample or "".join(generated)
-    sys.stdout.flush()
+    first_sample = print_samples(
+        lambda: generate_text(model, tokenizer, ids, max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
+                              generator=generator, stop=stops, decode=step or "eager"),
+        text, num_samples, stream)
     if attention_path is not None:
         try:
             write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)

@@ -24,7 +24,7 @@ from generate import (
 )
 from loading import LoadError, resolve_checkpoint
 from model import GPT, GPTConfig
-from sample import attention_target
+from sample import attention_target, print_samples
 from tests.layouts import LAYOUTS
 from tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
 
@@ -243,6 +243,25 @@ def test_cli_streaming_prints_the_same_text_as_non_streaming(trained_run):
     assert streamed.stdout == whole.stdout and streamed.stdout.startswith("ROMEO:")
     assert len(streamed.stdout) > 80
     assert uncached.stdout == greedy.stdout == eager.stdout
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_each_sample_follows_the_prompt_with_a_rule_between_them(streamed, capsys):
+    draws = iter([["RO", "MEO"], [], ["!"]])
+    first = print_samples(lambda: iter(next(draws)), "P:", 3, streamed)
+    assert first == "ROMEO"
+    assert capsys.readouterr().out == "P:ROMEO\n---------------\nP:\n---------------\nP:!\n"
+
+
+def test_cli_samples_differ_and_a_seed_repeats_them(trained_run):
+    args = ("--run", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "40",
+            "--num-samples", "2", "--seed", "5")
+    once, again = run_sample(*args), run_sample(*args)
+    assert once.returncode == 0, once.stderr
+    first, second = once.stdout.split("\n---------------\n")
+    assert first.startswith("ROMEO:") and second.startswith("ROMEO:")
+    assert first != second  # the second sample draws on, it does not start over
+    assert again.stdout == once.stdout
 
 
 def test_cli_stop_string_understands_backslash_n(trained_run):
