@@ -5,6 +5,7 @@ Usage:
     from perf import peak_flops, sync
     peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and whence
     reset_peak_memory(device); ...; now, peak = memory_mb(device)   # MB, peak of "..."
+    min_activation_bytes(config, tokens) <= available_memory(device)  # will a step fit?
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 import time
 
 import torch
+
+from model import GPTConfig
 
 
 def sync(device: torch.device) -> None:
@@ -94,4 +97,25 @@ def memory_mb(device: torch.device) -> tuple[float, float] | None:
             kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
                   if k in ("VmRSS", "VmHWM")}
         return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
+    return None
+
+
+def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
+    """A lower bound on what one forward over `tokens` tokens keeps for its backward: 16
+    bytes per layer and unit of width (a block keeps about ten tensors of the width, and
+    four-wide ones, even in bf16 and compiled), and the logits in bf16. Measured steps take
+    2.4-4.2x as much (docs/reliability.md), so a step this bound does not fit cannot fit."""
+    return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes the device can still give: free GPU memory on CUDA, the kernel's MemAvailable
+    on a Linux CPU (RAM that needs no swapping); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and sys.platform == "linux":
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     return None

@@ -9,6 +9,7 @@ Usage:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
 from model import GPT
 from optimizer import configure_optimizers
+from perf import available_memory, min_activation_bytes
 from precision import DTYPES, check_compile, resolve_device, resolve_dtype
 from runs import RunFolder, check_resumable, check_writable, choose_run_dir
 from tokenizer import Tokenizer, load_tokenizer
@@ -50,6 +52,26 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
             raise ConfigError(f"block_size ({cfg.block_size}) must be smaller than the {split} "
                               f"split ({len(data)} tokens); lower block_size or use more text")
     return meta, splits
+
+
+def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device) -> None:
+    """Refuse a micro-batch whose activations cannot fit in memory, before any step: on a
+    CPU it would swap the machine to a standstill rather than fail. A fine-tuned model's
+    shape is its folder's, known only once loaded, so init_from is not checked."""
+    available = available_memory(device)
+    if available is None or cfg.init_from:
+        return
+    # torchrun's processes on one machine share its RAM; a GPU is each process's own
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    need = processes * min_activation_bytes(cfg.model_config(vocab_size),
+                                            cfg.batch_size * cfg.block_size)
+    if need > available:
+        each = f" ({processes} processes)" if processes > 1 else ""
+        raise ConfigError(f"a micro-batch of batch_size {cfg.batch_size} x block_size "
+                          f"{cfg.block_size} needs at least {need / 1e9:,.1f} GB for its "
+                          f"activations{each}, but {device.type} has {available / 1e9:,.1f} GB "
+                          f"free; lower batch_size, and raise gradient_accumulation_steps to "
+                          f"keep the tokens per step")
 
 
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
@@ -207,6 +229,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
     sample_ids = (setting_tokens("sample_prompt", cfg.sample_prompt, tokenizer)
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
+    check_memory(cfg, meta["vocab_size"], device)
 
     folder = None  # rank 0 holds the run folder's lock for as long as the run goes on
 

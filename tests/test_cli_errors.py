@@ -165,6 +165,10 @@ CASES = {
                       "error: grad_clip must be a finite number, got nan"),
     "min lr inf": ([*TRAIN, "--min-lr", "inf"], nothing, 1,
                    "error: min_lr must be a finite number, got inf"),
+    "a micro-batch larger than any memory": (
+        [*TRAIN, "--batch-size", "100000000"], nothing, 1,
+        "error: a micro-batch of batch_size 100000000 x block_size 32 needs at least 3,520.0 GB "
+        "for its activations"),
     "unknown dtype": ([*TRAIN, "--dtype", "half"], nothing, 1,
                       "error: dtype must be one of auto, float32, bfloat16, float16, got 'half'"),
     "device with a bad index": ([*TRAIN, "--device", "cuda:abc"], nothing, 1,
