@@ -190,6 +190,13 @@ def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache) -> 
     return model(idx, kv_cache=cache, logits_from=-1)[0]
 
 
+def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Slots of a generation's KV cache. Every step attends over every slot, so no more
+    than the generation can fill, rounded up to a power of two so that a compiled decode
+    step (built for one cache size) is rebuilt for only a few sizes."""
+    return min(block_size, 1 << (prompt_len + max_new_tokens - 1).bit_length())
+
+
 @torch.inference_mode()
 def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
@@ -216,11 +223,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     window[:, :T] = idx[:, n - T:]
     cache, step = None, None
     if use_kv_cache:
-        # every step attends over every slot of the cache, so give it no more slots than
-        # this generation can fill, rounded up to a power of two so that a compiled decode
-        # step (built for one cache size) is rebuilt for only a few sizes
-        cache_len = min(block_size, 1 << (n + max_new_tokens - 1).bit_length())
-        cache = model.new_kv_cache(B, cache_len)
+        cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
         step = decode_step(model, decode) if isinstance(decode, str) else decode
     fresh = True  # the cache holds nothing of the current window yet
     next_token = idx[:, -1:]  # the newest token, which a decode step feeds in

@@ -37,9 +37,9 @@ import typer
 
 from cdecode import CDecodeStep
 from checkpoint import load_checkpoint, model_from_checkpoint
-from generate import DecodeStep, compiled_step, decode_step, stream
+from generate import DecodeStep, cache_length, compiled_step, decode_step, stream
 from model import GPT, LAYOUTS, GPTConfig
-from perf import memory_mb, reset_peak_memory, sync
+from perf import available_memory, memory_mb, reset_peak_memory, sync
 from quantize import cast_weights, weight_bytes
 from storage import write_bytes_atomic
 
@@ -152,6 +152,11 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     # keys and values of every layer: GQA keeps n_kv_head heads of them, not n_head
     kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
     cache_mb = batch * cfg.block_size * kv_bytes / 1e6
+    need = batch * cache_length(prompt_len, max(lengths), cfg.block_size) * kv_bytes
+    available = available_memory(torch.device(device))
+    if available is not None and need > available:  # it would swap a CPU to a standstill
+        raise ValueError(f"--batch {batch} needs {need / 1e9:,.1f} GB for its KV cache, but "
+                         f"{device} has {available / 1e9:,.1f} GB free; lower --batch")
     # a generation's cache holds the power of two above its length, at most block_size slots
     print(f"{source}: {n_params / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
           f"weights, KV cache {kv_bytes:,} bytes per token, at most {cache_mb:.1f} MB, "

@@ -326,6 +326,10 @@ CASES = {
     "benchmark of zero new tokens": (
         ["sample.py", "--benchmark", "--preset", "baby_gpt", "--lengths", "64,0"], nothing, 1,
         "error: --lengths takes counts of new tokens separated by commas, each at least 1"),
+    "benchmark of a batch larger than any memory": (
+        ["sample.py", "--benchmark", "--preset", "baby_gpt", "--lengths", "8", "--batch",
+         "100000000"], nothing, 1,
+        "error: --batch 100000000 needs 29,491.2 GB for its KV cache, but cpu has "),
     "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2, "No such option"),
     # evaluation and export
     "no text to score": ([*EVALUATE], write("text.txt", b"\n\n"), 1,
