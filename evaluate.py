@@ -34,6 +34,7 @@ from tqdm import tqdm
 from data.sources import read_text
 from loading import load_model
 from model import GPT, GPTConfig
+from perf import available_memory
 from precision import resolve_device
 from storage import check_output_file, error_line, write_bytes_atomic
 from tokenizer import Tokenizer
@@ -84,6 +85,17 @@ def default_batch_size(config: GPTConfig, stride: int, logits_mb: int = 256) -> 
     return max(1, min(16, int(logits_mb / window_mb)))
 
 
+def check_batch_memory(n_windows: int, stride: int, vocab_size: int,
+                       device: torch.device) -> None:
+    """Refuse a batch whose logits alone (stride positions a window, in float32) cannot fit
+    in the memory free, rather than swap a CPU to a standstill."""
+    need, available = n_windows * stride * vocab_size * 4, available_memory(device)
+    if available is not None and need > available:
+        raise ValueError(f"a batch of {n_windows:,} windows needs {need / 1e9:,.1f} GB for "
+                         f"its logits, but {device.type} has {available / 1e9:,.1f} GB free; "
+                         f"lower --batch-size, or leave it out")
+
+
 @torch.inference_mode()
 def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = None,
              batch_size: int | None = None, progress: bool = False) -> Scores:
@@ -98,6 +110,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
     device = model.lm_head.weight.device
     tokens = torch.tensor(ids, device=device)
     spans = list(windows(len(ids), block_size, stride))
+    check_batch_memory(min(batch_size, len(spans)), stride, model.config.vocab_size, device)
     # windows with the same length batch together: all but the last one or two are full
     by_length: dict[int, list[tuple[int, int, int]]] = {}
     for span in spans:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from evaluate import check_stride, evaluate, windows
+from evaluate import check_batch_memory, check_stride, evaluate, windows
 from loading import load_model
 from tokenizer import load_tokenizer
 
@@ -35,6 +35,14 @@ def test_the_default_stride_is_half_the_block_and_a_block_of_one_is_refused():
     assert [check_stride(None, block) for block in (2, 3, 64)] == [1, 1, 32]
     with pytest.raises(ValueError, match="block_size 2 or more"):
         check_stride(None, 1)  # a bigram model: a window of one token predicts nothing
+
+
+def test_a_batch_whose_logits_cannot_fit_in_memory_is_refused():
+    cpu = torch.device("cpu")
+    check_batch_memory(2, 512, 50257, cpu)  # 206 MB: GPT-2's default batch
+    with pytest.raises(ValueError, match=r"a batch of 1,000,000 windows needs 102,926\.3 GB "
+                                         r"for its logits, but cpu has [\d,.]+ GB free"):
+        check_batch_memory(10**6, 512, 50257, cpu)
 
 
 def transformers_loss(model, ids: list[int], block: int, stride: int) -> float:
