@@ -24,7 +24,6 @@ tokenizer: the time to the first step, the wall time and the peak RSS of each.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import statistics
@@ -39,6 +38,7 @@ from typing import Annotated
 import typer
 
 from benchmarks.train import read_scalars
+from data.prepare import usable_cores
 from data.sources import shakespeare_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,7 +157,7 @@ def main(gb: Annotated[float, typer.Option(help="Corpus size in GB.")] = 2.0,
     work.mkdir(parents=True, exist_ok=True)
     corpus, out = work / "corpus.jsonl", work / "dataset"
     try:
-        print(f"cpu: {cpu_name()}, {len(os.sched_getaffinity(0))} cores")
+        print(f"cpu: {cpu_name()}, {usable_cores()} cores")
         size = make_corpus(corpus, gb)
         print(f"corpus: {size / 1e9:.2f} GB of JSON Lines in {corpus}")
         base = baseline(corpus, baseline_mb)

@@ -123,6 +123,14 @@ def alphabet_of(batch: Batch) -> str:
     return "".join(set().union(*(set(text) for text, _ in batch_texts(batch))))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity on Linux (a container or taskset may
+    allow fewer than the machine has), every core elsewhere, where there is no such call."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: int,
                 tokenizer_meta: dict | None) -> Iterator[tuple[Batch, Any]]:
     """fn over the batches in worker processes, results in input order. At most four batches
@@ -222,9 +230,13 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
     reused = None if tokenizer in TOKENIZERS else reused_tokenizer(tokenizer)
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
-    total = sum(i.size for i in inputs)
+    total, cores = sum(i.size for i in inputs), usable_cores()
+    if workers > cores:
+        raise DataError(f"--workers {workers} is more than the {cores} cores here; each holds a "
+                        f"tokenizer in memory, and beyond one a core they only wait their turn: "
+                        f"give at most {cores}, or 0 for one a core")
     if workers <= 0:
-        workers = 1 if total < 4 * batch_bytes else len(os.sched_getaffinity(0))
+        workers = 1 if total < 4 * batch_bytes else cores
 
     def run(fn: Callable, tokenizer_meta: dict | None, desc: str, skip: int = 0) -> Iterator:
         batches = islice(read_batches(inputs, text_field, batch_bytes), skip, None)

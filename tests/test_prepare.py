@@ -19,6 +19,7 @@ import torch
 from data.documents import list_inputs
 from data.loader import get_batch, load_meta, load_split
 from data.prepare import CHAR_SEPARATOR, prepare
+from data.sources import DataError
 from tokenizer import GPT2Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,6 +88,21 @@ def test_char_documents_are_separated_by_a_blank_line(tmp_path):
     meta = prepare(list_inputs([path]), "char", tmp_path / "out", "c", shard_tokens=500)
     text = load_tokenizer(meta["tokenizer"]).decode(stream(tmp_path / "out").tolist())
     assert text == CHAR_SEPARATOR.join(docs)
+
+
+def test_a_corpus_worth_workers_prepares_without_sched_getaffinity(tmp_path, monkeypatch):
+    # macOS and Windows have no os.sched_getaffinity; a corpus worth workers still prepares
+    monkeypatch.delattr("os.sched_getaffinity")
+    path = write_corpus(tmp_path / "in", make_documents(100), "jsonl")
+    meta = prepare(list_inputs([path]), "char", tmp_path / "out", "c", batch_bytes=2000)
+    assert meta["documents"] == 100
+
+
+def test_more_workers_than_cores_are_refused_before_any_work(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(10), "jsonl")
+    with pytest.raises(DataError, match=r"--workers 1000 is more than the \d+ cores here"):
+        prepare(list_inputs([path]), "char", tmp_path / "out", "c", workers=1000)
+    assert not (tmp_path / "out").exists()
 
 
 def test_one_worker_and_two_write_the_same_bytes(tmp_path):
