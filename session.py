@@ -54,24 +54,32 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
     return meta, splits
 
 
-def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device) -> None:
-    """Refuse a micro-batch whose activations cannot fit in memory, before any step: on a
-    CPU it would swap the machine to a standstill rather than fail. A fine-tuned model's
-    shape is its folder's, known only once loaded, so init_from is not checked."""
+def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
+                 dist: distributed.Dist) -> None:
+    """Refuse a run whose weights and one micro-batch cannot fit in memory, before any step:
+    on a CPU it would swap the machine to a standstill rather than fail. A fine-tuned
+    model's shape is its folder's, known only once loaded, so init_from is not checked."""
     available = available_memory(device)
     if available is None or cfg.init_from:
         return
+    config = cfg.model_config(vocab_size)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # allocates nothing
+        params = GPT(config).num_params(non_embedding=False)
+    # fp32 weights and their gradients, of which FSDP keeps a shard in each process
+    weights = 8 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
+    activations = min_activation_bytes(config, cfg.batch_size * cfg.block_size)
     # torchrun's processes on one machine share its RAM; a GPU is each process's own
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    need = processes * min_activation_bytes(cfg.model_config(vocab_size),
-                                            cfg.batch_size * cfg.block_size)
+    need = processes * (weights + activations)
     if need > available:
-        each = f" ({processes} processes)" if processes > 1 else ""
-        raise ConfigError(f"a micro-batch of batch_size {cfg.batch_size} x block_size "
-                          f"{cfg.block_size} needs at least {need / 1e9:,.1f} GB for its "
-                          f"activations{each}, but {device.type} has {available / 1e9:,.1f} GB "
-                          f"free; lower batch_size, and raise gradient_accumulation_steps to "
-                          f"keep the tokens per step")
+        each = f", {processes} processes" if processes > 1 else ""
+        raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({weights / 1e9:,.1f} "
+                          f"for the weights and their gradients, {activations / 1e9:,.1f} for "
+                          f"the activations of batch_size {cfg.batch_size} x block_size "
+                          f"{cfg.block_size}{each}), but {device.type} has "
+                          f"{available / 1e9:,.1f} GB free; lower batch_size (raising "
+                          f"gradient_accumulation_steps keeps the tokens per step) or the "
+                          f"model's size")
 
 
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
@@ -229,7 +237,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
     sample_ids = (setting_tokens("sample_prompt", cfg.sample_prompt, tokenizer)
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
-    check_memory(cfg, meta["vocab_size"], device)
+    check_memory(cfg, meta["vocab_size"], device, dist)
 
     folder = None  # rank 0 holds the run folder's lock for as long as the run goes on
 
