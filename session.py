@@ -65,8 +65,9 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
     config = cfg.model_config(vocab_size)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # allocates nothing
         params = GPT(config).num_params(non_embedding=False)
-    # fp32 weights and their gradients, of which FSDP keeps a shard in each process
-    weights = 8 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
+    # fp32 weights, their gradients and at least one moment (Muon's momentum; AdamW keeps
+    # two), of all of which FSDP keeps a shard in each process
+    weights = 12 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
     activations = min_activation_bytes(config, cfg.batch_size * cfg.block_size)
     # torchrun's processes on one machine share its RAM; a GPU is each process's own
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
@@ -74,7 +75,7 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
     if need > available:
         each = f", {processes} processes" if processes > 1 else ""
         raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({weights / 1e9:,.1f} "
-                          f"for the weights and their gradients, {activations / 1e9:,.1f} for "
+                          f"for the weights, gradients and optimizer state, {activations / 1e9:,.1f} for "
                           f"the activations of batch_size {cfg.batch_size} x block_size "
                           f"{cfg.block_size}{each}), but {device.type} has "
                           f"{available / 1e9:,.1f} GB free; lower batch_size (raising "

@@ -167,11 +167,13 @@ CASES = {
                    "error: min_lr must be a finite number, got inf"),
     "a micro-batch larger than any memory": (
         [*TRAIN, "--batch-size", "100000000"], nothing, 1,
-        "error: this run needs at least 3,520.0 GB (0.0 for the weights and their gradients, "
-        "3,520.0 for the activations of batch_size 100000000 x block_size 32), but cpu has "),
+        "error: this run needs at least 3,520.0 GB (0.0 for the weights, gradients and optimizer "
+        "state, 3,520.0 for the activations of batch_size 100000000 x block_size 32), but cpu "
+        "has "),
     "a model larger than any memory": (
         [*TRAIN, "--n-embd", "65536"], nothing, 1,
-        "error: this run needs at least 825.2 GB (824.7 for the weights and their gradients, "),
+        "error: this run needs at least 1,237.6 GB (1,237.0 for the weights, gradients and "
+        "optimizer state, "),
     "unknown dtype": ([*TRAIN, "--dtype", "half"], nothing, 1,
                       "error: dtype must be one of auto, float32, bfloat16, float16, got 'half'"),
     "device with a bad index": ([*TRAIN, "--device", "cuda:abc"], nothing, 1,
