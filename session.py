@@ -238,7 +238,9 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
     sample_ids = (setting_tokens("sample_prompt", cfg.sample_prompt, tokenizer)
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
-    check_memory(cfg, meta["vocab_size"], device, dist)
+    # rank 0's verdict holds for all: processes that start apart would see different free
+    # memory, and one refusing alone would leave the others waiting in a collective
+    distributed.from_main(lambda: check_memory(cfg, meta["vocab_size"], device, dist), dist)
 
     folder = None  # rank 0 holds the run folder's lock for as long as the run goes on
 
