@@ -73,14 +73,15 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     need = processes * (weights + activations)
     if need > available:
-        each = f", {processes} processes" if processes > 1 else ""
-        raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({weights / 1e9:,.1f} "
-                          f"for the weights, gradients and optimizer state, {activations / 1e9:,.1f} for "
-                          f"the activations of batch_size {cfg.batch_size} x block_size "
-                          f"{cfg.block_size}{each}), but {device.type} has "
-                          f"{available / 1e9:,.1f} GB free; lower batch_size (raising "
-                          f"gradient_accumulation_steps keeps the tokens per step) or the "
-                          f"model's size")
+        parts = (f"{weights / 1e9:,.1f} for the weights, gradients and optimizer state, "
+                 f"{activations / 1e9:,.1f} for the activations of batch_size {cfg.batch_size} "
+                 f"x block_size {cfg.block_size}")
+        if processes > 1:
+            parts = f"{processes} processes, each {parts}"
+        raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({parts}), but "
+                          f"{device.type} has {available / 1e9:,.1f} GB free; lower batch_size "
+                          f"(raising gradient_accumulation_steps keeps the tokens per step) or "
+                          f"the model's size")
 
 
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
