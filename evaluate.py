@@ -81,15 +81,20 @@ def default_batch_size(config: GPTConfig, stride: int, logits_mb: int = 256) -> 
     """Windows per forward pass: as many as keep a batch's scored logits (stride positions
     by vocabulary, in float32) under logits_mb, and at most 16, past which a CPU gains
     nothing (docs/quality.md): 16 for a character model, 2 for GPT-2's 50,257-way logits."""
-    window_mb = stride * config.vocab_size * 4 / 2**20
+    window_mb = logits_bytes(1, stride, config.vocab_size) / 2**20
     return max(1, min(16, int(logits_mb / window_mb)))
+
+
+def logits_bytes(n_windows: int, stride: int, vocab_size: int) -> int:
+    """A batch's scored logits: stride positions a window, in float32."""
+    return n_windows * stride * vocab_size * 4
 
 
 def check_batch_memory(n_windows: int, stride: int, vocab_size: int,
                        device: torch.device) -> None:
-    """Refuse a batch whose logits alone (stride positions a window, in float32) cannot fit
-    in the memory free, rather than swap a CPU to a standstill."""
-    need, available = n_windows * stride * vocab_size * 4, available_memory(device)
+    """Refuse a batch whose logits alone cannot fit in the memory free, rather than swap a
+    CPU to a standstill."""
+    need, available = logits_bytes(n_windows, stride, vocab_size), available_memory(device)
     if available is not None and need > available:
         raise ValueError(f"a batch of {n_windows:,} windows needs {need / 1e9:,.1f} GB for "
                          f"its logits, but {device.type} has {available / 1e9:,.1f} GB free; "
