@@ -40,6 +40,7 @@ class Dist:
     local_rank: int = 0
     world_size: int = 1
     enabled: bool = False  # launched by torchrun: in a process group
+    local_world_size: int = 1  # processes on this machine, which share its CPUs and RAM
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +54,8 @@ def environment() -> Dist:
     if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
         return Dist()
     return Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                int(os.environ["WORLD_SIZE"]), enabled=True)
+                int(os.environ["WORLD_SIZE"]), enabled=True,
+                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def setup(use_cuda: bool) -> Dist:

@@ -9,7 +9,6 @@ Usage:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
     weights = 12 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
     activations = min_activation_bytes(config, cfg.batch_size * cfg.block_size)
     # torchrun's processes on one machine share its RAM; a GPU is each process's own
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    processes = dist.local_world_size if device.type == "cpu" else 1
     need = processes * (weights + activations)
     if need > available:
         parts = (f"{weights / 1e9:,.1f} for the weights, gradients and optimizer state, "
