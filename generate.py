@@ -31,9 +31,9 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
+from data.tokenizer import TextStream, Tokenizer
+from machine.device import check_compile
 from model import GPT, KVCache
-from precision import check_compile
-from tokenizer import TextStream, Tokenizer
 
 DECODE_BACKENDS = ("auto", "eager", "compile", "c")
 

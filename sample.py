@@ -23,14 +23,14 @@ import typer
 
 from cdecode import BuildError
 from data.sources import decode_text
+from data.tokenizer import Tokenizer
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
-from loading import load_model, resolve_checkpoint
+from machine.device import resolve_device
+from machine.files import check_output_file, error_line, probe_writable
 from model import GPT, LAYOUTS
-from precision import resolve_device
-from quantize import check_weight_dtype
-from storage import check_output_file, error_line, probe_writable
-from tokenizer import Tokenizer
-from train_config import check_seed
+from training.config import check_seed
+from weights.loading import load_model, resolve_checkpoint
+from weights.quantize import check_weight_dtype
 
 
 class SampleError(ValueError):
@@ -110,7 +110,7 @@ def attention_target(path: str) -> Path:
 
 def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path) -> None:
     """PATH.html and PATH.png for the last block_size tokens of `ids`."""
-    from attention import attention_maps, token_labels, write_html, write_png
+    from viz.attention_maps import attention_maps, token_labels, write_html, write_png
     ids = ids[-model.config.block_size:]
     maps = attention_maps(model.float(), ids)
     labels = token_labels(tokenizer, ids)
@@ -193,7 +193,7 @@ def main(
             if json_path is not None:  # checked now, not after the benchmark
                 check_output_file(json_path, "--json")
             # imported here: keeps the sampling path light
-            from benchmarks.decode import parse_lengths, run_benchmark
+            from measure.decoding import parse_lengths, run_benchmark
             run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
                           preset, device, dtype, parse_lengths(lengths), repeats, json_path,
                           decode, batch, layout, n_kv_head)

@@ -26,16 +26,16 @@ from typing import Annotated
 import torch
 import typer
 
-from benchmarks.decode import PROMPT_LEN, measure, ours
-from checkpoint import load_checkpoint, model_from_checkpoint
 from data.loader import load_split
 from data.sources import read_text
+from data.tokenizer import load_tokenizer
 from evaluate import evaluate
 from generate import decode_step
-from loading import resolve_checkpoint
+from measure.decoding import PROMPT_LEN, measure, ours
 from model import GPT, GPTConfig
-from quantize import cast_weights, weight_bytes
-from tokenizer import load_tokenizer
+from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.loading import resolve_checkpoint
+from weights.quantize import cast_weights, weight_bytes
 
 COMPARED = ("float32", "bfloat16", "int8")
 SHAPES = ("baby_gpt", "gpt2")

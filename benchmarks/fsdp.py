@@ -31,10 +31,10 @@ from typing import Annotated
 import torch
 import typer
 
-import distributed
 from model import GPT
-from optimizer import configure_optimizers
-from train_config import load_config
+from training import distributed
+from training.config import load_config
+from training.optimizer import configure_optimizers
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -37,9 +37,9 @@ from benchmarks.train import read_scalars
 from data.bpe import train_bpe
 from data.documents import list_inputs
 from data.prepare import prepare, prepare_text
+from data.tokenizer import GPT2Tokenizer
 from evaluate import evaluate
-from loading import load_model
-from tokenizer import GPT2Tokenizer
+from weights.loading import load_model
 
 REPO = Path(__file__).resolve().parent.parent
 VOCABS = (512, 1024, 2048, 4096)

@@ -38,13 +38,13 @@ import torch
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import load_checkpoint
 from data.prepare import prepare_text
 from data.sources import read_text
-from perf import memory_mb, reset_peak_memory
-from precision import cpu_flags, native_bf16, resolve_device
-from train import train
-from train_config import load_config
+from machine.device import cpu_flags, native_bf16, resolve_device
+from machine.perf import memory_mb, reset_peak_memory
+from training.config import load_config
+from training.loop import train
+from weights.checkpoint import load_checkpoint
 
 QUICKSTART = Path("config/quickstart.toml")
 CLASSIC = Path("config/quickstart_adamw.toml")

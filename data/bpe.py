@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from data.sources import DataError
-from tokenizer import BPETokenizer
+from data.tokenizer import BPETokenizer
 
 # GPT-4's split pattern (tiktoken's cl100k_base, as rustbpe has it by default)
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""

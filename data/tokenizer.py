@@ -2,7 +2,7 @@
 on your corpus; both BPEs encode through tiktoken.
 
 Usage:
-    from tokenizer import CharTokenizer, load_tokenizer
+    from data.tokenizer import CharTokenizer, load_tokenizer
     tok = CharTokenizer.from_text(text)
     ids = tok.encode("ROMEO:"); tok.decode(ids)
     tok = load_tokenizer(meta["tokenizer"])   # rebuild from the metadata a prepared dataset
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from storage import record_problem
+from machine.files import record_problem
 
 END_OF_TEXT = "<|endoftext|>"  # the special token that separates documents in BPE data
 
@@ -116,7 +116,7 @@ class GPT2Tokenizer(TiktokenTokenizer):
         from tiktoken.load import load_tiktoken_bpe
         from tiktoken_ext.openai_public import r50k_pat_str  # tiktoken's GPT-2 split pattern
 
-        from assets import GPT2_RANKS_SHA256, gpt2_ranks_path
+        from data.assets import GPT2_RANKS_SHA256, gpt2_ranks_path
 
         ranks = load_tiktoken_bpe(str(gpt2_ranks_path()), expected_hash=GPT2_RANKS_SHA256)
         super().__init__("gpt2", r50k_pat_str, ranks)

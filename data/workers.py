@@ -24,7 +24,7 @@ import numpy as np
 from data.documents import Batch, batch_texts
 from data.shards import token_dtype
 from data.sources import DataError
-from tokenizer import load_tokenizer
+from data.tokenizer import load_tokenizer
 
 CHAR_SEPARATOR = "\n\n"  # between two documents, for the char tokenizer (GPT-2's: <|endoftext|>)
 

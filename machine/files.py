@@ -1,7 +1,7 @@
 """Files that are whole or absent, folders tried before they are filled, and the cache folder.
 
 Usage:
-    from storage import atomic_write, write_bytes_atomic, cache_dir, record_problem
+    from machine.files import atomic_write, write_bytes_atomic, cache_dir, record_problem
     with atomic_write(path) as f:          # a binary file object
         torch.save(state, f)
     write_bytes_atomic(path, data)

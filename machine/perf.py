@@ -2,10 +2,10 @@
 peak that model FLOPs utilisation (MFU) is measured against.
 
 Usage:
-    from perf import peak_flops, sync
+    from machine.perf import peak_flops, sync
     peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and whence
     reset_peak_memory(device); ...; now, peak = memory_mb(device)   # MB, peak of "..."
-    min_activation_bytes(config, tokens) <= available_memory(device)  # will a step fit?
+    available_memory(device)                                         # bytes free, or None
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import sys
 import time
 
 import torch
-
-from model import GPTConfig
 
 
 def sync(device: torch.device) -> None:
@@ -98,14 +96,6 @@ def memory_mb(device: torch.device) -> tuple[float, float] | None:
                   if k in ("VmRSS", "VmHWM")}
         return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
     return None
-
-
-def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
-    """A lower bound on what one forward over `tokens` tokens keeps for its backward: 16
-    bytes per layer and unit of width (a block keeps about ten tensors of the width, and
-    four-wide ones, even in bf16 and compiled), and the logits in bf16. Measured steps take
-    2.4-4.2x as much (docs/reliability.md), so a step this bound does not fit cannot fit."""
-    return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
 
 
 def available_memory(device: torch.device) -> int | None:

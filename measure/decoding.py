@@ -33,15 +33,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import typer
 
 from cdecode import CDecodeStep
-from checkpoint import load_checkpoint, model_from_checkpoint
 from generate import DecodeStep, cache_length, compiled_step, decode_step, stream
+from machine.files import write_bytes_atomic
+from machine.perf import available_memory, memory_mb, reset_peak_memory, sync
 from model import GPT, LAYOUTS, GPTConfig
-from perf import available_memory, memory_mb, reset_peak_memory, sync
-from quantize import cast_weights, weight_bytes
-from storage import write_bytes_atomic
+from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.quantize import cast_weights, weight_bytes
 
 PROMPT_LEN = 8
 Tokens = Callable[[torch.Tensor, int], list[list[int]]]  # (prompt, n_new) -> (B, n_new) ids
@@ -75,7 +74,7 @@ def transformers_generate(model: GPT) -> Tokens | None:
         import transformers
     except ImportError:
         return None
-    from gpt2 import export_hf_gpt2
+    from weights.gpt2 import export_hf_gpt2
     # quiet: its notes on GPT-2's end-of-text id outside a character vocabulary, its bars
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -218,19 +217,3 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         }, indent=2) + "\n").encode())
     return rows
 
-
-def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
-         lengths: str = "64,248,1024", repeats: int = 3, json: Path | None = None,
-         decode: str = "auto", batch: int = 1, layout: str = "gpt2", n_kv_head: int = 0,
-         baselines: bool = True, prompt_len: int = PROMPT_LEN) -> None:
-    """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
-    try:
-        counts = parse_lengths(lengths)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    run_benchmark(None, preset, device, dtype, counts, repeats, json, decode, batch, layout,
-                  n_kv_head, baselines, prompt_len)
-
-
-if __name__ == "__main__":
-    typer.run(main)

@@ -10,7 +10,7 @@ import torch
 
 from data.prepare import prepare_text
 from model import GPT, GPTConfig
-from train_config import load_config
+from training.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from attention import attention_maps, head_entropy, write_html
 from model import GPT, GPTConfig
-from train import train
+from training.loop import train
+from viz.attention_maps import attention_maps, head_entropy, write_html
 
 REPO = Path(__file__).resolve().parent.parent
 

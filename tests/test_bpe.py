@@ -15,7 +15,7 @@ import torch
 from data.documents import list_inputs
 from data.loader import load_meta
 from data.prepare import prepare
-from tokenizer import BPETokenizer, load_tokenizer
+from data.tokenizer import BPETokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "config" / "tiny.toml")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from data.prepare import prepare_text
-from gpt2 import export_hf_gpt2
 from model import GPT, GPTConfig
 from tests.layouts import MODERN
+from weights.gpt2 import export_hf_gpt2
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "config" / "tiny.toml")
@@ -316,7 +316,7 @@ CASES = {
         ["sample.py", "--checkpoint", "{tmp}/c.pt"], nan_checkpoint, 1,
         "error: the checkpoint's transformer.h.1.ln_1.weight holds NaN or inf: its run diverged"),
     "checkpoint with a foreign model_args key": (
-        ["gpt2.py", "{tmp}/c.pt", "{tmp}/hf"], edited_checkpoint(rope=True), 1,
+        ["export.py", "{tmp}/c.pt", "{tmp}/hf"], edited_checkpoint(rope=True), 1,
         "error: the checkpoint's model_args are not a model shape (GPTConfig.__init__() got an "
         "unexpected keyword argument 'rope')"),
     "attention picture unwritable": ([*SAMPLE, "--attention", "/proc/gptlab/attention"], nothing, 1,
@@ -348,8 +348,8 @@ CASES = {
                                      "error: stride must be at least 1 and below block_size (32)"),
     "json into a missing folder": ([*EVALUATE, "--json", "{tmp}/no/x.json"], TEXT, 1,
                                    "error: --json {tmp}/no/x.json: {tmp}/no is not a folder"),
-    "export into /proc": (["gpt2.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),
-    "export over a folder": (["gpt2.py", "{ckpt}", "{tmp}/keep"], write("keep/notes.txt", b"mine"),
+    "export into /proc": (["export.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),
+    "export over a folder": (["export.py", "{ckpt}", "{tmp}/keep"], write("keep/notes.txt", b"mine"),
                              1, "--force"),
     # layouts that cannot be
     "n_head not divisible by n_kv_head": ([*TRAIN, "--n-kv-head", "3"], nothing, 1,
@@ -360,7 +360,7 @@ CASES = {
                                    "n_embd / n_head (3) must be even"),
     "an unknown norm": ([*TRAIN, "--norm", "batchnorm"], nothing, 1,
                         "error: norm must be one of layernorm, rmsnorm, got 'batchnorm'"),
-    "a modern layout exported to GPT-2": (["gpt2.py", "{tmp}/c.pt", "{tmp}/hf-out"],
+    "a modern layout exported to GPT-2": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out"],
                                           modern_checkpoint, 1,
                                           "a GPT-2 folder holds GPT-2's layout only"),
     "a layout override on init_from": ([*BPE_TRAIN, "--init-from", "{tmp}/hf", "--mlp", "relu2"],

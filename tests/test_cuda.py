@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from benchmarks.train import read_scalars
-from checkpoint import load_checkpoint
 from generate import compiled_step, decode_step, generate
-from loading import load_model
 from model import GPT, GPTConfig
-from train import TrainResult, train
-from train_config import TrainConfig
+from training.config import TrainConfig
+from training.loop import TrainResult, train
+from weights.checkpoint import load_checkpoint
+from weights.loading import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from assets import sha256_bytes
+from data.assets import sha256_bytes
 from data.loader import get_batch, load_meta, load_split
 from data.prepare import prepare_text
 from data.sources import DataError, read_text, shakespeare_text
-from tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
+from data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak!\n"
 

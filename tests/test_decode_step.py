@@ -12,10 +12,10 @@ import torch
 
 from cdecode import BuildError, CDecodeStep, block_param_names, build
 from generate import decode_step, generate, stream
+from machine.device import cpu_flags
 from model import GPT, GPTConfig
-from precision import cpu_flags
-from quantize import quantize_int8
 from tests.layouts import LAYOUTS
+from weights.quantize import quantize_int8
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import load_checkpoint
 from tests.layouts import LAYOUTS, cli_args
+from weights.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

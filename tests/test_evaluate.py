@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
+from data.tokenizer import load_tokenizer
 from evaluate import check_batch_memory, check_stride, evaluate, windows
-from loading import load_model
-from tokenizer import load_tokenizer
+from weights.checkpoint import load_checkpoint
+from weights.loading import load_model
 
 transformers = pytest.importorskip("transformers")  # test-only dependency
 REPO = Path(__file__).resolve().parent.parent

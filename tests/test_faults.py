@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import model as model_module
-from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
-from train import TrainingError, train
-from train_config import ConfigError, load_config
+from training.config import ConfigError, load_config
+from training.loop import TrainingError, train
+from weights.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TWO_CHARS = {"kind": "char", "vocab_size": 2, "chars": "ab"}  # a tokenizer, for checkpoints
@@ -115,7 +115,7 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
 
 WRITER = """
 import sys, torch
-from checkpoint import save_checkpoint
+from weights.checkpoint import save_checkpoint
 state = {"model_args": {}, "config": {}, "model": {"w": torch.randn(10_000_000)},
          "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
 for i in range(10**6):

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoint import load_checkpoint, model_from_checkpoint
 from data.prepare import prepare_text
 from generate import generate
-from gpt2 import GPT2FormatError, export_hf_gpt2, load_hf_gpt2
-from train import train
-from train_config import load_config
+from training.config import load_config
+from training.loop import train
+from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.gpt2 import GPT2FormatError, export_hf_gpt2, load_hf_gpt2
 
 transformers = pytest.importorskip("transformers")  # test-only dependency
 REPO = Path(__file__).resolve().parent.parent
@@ -166,22 +166,21 @@ def test_training_fine_tunes_a_gpt2_folder(tmp_path):
     assert load_checkpoint(result.run_dir / "best.pt")["model_args"]["n_embd"] == 64
 
 
-def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, char_data):
-    subprocess.run([sys.executable, "train.py", "--config", "config/tiny.toml", "--data-dir",
-                    str(char_data), "--out-dir", str(tmp_path), "--max-iters", "5"],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
-    result = subprocess.run([sys.executable, "gpt2.py", str(tmp_path / "tiny" / "best.pt"),
+def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, trained_run):
+    best = trained_run / "best.pt"
+    result = subprocess.run([sys.executable, "export.py", str(best),
                              str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    ours = model_from_checkpoint(load_checkpoint(tmp_path / "tiny" / "best.pt"))
+    ours = model_from_checkpoint(load_checkpoint(best))
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, ours.config.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
-    # a second export into the same folder is refused, and the first is left as it was
+    # a second export into the same folder is refused, and the first is left as it was; the
+    # command's old name, gpt2.py, is the same command
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
-    again = subprocess.run([sys.executable, "gpt2.py", str(tmp_path / "tiny" / "best.pt"),
+    again = subprocess.run([sys.executable, "gpt2.py", str(best),
                             str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 1 and "Traceback" not in again.stderr
@@ -191,7 +190,7 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, cha
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     export_hf_gpt2(ours, tmp_path / "hf", force=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
-    unwritable = subprocess.run([sys.executable, "gpt2.py", str(tmp_path / "tiny" / "best.pt"),
+    unwritable = subprocess.run([sys.executable, "export.py", str(best),
                                  "/proc/no-such-export"], cwd=REPO, capture_output=True,
                                 text=True, timeout=120)
     assert unwritable.returncode == 1 and "Traceback" not in unwritable.stderr

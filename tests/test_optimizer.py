@@ -11,13 +11,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import load_checkpoint
 from data.loader import load_meta
+from machine.device import DeviceError, resolve_device
 from model import GPT
-from optimizer import Muon, configure_optimizers, lr_multiplier, muon_parameters, orthogonalize
-from precision import DeviceError, choose_cpu_dtype, resolve_device
-from train import train
-from train_config import ConfigError
+from training.config import ConfigError
+from training.loop import train
+from training.optimizer import Muon, configure_optimizers, lr_multiplier, muon_parameters, orthogonalize
+from training.precision import choose_cpu_dtype
+from weights.checkpoint import load_checkpoint
 
 
 def val_losses(run_dir) -> list[float]:
@@ -165,7 +166,7 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_native_and_measured_faster(
 
 
 def test_auto_times_the_runs_own_step_and_leaves_its_initialisation_alone(tiny_config):
-    from session import training_step
+    from training.session import training_step
     torch.manual_seed(0)
     before = GPT(tiny_config.model_config(50)).state_dict()
     torch.manual_seed(0)

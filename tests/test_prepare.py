@@ -20,7 +20,7 @@ from data.documents import list_inputs
 from data.loader import get_batch, load_meta, load_split
 from data.prepare import CHAR_SEPARATOR, prepare
 from data.sources import DataError
-from tokenizer import GPT2Tokenizer, load_tokenizer
+from data.tokenizer import GPT2Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 

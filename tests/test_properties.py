@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.bpe import train_bpe
-from tokenizer import CharTokenizer, GPT2Tokenizer
-from train_config import FIELDS, ConfigError, TrainConfig, load_config
+from data.tokenizer import CharTokenizer, GPT2Tokenizer
+from training.config import FIELDS, ConfigError, TrainConfig, load_config
 
 ALPHABET = "\n !',-.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 CHAR = CharTokenizer(ALPHABET)

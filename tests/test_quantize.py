@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
 from data.loader import load_split
 from model import GPT, GPTConfig
-from quantize import Int8Linear, quantize_int8, quantize_rows, weight_bytes
+from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.quantize import Int8Linear, quantize_int8, quantize_rows, weight_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 

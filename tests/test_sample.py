@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cdecode import CDecodeStep
+from data.tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
 from generate import (
     DECODE_BACKENDS,
     decode_step,
@@ -22,11 +23,10 @@ from generate import (
     sample_next,
     stream,
 )
-from loading import LoadError, resolve_checkpoint
 from model import GPT, GPTConfig
 from sample import attention_target, print_samples
 from tests.layouts import LAYOUTS
-from tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
+from weights.loading import LoadError, resolve_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,19 +14,19 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from checkpoint import (
+from data.loader import load_meta, load_split
+from machine.perf import datasheet_peak_flops, peak_flops
+from model import GPT, GPTConfig
+from tests.layouts import LAYOUTS
+from training.config import ConfigError, load_config
+from training.loop import estimate_loss, train
+from weights.checkpoint import (
     CheckpointError,
     link_checkpoint,
     load_checkpoint,
     model_from_checkpoint,
     save_checkpoint,
 )
-from data.loader import load_meta, load_split
-from model import GPT, GPTConfig
-from perf import datasheet_peak_flops, peak_flops
-from tests.layouts import LAYOUTS
-from train import estimate_loss, train
-from train_config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

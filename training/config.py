@@ -1,7 +1,7 @@
 """The training configuration: one typed dataclass, read from TOML, validated.
 
 Usage:
-    from train_config import load_config
+    from training.config import load_config
     cfg = load_config("config/quickstart.toml", overrides={"max_iters": 100})
 
 Precedence: dataclass defaults < the TOML file < command-line overrides. Unknown keys,
@@ -21,8 +21,8 @@ from typing import Annotated, Any
 
 import typer
 
+from machine.device import DTYPES
 from model import GPTConfig
-from precision import DTYPES
 
 
 class ConfigError(ValueError):

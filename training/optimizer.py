@@ -1,7 +1,7 @@
 """The optimizers and the learning-rate schedule that training steps with.
 
 Usage:
-    from optimizer import configure_optimizers, lr_multiplier, set_lr
+    from training.optimizer import configure_optimizers, lr_multiplier, set_lr
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
     set_lr(optimizers, lr_multiplier(it, cfg))               # before each step
 
@@ -36,9 +36,9 @@ from collections.abc import Callable
 
 import torch
 
-from distributed import is_dtensor, sharded_like
 from model import GPT
-from train_config import TrainConfig
+from training.config import TrainConfig
+from training.distributed import is_dtensor, sharded_like
 
 
 def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:

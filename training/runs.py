@@ -2,7 +2,7 @@
 can be resumed, and how a run stops cleanly.
 
 Usage:
-    from runs import choose_run_dir, check_writable, check_resumable, stop_signals
+    from training.runs import choose_run_dir, check_writable, check_resumable, stop_signals
     folder = choose_run_dir(cfg, resume=False)  # runs/quickstart (or -2), locked
     check_writable(folder.path, checkpoint_bytes)
     check_resumable(ckpt, model, meta, cfg, folder.path / "last.pt")
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from machine.files import probe_writable
 from model import GPT
-from storage import probe_writable
-from train_config import ConfigError, TrainConfig
+from training.config import ConfigError, TrainConfig
 
 LOCK = ".lock"
 

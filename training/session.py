@@ -2,7 +2,7 @@
 the config, or restored from the run's last.pt.
 
 Usage:
-    from session import setup
+    from training.session import setup
     s = setup(cfg, resume=False, dist=distributed.Dist())
     s.model, s.optimizers, s.batches.next(), s.run_dir, s.iter_num, ...
 """
@@ -19,19 +19,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-import distributed
-from attention import LayerPictures, token_labels
-from checkpoint import CheckpointError, load_checkpoint, state_dict_mismatch, unwrap_state_dict
 from data.loader import SPLITS, BatchStream, Tokens, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
+from data.tokenizer import Tokenizer, load_tokenizer
+from machine.device import DTYPES, check_compile, resolve_device
 from model import GPT
-from optimizer import configure_optimizers
-from perf import available_memory, min_activation_bytes
-from precision import DTYPES, check_compile, resolve_device, resolve_dtype
-from runs import RunFolder, check_resumable, check_writable, choose_run_dir
-from tokenizer import Tokenizer, load_tokenizer
-from train_config import ConfigError, TrainConfig
+from training import distributed
+from training.config import ConfigError, TrainConfig
+from training.memory import check_memory
+from training.optimizer import configure_optimizers
+from training.precision import resolve_dtype
+from training.runs import RunFolder, check_resumable, check_writable, choose_run_dir
+from viz.attention_maps import LayerPictures, token_labels
+from weights.checkpoint import CheckpointError, load_checkpoint, state_dict_mismatch, unwrap_state_dict
 
 
 def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, Tokens]]:
@@ -53,36 +54,6 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
     return meta, splits
 
 
-def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
-                 dist: distributed.Dist) -> None:
-    """Refuse a run whose weights and one micro-batch cannot fit in memory, before any step:
-    on a CPU it would swap the machine to a standstill rather than fail. A fine-tuned
-    model's shape is its folder's, known only once loaded, so init_from is not checked."""
-    available = available_memory(device)
-    if available is None or cfg.init_from:
-        return
-    config = cfg.model_config(vocab_size)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # allocates nothing
-        params = GPT(config).num_params(non_embedding=False)
-    # fp32 weights, their gradients and at least one moment (Muon's momentum; AdamW keeps
-    # two), of all of which FSDP keeps a shard in each process
-    weights = 12 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
-    activations = min_activation_bytes(config, cfg.batch_size * cfg.block_size)
-    # torchrun's processes on one machine share its RAM; a GPU is each process's own
-    processes = dist.local_world_size if device.type == "cpu" else 1
-    need = processes * (weights + activations)
-    if need > available:
-        parts = (f"{weights / 1e9:,.1f} for the weights, gradients and optimizer state, "
-                 f"{activations / 1e9:,.1f} for the activations of batch_size {cfg.batch_size} "
-                 f"x block_size {cfg.block_size}")
-        if processes > 1:
-            parts = f"{processes} processes, each {parts}"
-        raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({parts}), but "
-                          f"{device.type} has {available / 1e9:,.1f} GB free; lower batch_size "
-                          f"(raising gradient_accumulation_steps keeps the tokens per step) or "
-                          f"the model's size")
-
-
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
                 dist: distributed.Dist) -> GPT:
     """A fresh model of the config's shape on the device, sharded under parallel = fsdp; or
@@ -102,7 +73,7 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
     if meta["tokenizer"]["kind"] != "gpt2":
         raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
                           f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
-    from gpt2 import GPT2FormatError, load_hf_gpt2
+    from weights.gpt2 import GPT2FormatError, load_hf_gpt2
     try:
         model = load_hf_gpt2(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
     except GPT2FormatError as e:

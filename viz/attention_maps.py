@@ -3,7 +3,7 @@
 Usage:
     python sample.py --prompt "ROMEO:" --attention out/romeo     # writes romeo.html, romeo.png
 
-    from attention import attention_maps, head_entropy, write_html, write_png
+    from viz.attention_maps import attention_maps, head_entropy, write_html, write_png
     maps = attention_maps(model, ids)          # (n_layer, n_head, T, T), rows sum to 1
     write_html(maps, labels, "romeo.html")     # one self-contained file, no network
 
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from machine.files import atomic_write, write_bytes_atomic
 from model import GPT
-from storage import atomic_write, write_bytes_atomic
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-HTML_TEMPLATE = Path(__file__).with_name("attention.html")
+HTML_TEMPLATE = Path(__file__).with_name("inspector.html")
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """The checkpoint format: atomic writes, safe loading, and the model rebuilt from the file.
 
 Usage:
-    from checkpoint import save_checkpoint, load_checkpoint, model_from_checkpoint
+    from weights.checkpoint import save_checkpoint, load_checkpoint, model_from_checkpoint
     save_checkpoint(state, "runs/quickstart/last.pt")
     ckpt = load_checkpoint("runs/quickstart/best.pt")
     model = model_from_checkpoint(ckpt)
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from data.tokenizer import tokenizer_problem
+from machine.files import atomic_write, fsync_dir, record_problem
 from model import GPT, GPTConfig
-from storage import atomic_write, fsync_dir, record_problem
-from tokenizer import tokenizer_problem
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1

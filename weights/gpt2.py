@@ -1,10 +1,7 @@
 """Hugging Face GPT-2 folders: load one into model.py, export one of ours to that format.
 
 Usage:
-    python gpt2.py runs/shakespeare_bpe/best.pt out/hf-gpt2    # export a checkpoint of ours
-    python gpt2.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force   # replace that export
-
-    from gpt2 import load_hf_gpt2, export_hf_gpt2
+    from weights.gpt2 import load_hf_gpt2, export_hf_gpt2
     model = load_hf_gpt2("models/gpt2")           # config.json + model.safetensors or pytorch_model.bin
     export_hf_gpt2(model, "out/hf-gpt2")          # transformers' GPT2LMHeadModel loads this folder
 
@@ -20,16 +17,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated
 
 import torch
-import typer
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from checkpoint import UnreadableFile, load_checkpoint, model_from_checkpoint, safe_load, state_dict_mismatch
+from machine.files import fsync_dir, write_bytes_atomic
 from model import GPT, GPTConfig
-from storage import error_line, fsync_dir, write_bytes_atomic
+from weights.checkpoint import (
+    UnreadableFile,
+    safe_load,
+    state_dict_mismatch,
+)
 
 # Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -175,22 +174,3 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
     fsync_dir(folder.parent)
     return folder
 
-
-def main(checkpoint: Path, folder: Path,
-         force: Annotated[bool, typer.Option(
-             help="Replace the export in a folder that is not empty.")] = False) -> None:
-    """Export CHECKPOINT (a .pt written by train.py) to FOLDER in Hugging Face GPT-2 format."""
-    try:
-        export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder, force)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
-    except OSError as e:  # reading the checkpoint's path, or writing the export
-        typer.echo(f"error: {error_line(e)}" if e.filename == str(checkpoint) else
-                   f"error: cannot write {folder} ({e.strerror}); choose another folder", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
-
-
-if __name__ == "__main__":
-    typer.run(main)

@@ -2,7 +2,7 @@
 folder, in the weight dtype asked for. Shared by sample.py and evaluate.py.
 
 Usage:
-    from loading import load_model
+    from weights.loading import load_model
     model, tokenizer, source = load_model(run="quickstart", device="cpu", dtype="int8")
     model, tokenizer, source = load_model(init_from="path/to/gpt2")  # config.json + weights
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from data.tokenizer import Tokenizer, load_tokenizer
 from model import GPT
-from quantize import cast_weights, check_weight_dtype
-from tokenizer import Tokenizer, load_tokenizer
+from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.quantize import cast_weights, check_weight_dtype
 
 
 class LoadError(ValueError):
@@ -66,8 +66,8 @@ def load_model(run: str | None = None, checkpoint: str | None = None,
     mode, its tokenizer, and where it came from. init_from wins over run and checkpoint."""
     check_weight_dtype(dtype)  # before a checkpoint is read
     if init_from:
-        from gpt2 import load_hf_gpt2
-        from tokenizer import GPT2Tokenizer
+        from data.tokenizer import GPT2Tokenizer
+        from weights.gpt2 import load_hf_gpt2
         model, source = load_hf_gpt2(init_from), init_from
         tokenizer = GPT2Tokenizer()
         if model.config.vocab_size < tokenizer.vocab_size:

@@ -2,7 +2,7 @@
 row; activations, biases, LayerNorms, the position table and RoPE's stay in float32.
 
 Usage:
-    from quantize import cast_weights
+    from weights.quantize import cast_weights
     model = cast_weights(model, "int8")        # or "float32", "bfloat16", "float16"
     logits = model(idx)[0]                     # the same forward, a quarter of the weight bytes
 
@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from machine.device import DTYPES
 from model import GPT
-from precision import DTYPES
 
 WEIGHT_DTYPES = (*DTYPES, "int8")  # what --dtype accepts where weights are loaded for inference
 

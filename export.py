@@ -1,0 +1,40 @@
+"""Export a checkpoint of ours as a Hugging Face folder that transformers loads.
+
+Usage:
+    python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2            # GPT-2's format
+    python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force    # replace that export
+
+GPT-2's layout exports to GPT-2's format (weights/gpt2.py); a layout GPT-2 cannot hold is
+refused in one line that names the switch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from machine.files import error_line
+from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.gpt2 import export_hf_gpt2
+
+
+def main(checkpoint: Path, folder: Path,
+         force: Annotated[bool, typer.Option(
+             help="Replace the export in a folder that is not empty.")] = False) -> None:
+    """Export CHECKPOINT (a .pt written by train.py) to FOLDER in Hugging Face GPT-2 format."""
+    try:
+        export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder, force)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except OSError as e:  # reading the checkpoint's path, or writing the export
+        typer.echo(f"error: {error_line(e)}" if e.filename == str(checkpoint) else
+                   f"error: cannot write {folder} ({e.strerror}); choose another folder", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,8 @@
+"""The machine under everything: devices and dtypes (device.py), honest timing, memory and
+MFU (perf.py), files written whole (files.py) and the one-line report of a user's error
+(errors.py). It imports nothing of the project.
+
+Usage:
+    from machine.device import resolve_device
+    from machine.files import atomic_write
+"""

@@ -1,0 +1,145 @@
+"""A model's loss, perplexity and bits per character on a text, over sliding windows.
+
+Usage:
+    from measure.scores import evaluate
+    scores = evaluate(model, tokenizer, text)       # Scores(loss=..., perplexity=..., ...)
+
+A text longer than the model's window is scored with a sliding window, the rule of
+transformers' perplexity guide: windows of block_size tokens start every `stride` tokens
+(block_size // 2 by default), and each token after the first is scored once, in the first
+window that reaches it, with the context that window gives it. A smaller stride gives
+more context per token, and costs block_size / stride forward tokens per scored token.
+
+The loss is in nats per predicted token, and depends on the tokenizer; bits per character
+(the summed loss in bits over the characters of the predicted tokens) does not, so a
+character model and GPT-2 can be compared on the same text.
+"""
+
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from data.tokenizer import Tokenizer
+from machine.perf import available_memory
+from model import GPT, GPTConfig
+
+
+@dataclass
+class Scores:
+    loss: float  # mean nats per predicted token
+    perplexity: float
+    bits_per_char: float
+    tokens: int  # predicted (scored) tokens
+    chars: int  # characters of the predicted tokens
+    windows: int
+    forward_tokens: int  # tokens the model ran: about block_size / stride per scored token
+    seconds: float
+
+
+def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, int, int]]:
+    """(begin, end, first) for each window ids[begin:end]: it predicts tokens first..end-1,
+    those no earlier window predicted."""
+    scored_to = 1  # token 0 has no context, so no window predicts it
+    for begin in range(0, max(n_tokens - 1, 1), stride):
+        end = min(begin + block_size, n_tokens)
+        yield begin, end, scored_to
+        scored_to = end
+        if end == n_tokens:
+            return
+
+
+def check_stride(stride: int | None, block_size: int) -> int:
+    """The stride to use: block_size // 2 by default; refuse one that leaves tokens unscored."""
+    if block_size < 2:  # a window predicts its own tokens after the first: here, none
+        raise ValueError(f"this model's block_size is {block_size}, and a window must hold a "
+                         f"token and the one it predicts; evaluate.py scores models with "
+                         f"block_size 2 or more")
+    stride = stride or block_size // 2
+    if not 1 <= stride < block_size:
+        raise ValueError(f"stride must be at least 1 and below block_size ({block_size}), so "
+                         f"that windows overlap and no token goes unscored; got {stride}")
+    return stride
+
+
+def default_batch_size(config: GPTConfig, stride: int, logits_mb: int = 256) -> int:
+    """Windows per forward pass: as many as keep a batch's scored logits (stride positions
+    by vocabulary, in float32) under logits_mb, and at most 16, past which a CPU gains
+    nothing (docs/quality.md): 16 for a character model, 2 for GPT-2's 50,257-way logits."""
+    window_mb = logits_bytes(1, stride, config.vocab_size) / 2**20
+    return max(1, min(16, int(logits_mb / window_mb)))
+
+
+def logits_bytes(n_windows: int, stride: int, vocab_size: int) -> int:
+    """A batch's scored logits: stride positions a window, in float32."""
+    return n_windows * stride * vocab_size * 4
+
+
+def check_batch_memory(n_windows: int, stride: int, vocab_size: int,
+                       device: torch.device) -> None:
+    """Refuse a batch whose logits alone cannot fit in the memory free, rather than swap a
+    CPU to a standstill."""
+    need, available = logits_bytes(n_windows, stride, vocab_size), available_memory(device)
+    if available is not None and need > available:
+        raise ValueError(f"a batch of {n_windows:,} windows needs {need / 1e9:,.1f} GB for "
+                         f"its logits, but {device.type} has {available / 1e9:,.1f} GB free; "
+                         f"lower --batch-size, or leave it out")
+
+
+@torch.inference_mode()
+def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = None,
+             batch_size: int | None = None, progress: bool = False) -> Scores:
+    """Score `text` with `model` (see the module docstring). Windows of equal length run in
+    batches of batch_size (default_batch_size by default)."""
+    block_size = model.config.block_size
+    stride = check_stride(stride, block_size)
+    batch_size = batch_size or default_batch_size(model.config, stride)
+    ids = tokenizer.encode(text)
+    if len(ids) < 2:
+        raise ValueError(f"the text is {len(ids)} token(s) long; scoring needs at least 2")
+    device = model.lm_head.weight.device
+    tokens = torch.tensor(ids, device=device)
+    spans = list(windows(len(ids), block_size, stride))
+    check_batch_memory(min(batch_size, len(spans)), stride, model.config.vocab_size, device)
+    # windows with the same length batch together: all but the last one or two are full
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for span in spans:
+        by_length.setdefault(span[1] - span[0], []).append(span)
+    batches = [group[i:i + batch_size] for group in by_length.values()
+               for i in range(0, len(group), batch_size)]
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    t0 = time.perf_counter()
+    # disable=None: a bar on a terminal only, as in training, no carriage returns in logs
+    for batch in tqdm(batches, desc="evaluating", unit="batch",
+                      disable=None if progress else True, dynamic_ncols=True, leave=False):
+        # the whole window goes in, as in transformers' guide, though the last position's
+        # prediction has no target: the model runs at its block size, the shape it trained
+        # at (and kernels favour), and causal attention keeps it out of earlier positions
+        x = torch.stack([tokens[begin:end] for begin, end, _ in batch])
+        y = torch.stack([tokens[begin + 1:end] for begin, end, _ in batch])
+        # y[:, j] is token begin + 1 + j; those before `first` an earlier window scored, so
+        # their logits are not computed where no window of the batch needs them, and left
+        # out (-1 is ignored) where another window does
+        unscored = torch.tensor([first - begin - 1 for begin, _, first in batch], device=device)
+        start = int(unscored.min())
+        y = y[:, start:].masked_fill(
+            torch.arange(start, y.size(1), device=device) < unscored[:, None], -1)
+        logits = model(x, logits_from=start)[0][:, :-1]
+        nll += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,
+                               reduction="sum").double()
+    seconds = time.perf_counter() - t0
+    nll_total = nll.item()
+    n_scored = len(ids) - 1
+    chars = len(text) - len(tokenizer.decode(ids[:1]))  # the first token is not predicted
+    loss = nll_total / n_scored
+    return Scores(loss=loss, perplexity=math.exp(loss),
+                  bits_per_char=nll_total / math.log(2) / max(chars, 1), tokens=n_scored,
+                  chars=chars, windows=len(spans),
+                  forward_tokens=sum(end - begin for begin, end, _ in spans), seconds=seconds)

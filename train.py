@@ -1,0 +1,97 @@
+"""Train a GPT on a prepared corpus, with TensorBoard logs, evaluation and checkpoints.
+
+Usage:
+    python train.py --config config/quickstart.toml               # char-level Shakespeare, CPU
+    python train.py --config config/quickstart.toml --max-iters 500 --n-layer 2
+    python train.py --config config/quickstart.toml --resume      # continue runs/quickstart
+    tensorboard --logdir runs
+
+Every field of TrainConfig (training/config.py) is also a command-line option. A run writes
+runs/<run_name>/: TensorBoard events, last.pt (every evaluation) and best.pt (best val loss).
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from data.assets import AssetError
+from data.sources import DataError
+from machine.device import DeviceError
+from machine.files import error_line
+from training import distributed
+from training.config import ConfigError, cli_parameters, load_config
+from training.loop import Interrupted, TrainingError, train
+from weights.checkpoint import CheckpointError
+
+# what the command reports in one line; OSError: a path the file system refuses
+USER_ERRORS = (ConfigError, DataError, AssetError, CheckpointError, DeviceError, TrainingError,
+               OSError)
+
+
+def build_cli() -> typer.Typer:
+    """A typer command with --config, --resume, --debug and one option per TrainConfig field
+    (default None: only what is given on the command line overrides the config file)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                      context_settings={"help_option_names": ["-h", "--help"]})
+
+    def command(**kwargs: Any) -> None:
+        config, resume, debug = kwargs.pop("config"), kwargs.pop("resume"), kwargs.pop("debug")
+        overrides = {key: value for key, value in kwargs.items() if value is not None}
+        is_main = distributed.environment().is_main  # under torchrun, rank 0 reports
+        try:
+            cfg = load_config(config, overrides)
+            if not cfg.run_name:
+                cfg.run_name = config.stem if config else "run"
+            result = train(cfg, resume)
+        except Interrupted as e:
+            if is_main:
+                typer.echo(f"interrupted: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (runs.stop_signals)
+            if is_main:
+                typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
+                           "checkpoint, if any, is intact", err=True)
+            raise typer.Exit(128 + signal.SIGINT) from None
+        except USER_ERRORS as e:
+            if debug:
+                raise
+            # under torchrun every rank reads the same config and fails the same way, or
+            # meets rank 0's error (distributed.from_main): rank 0 says so once; other
+            # errors may differ between ranks, so each says its own
+            if is_main or not (isinstance(e, ConfigError) or getattr(e, "from_main", False)):
+                typer.echo(f"error: {error_line(e)}", err=True)
+            raise typer.Exit(1) from None
+        if not is_main:
+            return
+        typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
+                   f"best val loss {result.best_val_loss:.4f}\n"
+                   f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"
+                   f"next: python sample.py --run {result.run_dir}   |   "
+                   f"tensorboard --logdir {result.run_dir.parent}")
+
+    params = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation=Annotated[Path | None, typer.Option(
+                              help="TOML preset; see config/. Its keys are the options below.")]),
+        inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False,
+                          annotation=Annotated[bool, typer.Option(
+                              help="Continue runs/<run_name> from its last.pt.")]),
+        inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False,
+                          annotation=Annotated[bool, typer.Option(
+                              help="Show tracebacks for configuration and data errors.")]),
+        *cli_parameters(),
+    ]
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = "Train a GPT. Settings: TrainConfig defaults < --config file < options."
+    app.command()(command)
+    return app
+
+
+if __name__ == "__main__":
+    build_cli()()
