@@ -29,9 +29,9 @@ import typer
 from data.loader import load_split
 from data.sources import read_text
 from data.tokenizer import load_tokenizer
-from evaluate import evaluate
 from generate import decode_step
 from measure.decoding import PROMPT_LEN, measure, ours
+from measure.scores import evaluate
 from model import GPT, GPTConfig
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
 from weights.loading import resolve_checkpoint

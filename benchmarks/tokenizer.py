@@ -38,7 +38,7 @@ from data.bpe import train_bpe
 from data.documents import list_inputs
 from data.prepare import prepare, prepare_text
 from data.tokenizer import GPT2Tokenizer
-from evaluate import evaluate
+from measure.scores import evaluate
 from weights.loading import load_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data.tokenizer import load_tokenizer
-from evaluate import check_batch_memory, check_stride, evaluate, windows
+from measure.scores import check_batch_memory, check_stride, evaluate, windows
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_model
 

@@ -28,14 +28,13 @@ from generate import generate
 from machine.device import resolve_device
 from machine.files import quiet_writer_threads
 from machine.perf import peak_flops
-from model import GPT
 from training import distributed
 from training.config import TrainConfig
 from training.optimizer import lr_multiplier, set_lr
 from training.runs import stop_signals
 from training.session import Session, setup, text_block
 from viz.attention_maps import log_attention
-from weights.checkpoint import link_checkpoint, non_finite, save_checkpoint
+from weights.checkpoint import TrainState, link_checkpoint, non_finite, save_checkpoint
 
 
 class TrainingError(RuntimeError):
@@ -156,45 +155,32 @@ def evaluate(s: Session, it: int) -> dict[str, float]:
     return losses
 
 
-def checkpoint_state(model: GPT, optimizers: list[torch.optim.Optimizer],
-                     scaler: torch.amp.GradScaler, batch_state: torch.Tensor,
-                     device: torch.device, cfg: TrainConfig, meta: dict, dtype: torch.dtype,
-                     iter_num: int, best_val_loss: float, val_loss: float,
-                     dist: distributed.Dist) -> dict[str, Any]:
-    """The contents of last.pt: everything a resumed run needs to go on exactly. The batch
-    state is the batch stream's before the batch still pending was drawn, so a resumed run
-    draws exactly the batches this run would have drawn next."""
-    rng = {"torch": torch.get_rng_state(), "batches": batch_state}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    # sharded (FSDP): gathered whole on rank 0, one tensor at a time; None elsewhere
-    weights = distributed.gathered(model.state_dict(), dist)
-    if model.config.tie_embeddings and dist.is_main:  # one table in the file, as unsharded
+def train_state(s: Session, val_loss: float) -> TrainState:
+    """What last.pt holds now. The batch state is the batch stream's before the batch still
+    pending was drawn, so a resumed run draws exactly the batches this run would have drawn
+    next. Under FSDP the weights and moments are gathered whole on rank 0, one tensor at a
+    time; the other ranks hold None for them."""
+    rng = {"torch": torch.get_rng_state(), "batches": s.batches.state}
+    if s.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(s.device)
+    weights = distributed.gathered(s.raw_model.state_dict(), s.dist)
+    if s.raw_model.config.tie_embeddings and s.dist.is_main:  # one table, as unsharded
         weights["lm_head.weight"] = weights["transformer.wte.weight"]
-    return {
-        "model_args": vars(model.config).copy(),
-        "model": weights,
-        "optimizer": distributed.gathered([opt.state_dict() for opt in optimizers], dist),
-        "scaler": scaler.state_dict(),
-        "iter_num": iter_num,
-        "dtype": str(dtype).removeprefix("torch."),
-        "best_val_loss": best_val_loss,
-        "val_loss": val_loss,
-        "config": cfg.to_dict(),
-        "tokenizer": meta["tokenizer"],
-        "rng": rng,
-    }
+    return TrainState(
+        model_args=vars(s.raw_model.config).copy(), model=weights,
+        optimizer=distributed.gathered([opt.state_dict() for opt in s.optimizers], s.dist),
+        scaler=s.scaler.state_dict(), iter_num=s.iter_num,
+        dtype=str(s.dtype).removeprefix("torch."), best_val_loss=s.best_val_loss,
+        val_loss=val_loss, config=s.cfg.to_dict(), tokenizer=s.meta["tokenizer"], rng=rng)
 
 
 def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
     """Write last.pt (and best.pt, the same file) from rank 0, if the state is finite. Rank
     0 checks and every rank hears its verdict, so all of them stop together when it is not."""
-    state = checkpoint_state(s.raw_model, s.optimizers, s.scaler, s.batches.state, s.device,
-                             s.cfg, s.meta, s.dtype, s.iter_num, s.best_val_loss,
-                             losses.get("val", math.nan), s.dist)
+    state = train_state(s, losses.get("val", math.nan))
 
     def check_finite() -> None:  # a loss that turned NaN between log points: no other trace
-        broken = non_finite({"model": state["model"], "optimizer": state["optimizer"]})
+        broken = non_finite({"model": state.model, "optimizer": state.optimizer})
         if broken is not None:
             raise TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no "
                                 f"checkpoint was written and the last good one is kept: "

@@ -5,7 +5,7 @@ Usage:
     from training.runs import choose_run_dir, check_writable, check_resumable, stop_signals
     folder = choose_run_dir(cfg, resume=False)  # runs/quickstart (or -2), locked
     check_writable(folder.path, checkpoint_bytes)
-    check_resumable(ckpt, model, meta, cfg, folder.path / "last.pt")
+    check_resumable(saved, model, meta, cfg, folder.path / "last.pt")  # saved: a TrainState
     with stop_signals() as stop: ...            # stop["signal"] once Ctrl-C arrives
     folder.release()                            # when the run ends
 """
@@ -25,6 +25,7 @@ from typing import IO
 from machine.files import probe_writable
 from model import GPT
 from training.config import ConfigError, TrainConfig
+from weights.checkpoint import TrainState
 
 LOCK = ".lock"
 
@@ -156,25 +157,25 @@ FIXED_ON_RESUME = {
 }
 
 
-def check_resumable(ckpt: dict, model: GPT, meta: dict, cfg: TrainConfig, path: Path) -> None:
+def check_resumable(saved: TrainState, model: GPT, meta: dict, cfg: TrainConfig, path: Path) -> None:
     """Refuse to resume with other data, a different model shape, another optimizer, or a
     setting that a resumed run would ignore."""
-    saved_optimizer = ckpt["config"].get("optimizer", "adamw")
+    saved_optimizer = saved.config.get("optimizer", "adamw")
     if saved_optimizer != cfg.optimizer:
         raise ConfigError(f"cannot resume: {path} was trained with optimizer = "
                           f"{saved_optimizer}, not {cfg.optimizer}; resume with --optimizer "
                           f"{saved_optimizer}, or start a new run")
-    if ckpt["tokenizer"] != meta["tokenizer"]:
+    if saved.tokenizer != meta["tokenizer"]:
         raise ConfigError(f"cannot resume: {path} was trained with another tokenizer or "
                           f"vocabulary than the {meta['tokenizer']['kind']} data in data_dir; "
                           f"use the run's original data_dir")
-    for key, value in ckpt["model_args"].items():
+    for key, value in saved.model_args.items():
         if getattr(model.config, key) != value:
             raise ConfigError(f"cannot resume: {key} is {getattr(model.config, key)} in the "
                               f"config but {value} in {path}; use the run's original settings")
     for key, why in FIXED_ON_RESUME.items():
-        saved = ckpt["config"].get(key, getattr(cfg, key))
-        if getattr(cfg, key) != saved:
+        value = saved.config.get(key, getattr(cfg, key))
+        if getattr(cfg, key) != value:
             raise ConfigError(f"cannot resume: {key} is {getattr(cfg, key)!r} in the config "
-                              f"but {saved!r} in {path}, and {why}; drop the option or start "
+                              f"but {value!r} in {path}, and {why}; drop the option or start "
                               f"a new run")

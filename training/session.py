@@ -32,7 +32,7 @@ from training.optimizer import configure_optimizers
 from training.precision import resolve_dtype
 from training.runs import RunFolder, check_resumable, check_writable, choose_run_dir
 from viz.attention_maps import LayerPictures, token_labels
-from weights.checkpoint import CheckpointError, load_checkpoint, state_dict_mismatch, unwrap_state_dict
+from weights.checkpoint import CheckpointError, TrainState, load_checkpoint, state_dict_mismatch
 
 
 def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, Tokens]]:
@@ -98,12 +98,12 @@ def sharded(cfg: TrainConfig, dist: distributed.Dist) -> bool:
     return True
 
 
-def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, ckpt: dict | None,
+def run_dtype(cfg: TrainConfig, device: torch.device, vocab_size: int, saved: TrainState | None,
               dist: distributed.Dist) -> tuple[torch.dtype, str]:
     """The compute dtype and why. A resumed run keeps the dtype that auto chose when it
     started (a new measurement could differ); under torchrun rank 0's choice holds for all."""
-    if cfg.dtype == "auto" and ckpt is not None and "dtype" in ckpt:
-        return DTYPES[ckpt["dtype"]], "auto: as the run being resumed chose"
+    if cfg.dtype == "auto" and saved is not None and saved.dtype is not None:
+        return DTYPES[saved.dtype], "auto: as the run being resumed chose"
     if cfg.dtype == "auto" and cfg.parallel == "fsdp" and device.type == "cpu":
         return torch.float32, "auto: a sharded model on CPUs trains in float32"
     return distributed.from_main(
@@ -245,8 +245,9 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
                   sample_ids: list[int], probe_ids: list[int]) -> Session:
     """Model, optimizers and batch stream, restored from last.pt when resuming: the part of
     setup that can still fail once the run folder is taken, and writes nothing."""
-    ckpt = load_checkpoint(run_dir / "last.pt", device, resume=True) if resume else None
-    dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], ckpt, dist)
+    saved = (TrainState.from_checkpoint(load_checkpoint(run_dir / "last.pt", device, resume=True))
+             if resume else None)
+    dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], saved, dist)
     model = build_model(cfg, meta, device, dtype, dist)
     fsdp = distributed.is_sharded(model)
     # fp32 weights plus AdamW's two moments
@@ -264,9 +265,9 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
         batches=BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed,
                             dist.rank, dist.world_size),
         iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
-    if ckpt is not None:
-        check_resumable(ckpt, model, meta, cfg, run_dir / "last.pt")
-        restore(s, ckpt)
+    if saved is not None:
+        check_resumable(saved, model, meta, cfg, run_dir / "last.pt")
+        restore(s, saved)
         if s.iter_num > cfg.max_iters:
             raise ConfigError(f"{run_dir / 'last.pt'} is at iter {s.iter_num}, past max_iters "
                               f"({cfg.max_iters}), so there is nothing to train; raise "
@@ -278,19 +279,17 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
     return s
 
 
-def restore(s: Session, ckpt: dict) -> None:
+def restore(s: Session, saved: TrainState) -> None:
     """Put a run back as last.pt left it: weights, optimizer state, RNGs, batch stream."""
-    state = unwrap_state_dict(ckpt["model"])
-    problem = state_dict_mismatch(s.raw_model.state_dict(), state, "model_args")
+    problem = state_dict_mismatch(s.raw_model.state_dict(), saved.model, "model_args")
     if problem:
         raise CheckpointError(f"cannot resume: the weights in {s.run_dir / 'last.pt'} do not "
                               f"match its model_args ({problem}); the file is damaged: start "
                               f"a new run without --resume")
     current = s.raw_model.state_dict()  # sharded under FSDP: each process takes its part
-    s.raw_model.load_state_dict({k: distributed.sharded_like(v, current[k]) for k, v in state.items()})
-    states = ckpt["optimizer"]  # a list since optimizer = muon; one dict before
-    for opt, state in zip(s.optimizers, states if isinstance(states, list) else [states],
-                          strict=True):
+    s.raw_model.load_state_dict({k: distributed.sharded_like(v, current[k])
+                                 for k, v in saved.model.items()})
+    for opt, state in zip(s.optimizers, saved.optimizer, strict=True):
         # the state (moments, momentum, step counts) is the run's; the settings (peak lr,
         # decay, betas, momentum) are the config's, which a resumed run may change
         settings = [{k: v for k, v in group.items() if k != "params"}
@@ -298,10 +297,10 @@ def restore(s: Session, ckpt: dict) -> None:
         opt.load_state_dict(distributed.sharded_optimizer_state(state, opt))
         for group, setting in zip(opt.param_groups, settings, strict=True):
             group.update(setting)
-    s.scaler.load_state_dict(ckpt["scaler"])
-    s.iter_num, s.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    s.scaler.load_state_dict(saved.scaler)
+    s.iter_num, s.best_val_loss = saved.iter_num, saved.best_val_loss
     s.saved_iter = s.iter_num
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if s.device.type == "cuda" and "cuda" in ckpt["rng"]:
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), s.device)
-    s.batches.restore(ckpt["rng"]["batches"])
+    torch.set_rng_state(saved.rng["torch"])
+    if s.device.type == "cuda" and "cuda" in saved.rng:
+        torch.cuda.set_rng_state(saved.rng["cuda"].cpu(), s.device)
+    s.batches.restore(saved.rng["batches"])

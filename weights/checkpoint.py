@@ -2,7 +2,7 @@
 
 Usage:
     from weights.checkpoint import save_checkpoint, load_checkpoint, model_from_checkpoint
-    save_checkpoint(state, "runs/quickstart/last.pt")
+    save_checkpoint(state, "runs/quickstart/last.pt")     # a TrainState, or a dict of its keys
     ckpt = load_checkpoint("runs/quickstart/best.pt")
     model = model_from_checkpoint(ckpt)
 
@@ -14,11 +14,13 @@ needs nothing else.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
 import shutil
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +32,60 @@ from model import GPT, GPTConfig
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1
+# what sampling, evaluating and exporting need: every checkpoint holds these
 REQUIRED = {"model_args": dict, "model": dict, "iter_num": int, "config": dict,
             "tokenizer": dict}
-# what --resume needs beyond that (train.checkpoint_state writes it all)
+# what --resume needs beyond that (TrainState holds it all)
 RESUME = {"optimizer": (list, dict), "scaler": dict, "best_val_loss": (int, float), "rng": dict}
 RESUME_RNG = {"torch": torch.Tensor, "batches": torch.Tensor}
+
+
+@dataclass
+class TrainState:
+    """Every key of last.pt and best.pt, besides the format and version: all that a resumed
+    run needs to go on exactly. train.py writes it (training/loop.py), --resume reads it
+    back (training/session.py), and nothing else names these keys."""
+    model_args: dict[str, Any]  # GPTConfig's fields: the model's shape and layout
+    model: dict[str, torch.Tensor]  # the weights, by GPT-2's names
+    optimizer: list[dict]  # each optimizer's state_dict (AdamW; Muon and AdamW under muon)
+    scaler: dict  # float16's loss scaler (empty otherwise)
+    iter_num: int  # optimizer steps taken
+    dtype: str | None  # what the run computes in ("auto" chose it once); None: older files
+    best_val_loss: float
+    val_loss: float  # at this step; NaN when not measured here (a save on a signal)
+    config: dict[str, Any]  # the TrainConfig, as training/config.py's to_dict writes it
+    tokenizer: dict  # the dataset's tokenizer, as data/tokenizer.py describes one
+    # the random streams: torch's, the batch stream's (its state before the pending
+    # batch was drawn) and, on a GPU, CUDA's
+    rng: dict[str, torch.Tensor]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))  # shallow: the tensors are not copied
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: dict[str, Any]) -> TrainState:
+        """The state in a checkpoint that load_checkpoint(resume=True) accepted, older
+        layouts read as today's: one optimizer's dict before optimizer = muon came."""
+        optimizer = ckpt["optimizer"]
+        return cls(model_args=ckpt["model_args"], model=unwrap_state_dict(ckpt["model"]),
+                   optimizer=optimizer if isinstance(optimizer, list) else [optimizer],
+                   scaler=ckpt["scaler"], iter_num=ckpt["iter_num"], dtype=ckpt.get("dtype"),
+                   best_val_loss=ckpt["best_val_loss"],
+                   val_loss=ckpt.get("val_loss", math.nan), config=ckpt["config"],
+                   tokenizer=ckpt["tokenizer"], rng=ckpt["rng"])
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used; the message says which and why."""
 
 
-def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
+def save_checkpoint(state: TrainState | dict[str, Any], path: str | Path) -> None:
     """Write atomically: a temporary file in the same folder, fsynced, then renamed over the
     old one, so a crash at any moment leaves either the old or the new checkpoint whole."""
     # a full disk, an interrupt: the old checkpoint stays, and no debris
     with atomic_write(path) as f:
-        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        contents = state.to_dict() if isinstance(state, TrainState) else state
+        torch.save({"format": FORMAT, "version": VERSION, **contents}, f)
 
 
 def non_finite(state: Any, name: str = "") -> str | None:
