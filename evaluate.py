@@ -27,7 +27,8 @@ import typer
 
 from data.sources import read_text
 from machine.device import resolve_device
-from machine.files import check_output_file, error_line, write_bytes_atomic
+from machine.errors import reported
+from machine.files import check_output_file, write_bytes_atomic
 from measure.scores import check_stride, evaluate
 from weights.loading import load_model
 
@@ -56,7 +57,9 @@ def main(
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
     """Score a model on a text: loss per token, perplexity and bits per character."""
-    try:
+    # DataError, LoadError, CheckpointError, GPT2FormatError, DeviceError, our checks, and a
+    # path the file system refuses
+    with reported(ValueError, OSError, debug=debug):
         if json_path is not None:  # checked now, not after the evaluation
             check_output_file(json_path, "--json")
         device = str(resolve_device(device))
@@ -75,13 +78,6 @@ def main(
             except OSError as e:
                 raise ValueError(f"cannot write --json {json_path} ({e.strerror}); choose "
                                  f"another path") from None
-    # DataError, LoadError, CheckpointError, GPT2FormatError, DeviceError, our checks, and a
-    # path the file system refuses
-    except (ValueError, OSError) as e:
-        if debug:
-            raise
-        typer.echo(f"error: {error_line(e)}", err=True)
-        raise typer.Exit(1) from None
     print(f"{source} ({dtype}) on {input}: {scores.tokens:,} tokens, {scores.chars:,} characters, "
           f"{scores.windows:,} windows")
     print(f"loss {scores.loss:.4f} nats/token   perplexity {scores.perplexity:.3f}   "

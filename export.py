@@ -15,24 +15,22 @@ from typing import Annotated
 
 import typer
 
-from machine.files import error_line
+from machine.errors import reported
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.gpt2 import export_hf_gpt2
+from weights.gpt2 import ExportError, export_hf_gpt2
 
 
 def main(checkpoint: Path, folder: Path,
          force: Annotated[bool, typer.Option(
              help="Replace the export in a folder that is not empty.")] = False) -> None:
     """Export CHECKPOINT (a .pt written by train.py) to FOLDER in Hugging Face GPT-2 format."""
-    try:
-        export_hf_gpt2(model_from_checkpoint(load_checkpoint(checkpoint)), folder, force)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
-    except OSError as e:  # reading the checkpoint's path, or writing the export
-        typer.echo(f"error: {error_line(e)}" if e.filename == str(checkpoint) else
-                   f"error: cannot write {folder} ({e.strerror}); choose another folder", err=True)
-        raise typer.Exit(1) from None
+    with reported(ValueError, OSError):  # OSError: the checkpoint's path
+        model = model_from_checkpoint(load_checkpoint(checkpoint))
+        try:
+            export_hf_gpt2(model, folder, force)
+        except OSError as e:
+            raise ExportError(f"cannot write {folder} ({e.strerror}); choose another "
+                              f"folder") from None
     typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
 
 

@@ -18,36 +18,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 
+def switch(default: object, help: str) -> Any:
+    """A GPTConfig field and its one-line description: train.py's --help shows it."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class GPTConfig:
-    vocab_size: int = 65
-    block_size: int = 256  # the longest context the position embedding covers
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2
-    pos_embedding: str = "learned"  # "learned" (GPT-2's table), "rope" (rotary) or "none"
-    norm: str = "layernorm"  # or "rmsnorm": no mean, no bias, no gain
-    qk_norm: bool = False  # RMS-normalize each head's queries and keys before their product
-    mlp: str = "gelu"  # or "relu2": relu(x)^2
-    tie_embeddings: bool = True  # the output layer reads tokens with the embedding's table
-    n_kv_head: int = 0  # heads of keys and values; 0: n_head; 1: multi-query attention
+    vocab_size: int = switch(65, "tokens in the vocabulary: the dataset's")
+    block_size: int = switch(256, "context length in tokens: the longest the model sees")
+    n_layer: int = switch(6, "transformer blocks")
+    n_head: int = switch(6, "attention heads per block")
+    n_embd: int = switch(384, "embedding width; a multiple of n_head")
+    dropout: float = switch(0.0, "dropout probability (0 for small data or short runs)")
+    bias: bool = switch(True, "biases in Linear and LayerNorm layers, as in GPT-2")
+    pos_embedding: str = switch("learned", "positions: learned (GPT-2's table), rope (rotary) "
+                                "or none (the causal mask alone carries order)")
+    norm: str = switch("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
+    qk_norm: bool = switch(False, "RMS-normalize each head's queries and keys before attention")
+    mlp: str = switch("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
+    tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
+    n_kv_head: int = switch(0, "key/value heads (grouped-query attention); 0 means n_head, "
+                            "1 is multi-query")
 
     def __post_init__(self) -> None:
         # a shape read from a file (a checkpoint, a Hugging Face config.json) may hold 1.0
         # or "12" where a count belongs: refused here, by name, not deep inside the model
-        for field in fields(self):
-            value, (kind, described) = getattr(self, field.name), FIELD_TYPES[field.type]
+        for f in fields(self):
+            value, (kind, described) = getattr(self, f.name), FIELD_TYPES[f.type]
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-                raise ValueError(f"{field.name} must be {described}, got {value!r}")
+                raise ValueError(f"{f.name} must be {described}, got {value!r}")
         self.n_kv_head = self.n_kv_head or self.n_head
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
             if getattr(self, name) < 1:

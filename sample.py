@@ -26,7 +26,8 @@ from data.sources import decode_text
 from data.tokenizer import Tokenizer
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
 from machine.device import resolve_device
-from machine.files import check_output_file, error_line, probe_writable
+from machine.errors import reported
+from machine.files import check_output_file, probe_writable
 from model import GPT, LAYOUTS
 from training.config import check_seed
 from weights.loading import load_model, resolve_checkpoint
@@ -51,6 +52,15 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return tokenizer.encode("\n")
     except ValueError:  # a character vocabulary without newlines
         return [0]
+
+
+def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: float | None,
+                   seed: int, decode: str, kv_cache: bool) -> None:
+    """The options that need no model, checked before one is loaded."""
+    check_weight_dtype(dtype)  # here, not only in load_model: --benchmark loads none
+    check_sampling(temperature, top_k, top_p)
+    check_seed(seed)
+    check_decode(decode, kv_cache)
 
 
 def check_decode(decode: str, kv_cache: bool) -> None:
@@ -114,65 +124,114 @@ def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path
     ids = ids[-model.config.block_size:]
     maps = attention_maps(model.float(), ids)
     labels = token_labels(tokenizer, ids)
-    html = write_html(maps, labels, path.with_suffix(".html"))
-    png = write_png(maps, labels, path.with_suffix(".png"))
+    try:
+        html = write_html(maps, labels, path.with_suffix(".html"))
+        png = write_png(maps, labels, path.with_suffix(".png"))
+    except OSError as e:  # a disk that filled since the check: no file is half-written
+        raise SampleError(f"--attention could not write {path} ({e.strerror})") from None
     print(f"attention: {html} and {png}", file=sys.stderr)
 
 
-def main(
-    prompt: Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")] = "",
-    prompt_file: Annotated[Path | None, typer.Option(
-        exists=True, dir_okay=False, help="Read the prompt from this file instead.")] = None,
-    run: Annotated[str | None, typer.Option(
+def benchmark_decoding(run: str | None, checkpoint: str | None, preset: str | None,
+                       device: str, dtype: str, lengths: str, repeats: int,
+                       json_path: Path | None, decode: str, batch: int, layout: str,
+                       n_kv_head: int) -> None:
+    """--benchmark: every decoding path timed on a checkpoint, or on a preset's shape."""
+    if layout not in LAYOUTS:
+        raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if json_path is not None:  # checked now, not after the benchmark
+        check_output_file(json_path, "--json")
+    # imported here: keeps the sampling path light
+    from measure.decoding import parse_lengths, run_benchmark
+    run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None, preset,
+                  device, dtype, parse_lengths(lengths), repeats, json_path, decode, batch,
+                  layout, n_kv_head)
+
+
+# The options, one a line: each one's help is its documentation (python sample.py --help).
+PromptOption = Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")]
+PromptFileOption = Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False, help="Read the prompt from this file instead.")]
+RunOption = Annotated[str | None, typer.Option(
         help="Run folder, or run name under runs/, whose best.pt (else last.pt) to load; "
-             "default: the newest run.")] = None,
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file to load.")] = None,
-    init_from: Annotated[str | None, typer.Option(
-        help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
-    num_samples: Annotated[int, typer.Option(min=1, help="Samples to draw.")] = 1,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per sample.")] = 500,
-    temperature: Annotated[float, typer.Option(
-        help="Softmax temperature; 0 is greedy (always the likeliest token).")] = 0.8,
-    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest only.")] = None,
-    top_p: Annotated[float | None, typer.Option(
-        help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1].")] = None,
-    stop: Annotated[list[str] | None, typer.Option(
+             "default: the newest run.")]
+CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to load.")]
+InitFromOption = Annotated[str | None, typer.Option(
+        help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")]
+NumSamplesOption = Annotated[int, typer.Option(min=1, help="Samples to draw.")]
+MaxNewTokensOption = Annotated[int, typer.Option(min=1, help="Tokens per sample.")]
+TemperatureOption = Annotated[float, typer.Option(
+        help="Softmax temperature; 0 is greedy (always the likeliest token).")]
+TopKOption = Annotated[int | None, typer.Option(help="Sample among the k likeliest only.")]
+TopPOption = Annotated[float | None, typer.Option(
+        help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1].")]
+StopOption = Annotated[list[str] | None, typer.Option(
         help="End a sample at this string (repeatable; \\n and \\t mean newline and tab); "
-             "found even across tokens.")] = None,
-    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")] = "cpu",
-    dtype: Annotated[str, typer.Option(
+             "found even across tokens.")]
+SeedOption = Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")]
+DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")]
+DtypeOption = Annotated[str, typer.Option(
         help="Weights dtype: float32, bfloat16, float16, or int8 (weight-only: int8 matrices "
-             "with a scale per row, float activations; see quantize.py).")] = "float32",
-    kv_cache: Annotated[bool, typer.Option(
-        help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")] = True,
-    decode: Annotated[str, typer.Option(
+             "with a scale per row, float activations; see quantize.py).")]
+KvCacheOption = Annotated[bool, typer.Option(
+        help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")]
+DecodeOption = Annotated[str, typer.Option(
         help="The cached decode step: auto (the C step on a CPU when it builds, else "
              "eager), eager, compile (torch.compile: seconds to tens of seconds to build on a "
              "CPU; a CUDA graph on a GPU) or c (cdecode/decode_step.c, built by the system C "
-             "compiler). With --benchmark, compile or c adds that row.")] = "auto",
-    stream: Annotated[bool, typer.Option(help="Print tokens as they are made.")] = True,
-    attention: Annotated[str | None, typer.Option(
+             "compiler). With --benchmark, compile or c adds that row.")]
+StreamOption = Annotated[bool, typer.Option(help="Print tokens as they are made.")]
+AttentionOption = Annotated[str | None, typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
              "heatmaps): the attention of every layer and head over the prompt and the "
              "first sample (its last block_size tokens). A folder gets attention.html and "
-             ".png inside it.")] = None,
-    benchmark: Annotated[bool, typer.Option(
-        help="Measure cached vs uncached decoding speed instead of sampling.")] = False,
-    preset: Annotated[str | None, typer.Option(
-        help="With --benchmark: a model shape with random weights (baby_gpt, gpt2, ...).")] = None,
-    lengths: Annotated[str, typer.Option(
-        help="With --benchmark: new-token counts, comma-separated.")] = "64,248,1024",
-    repeats: Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")] = 3,
-    batch: Annotated[int, typer.Option(
-        min=1, help="With --benchmark: sequences decoded together.")] = 1,
-    layout: Annotated[str, typer.Option(
-        help="With --benchmark --preset: gpt2 or modern (model.LAYOUTS).")] = "gpt2",
-    n_kv_head: Annotated[int, typer.Option(
-        min=0, help="With --benchmark --preset: key/value heads (GQA); 0: n_head.")] = 0,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="With --benchmark: write figures here.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
+             ".png inside it.")]
+BenchmarkOption = Annotated[bool, typer.Option(
+        help="Measure cached vs uncached decoding speed instead of sampling.")]
+PresetOption = Annotated[str | None, typer.Option(
+        help="With --benchmark: a model shape with random weights (baby_gpt, gpt2, ...).")]
+LengthsOption = Annotated[str, typer.Option(
+        help="With --benchmark: new-token counts, comma-separated.")]
+RepeatsOption = Annotated[int, typer.Option(min=1, help="With --benchmark: timed runs per case (median).")]
+BatchOption = Annotated[int, typer.Option(
+        min=1, help="With --benchmark: sequences decoded together.")]
+LayoutOption = Annotated[str, typer.Option(
+        help="With --benchmark --preset: gpt2 or modern (model.LAYOUTS).")]
+NKvHeadOption = Annotated[int, typer.Option(
+        min=0, help="With --benchmark --preset: key/value heads (GQA); 0: n_head.")]
+JsonPathOption = Annotated[Path | None, typer.Option(
+        "--json", help="With --benchmark: write figures here.")]
+DebugOption = Annotated[bool, typer.Option(help="Show tracebacks for input errors.")]
+
+
+def main(
+    prompt: PromptOption = "",
+    prompt_file: PromptFileOption = None,
+    run: RunOption = None,
+    checkpoint: CheckpointOption = None,
+    init_from: InitFromOption = None,
+    num_samples: NumSamplesOption = 1,
+    max_new_tokens: MaxNewTokensOption = 500,
+    temperature: TemperatureOption = 0.8,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    stop: StopOption = None,
+    seed: SeedOption = 1337,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    kv_cache: KvCacheOption = True,
+    decode: DecodeOption = "auto",
+    stream: StreamOption = True,
+    attention: AttentionOption = None,
+    benchmark: BenchmarkOption = False,
+    preset: PresetOption = None,
+    lengths: LengthsOption = "64,248,1024",
+    repeats: RepeatsOption = 3,
+    batch: BatchOption = 1,
+    layout: LayoutOption = "gpt2",
+    n_kv_head: NKvHeadOption = 0,
+    json_path: JsonPathOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Sample text from a checkpoint, or benchmark the KV cache (--benchmark).
     Context window: the model sees at most block_size tokens. When the next token would not
@@ -180,23 +239,14 @@ def main(
     KV cache is rebuilt from them in one prefill. --no-kv-cache uses the same window, so
     both give the same text.
     """
-    try:
-        check_weight_dtype(dtype)  # here, not only in load_model: --benchmark loads none
+    # bad options, a model that cannot load, a C step that cannot build, a refused path
+    with reported(ValueError, BuildError, OSError, debug=debug):
+        check_settings(dtype, temperature, top_k, top_p, seed, decode, kv_cache)
         device = str(resolve_device(device))  # a DeviceError names what to use instead
-        check_sampling(temperature, top_k, top_p)
-        check_seed(seed)
-        check_decode(decode, kv_cache)
         stops = stop_strings(stop or [])
         if benchmark:
-            if layout not in LAYOUTS:
-                raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-            if json_path is not None:  # checked now, not after the benchmark
-                check_output_file(json_path, "--json")
-            # imported here: keeps the sampling path light
-            from measure.decoding import parse_lengths, run_benchmark
-            run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None,
-                          preset, device, dtype, parse_lengths(lengths), repeats, json_path,
-                          decode, batch, layout, n_kv_head)
+            benchmark_decoding(run, checkpoint, preset, device, dtype, lengths, repeats,
+                               json_path, decode, batch, layout, n_kv_head)
             return
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind
@@ -204,13 +254,6 @@ def main(
         text = decode_text(prompt_file.read_bytes(), str(prompt_file)) if prompt_file else prompt
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
-    # SampleError, LoadError, CheckpointError, the sampling checks, a C step that cannot build,
-    # and a path the file system refuses
-    except (ValueError, BuildError, OSError) as e:
-        if debug:
-            raise
-        typer.echo(f"error: {error_line(e)}", err=True)
-        raise typer.Exit(1) from None
 
     generator = torch.Generator(device=device).manual_seed(seed)
     first_sample = print_samples(
@@ -219,12 +262,8 @@ def main(
                               generator=generator, stop=stops, decode=step or "eager"),
         text, num_samples, stream)
     if attention_path is not None:
-        try:
+        with reported(SampleError):
             write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)
-        except OSError as e:  # a disk that filled since the check: no file is half-written
-            typer.echo(f"error: --attention could not write {attention_path} ({e.strerror})",
-                       err=True)
-            raise typer.Exit(1) from None
 
 
 if __name__ == "__main__":

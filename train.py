@@ -22,13 +22,14 @@ import typer
 from data.assets import AssetError
 from data.sources import DataError
 from machine.device import DeviceError
-from machine.files import error_line
+from machine.errors import reported
 from training import distributed
 from training.config import ConfigError, cli_parameters, load_config
 from training.loop import Interrupted, TrainingError, train
 from weights.checkpoint import CheckpointError
 
-# what the command reports in one line; OSError: a path the file system refuses
+# what the command reports in one line (Interrupted, a TrainingError, as "interrupted:");
+# OSError: a path the file system refuses
 USER_ERRORS = (ConfigError, DataError, AssetError, CheckpointError, DeviceError, TrainingError,
                OSError)
 
@@ -43,36 +44,30 @@ def build_cli() -> typer.Typer:
         config, resume, debug = kwargs.pop("config"), kwargs.pop("resume"), kwargs.pop("debug")
         overrides = {key: value for key, value in kwargs.items() if value is not None}
         is_main = distributed.environment().is_main  # under torchrun, rank 0 reports
+        # under torchrun every rank reads the same config and fails the same way, or meets
+        # rank 0's error (distributed.from_main): rank 0 says so once; other errors may
+        # differ between ranks, so each says its own
+        def said_by_main(e: BaseException) -> bool:
+            return not is_main and (isinstance(e, ConfigError | Interrupted)
+                                    or getattr(e, "from_main", False))
+
         try:
-            cfg = load_config(config, overrides)
-            if not cfg.run_name:
-                cfg.run_name = config.stem if config else "run"
-            result = train(cfg, resume)
-        except Interrupted as e:
-            if is_main:
-                typer.echo(f"interrupted: {e}", err=True)
-            raise typer.Exit(e.exit_code) from None
+            with reported(*USER_ERRORS, debug=debug, quiet=said_by_main):
+                cfg = load_config(config, overrides)
+                if not cfg.run_name:
+                    cfg.run_name = config.stem if config else "run"
+                result = train(cfg, resume)
         except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (runs.stop_signals)
             if is_main:
                 typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
                            "checkpoint, if any, is intact", err=True)
             raise typer.Exit(128 + signal.SIGINT) from None
-        except USER_ERRORS as e:
-            if debug:
-                raise
-            # under torchrun every rank reads the same config and fails the same way, or
-            # meets rank 0's error (distributed.from_main): rank 0 says so once; other
-            # errors may differ between ranks, so each says its own
-            if is_main or not (isinstance(e, ConfigError) or getattr(e, "from_main", False)):
-                typer.echo(f"error: {error_line(e)}", err=True)
-            raise typer.Exit(1) from None
-        if not is_main:
-            return
-        typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
-                   f"best val loss {result.best_val_loss:.4f}\n"
-                   f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"
-                   f"next: python sample.py --run {result.run_dir}   |   "
-                   f"tensorboard --logdir {result.run_dir.parent}")
+        if is_main:
+            typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
+                       f"best val loss {result.best_val_loss:.4f}\n"
+                       f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"
+                       f"next: python sample.py --run {result.run_dir}   |   "
+                       f"tensorboard --logdir {result.run_dir.parent}")
 
     params = [
         inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,

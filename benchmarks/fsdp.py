@@ -47,8 +47,9 @@ def local_bytes(tensors) -> int:
 def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size: int | None,
            batch_size: int | None) -> dict:
     """One process's side of a case: build, step, measure; rank 0 returns the figures."""
-    cfg = load_config(config, {"parallel": parallel, "dtype": "float32"})
-    cfg.block_size, cfg.batch_size = block_size or cfg.block_size, batch_size or cfg.batch_size
+    overrides = {"block_size": block_size, "batch_size": batch_size}
+    cfg = load_config(config, {"parallel": parallel, "dtype": "float32",
+                               **{key: value for key, value in overrides.items() if value}})
     info = distributed.setup(use_cuda=False)
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)
@@ -60,7 +61,7 @@ def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size:
         model = GPT(shape)
         step_model = torch.nn.parallel.DistributedDataParallel(model) if info.enabled else model
     optimizers = configure_optimizers(model, cfg, device)
-    tokens = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size + 1),
+    tokens = torch.randint(vocab_size, (cfg.batch_size, cfg.model.block_size + 1),
                            generator=torch.Generator().manual_seed(info.rank))
     times, grad_bytes = [], 0
     for _ in range(steps + 1):  # the first step builds the optimizer state: not timed

@@ -119,7 +119,7 @@ def run_recipe(recipe: Recipe, data_dir: Path, out_dir: Path, run_name: str, tar
         raise RuntimeError(f"recipe {recipe.name!r} failed: {proc.stderr.strip()[-500:]}")
     scalars = read_scalars(out_dir / run_name)
     cfg = load_config(recipe.config, overrides)
-    tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+    tokens_per_iter = cfg.batch_size * cfg.model.block_size * cfg.gradient_accumulation_steps
     hit = next((e for e in scalars["loss/val"] if e.value <= target), None)
     return {
         "ms_per_iter": 1000 * tokens_per_iter / statistics.median(
@@ -177,6 +177,48 @@ def print_rows(rows: list[dict], target: float) -> None:
               f"{'missed' if row['speedup'] is None else format(row['speedup'], '.2f') + 'x'} |")
 
 
+def race(input: Path, recipes: list[Recipe], target: float, repeats: int,
+         max_iters: int | None, json_path: Path | None) -> None:
+    """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`."""
+    flag = native_bf16(cpu_flags())
+    print(f"CPU: {'native bf16 (' + flag + ')' if flag else 'no native bf16'}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare_text(read_text(input), "char", tmp, source=str(input))
+        rows = time_to_loss(recipes, Path(tmp), target, repeats, max_iters=max_iters)
+    print_rows(rows, target)
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def train_figures(config: Path, input: Path | None, overrides: dict) -> dict:
+    """Train the preset once (on `input`, char-level, if given) and read its figures back
+    from its TensorBoard events and checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if input is not None:
+            overrides["data_dir"] = str(Path(tmp) / "data")
+            prepare_text(read_text(input), "char", overrides["data_dir"], source=str(input))
+        cfg = load_config(config, {**overrides, "out_dir": tmp, "run_name": "bench",
+                                   "sample_tokens": 0})
+        run_device = resolve_device(cfg.device)
+        reset_peak_memory(run_device)
+        result = train(cfg)
+        memory = memory_mb(run_device)
+        scalars = read_scalars(result.run_dir)
+        chosen_dtype = load_checkpoint(result.run_dir / "last.pt")["dtype"]  # what auto chose
+    tokens_per_iter = cfg.batch_size * cfg.model.block_size * cfg.gradient_accumulation_steps
+    tok_s = statistics.median(e.value for e in scalars["perf/tokens_per_sec"])
+    val = scalars["loss/val"][-1]
+    return {
+        "config": config.name, "device": str(run_device), "dtype": chosen_dtype,
+        "optimizer": cfg.optimizer, "compile": cfg.compile, "iters": result.iter_num,
+        "median_ms_per_iter": 1000 * tokens_per_iter / tok_s, "median_tokens_per_s": tok_s,
+        "median_mfu": statistics.median(e.value for e in scalars["perf/mfu"]),
+        "wall_time_s": result.wall_time, "val_loss": val.value, "val_loss_step": val.step,
+        "peak_memory_mb": memory[1] if memory else None,
+    }
+
+
 def main(
     config: Annotated[Path, typer.Option(help="Preset to train.")] = QUICKSTART,
     input: Annotated[Path | None, typer.Option(
@@ -197,57 +239,15 @@ def main(
     if time_to_loss_target is not None:
         if input is None:
             raise typer.BadParameter("--time-to-loss needs --input FILE", param_hint="--input")
-        recipes = ablation_recipes() if ablate else RECIPES
-        flag = native_bf16(cpu_flags())
-        print(f"CPU: {'native bf16 (' + flag + ')' if flag else 'no native bf16'}, "
-              f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-        with tempfile.TemporaryDirectory() as tmp:
-            prepare_text(read_text(input), "char", tmp, source=str(input))
-            rows = time_to_loss(recipes, Path(tmp), time_to_loss_target, repeats,
-                                max_iters=max_iters)
-        print_rows(rows, time_to_loss_target)
-        if json_path:
-            json_path.write_text(json.dumps(rows, indent=2) + "\n")
+        race(input, ablation_recipes() if ablate else RECIPES, time_to_loss_target, repeats,
+             max_iters, json_path)
         return
-
     overrides = {"max_iters": max_iters, "dtype": dtype, "device": device, "compile": compile}
-    overrides = {key: value for key, value in overrides.items() if value is not None}
-    with tempfile.TemporaryDirectory() as tmp:
-        if input is not None:
-            overrides["data_dir"] = str(Path(tmp) / "data")
-            prepare_text(read_text(input), "char", overrides["data_dir"], source=str(input))
-        cfg = load_config(config, {**overrides, "out_dir": tmp, "run_name": "bench",
-                                   "sample_tokens": 0})
-        run_device = resolve_device(cfg.device)
-        reset_peak_memory(run_device)
-        result = train(cfg)
-        memory = memory_mb(run_device)
-        scalars = read_scalars(result.run_dir)
-        tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
-        tok_s = [e.value for e in scalars["perf/tokens_per_sec"]]
-        mfu = [e.value for e in scalars["perf/mfu"]]
-        val = scalars["loss/val"][-1]
-        chosen_dtype = load_checkpoint(result.run_dir / "last.pt")["dtype"]  # what auto chose
-    figures = {
-        "config": config.name,
-        "device": str(run_device),
-        "dtype": chosen_dtype,
-        "optimizer": cfg.optimizer,
-        "compile": cfg.compile,
-        "iters": result.iter_num,
-        "median_ms_per_iter": 1000 * tokens_per_iter / statistics.median(tok_s),
-        "median_tokens_per_s": statistics.median(tok_s),
-        "median_mfu": statistics.median(mfu),
-        "wall_time_s": result.wall_time,
-        "val_loss": val.value,
-        "val_loss_step": val.step,
-        "peak_memory_mb": memory[1] if memory else None,
-    }
+    figures = train_figures(config, input, {k: v for k, v in overrides.items() if v is not None})
     for key, value in figures.items():
         print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
     if json_path:
         json_path.write_text(json.dumps(figures, indent=2) + "\n")
-
 
 if __name__ == "__main__":
     typer.run(main)

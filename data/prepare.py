@@ -47,7 +47,8 @@ from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
 from data.tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, load_tokenizer
 from data.workers import CHAR_SEPARATOR, alphabet_of, ordered_map, separator_ids, tokenize_batch, usable_cores
-from machine.files import error_line, write_bytes_atomic
+from machine.errors import reported
+from machine.files import write_bytes_atomic
 
 # built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
 # works. A 2,048-token BPE gives the quickstart's model the fewest bits per character in its
@@ -113,6 +114,28 @@ def save_progress(out: Path, progress: dict) -> None:
 
 # ---- the pipeline ----
 
+def check_options(tokenizer: str, vocab_size: int | None, val_fraction: float,
+                  shard_tokens: int, workers: int, small: bool) -> tuple[int | None, int]:
+    """The BPE's vocabulary size and the number of tokenizer processes, or a DataError for
+    an option that cannot be; a small corpus is not worth starting processes for."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if vocab_size is not None and tokenizer != "bpe":
+        raise DataError(f"--vocab-size is for a BPE trained here; add --tokenizer bpe (the "
+                        f"{tokenizer} tokenizer has a vocabulary of its own)")
+    if tokenizer == "bpe":
+        vocab_size = vocab_size or BPE_VOCAB
+        check_vocab_size(vocab_size)
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
+    cores = usable_cores()
+    if workers > cores:
+        raise DataError(f"--workers {workers} is more than the {cores} cores here; each holds a "
+                        f"tokenizer in memory, and beyond one a core they only wait their turn: "
+                        f"give at most {cores}, or 0 for one a core")
+    return vocab_size, workers if workers > 0 else 1 if small else cores
+
+
 def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: str, *,
             vocab_size: int | None = None, tokenizer_train_chars: int = TRAIN_CHARS,
             text_field: str = "text", val_fraction: float = 0.1, shard_tokens: int = SHARD_TOKENS,
@@ -124,24 +147,10 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
     prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0: one a
     core, or none for a corpus too small to be worth starting them. batch_bytes (a unit of
     work) is smaller only in tests, to make many batches of little text."""
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if vocab_size is not None and tokenizer != "bpe":
-        raise DataError(f"--vocab-size is for a BPE trained here; add --tokenizer bpe (the "
-                        f"{tokenizer} tokenizer has a vocabulary of its own)")
-    if tokenizer == "bpe":
-        vocab_size = vocab_size or BPE_VOCAB
-        check_vocab_size(vocab_size)
+    total = sum(i.size for i in inputs)
+    vocab_size, workers = check_options(tokenizer, vocab_size, val_fraction, shard_tokens,
+                                        workers, small=total < 4 * batch_bytes)
     reused = None if tokenizer in TOKENIZERS else reused_tokenizer(tokenizer)
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
-    total, cores = sum(i.size for i in inputs), usable_cores()
-    if workers > cores:
-        raise DataError(f"--workers {workers} is more than the {cores} cores here; each holds a "
-                        f"tokenizer in memory, and beyond one a core they only wait their turn: "
-                        f"give at most {cores}, or 0 for one a core")
-    if workers <= 0:
-        workers = 1 if total < 4 * batch_bytes else cores
 
     def run(fn: Callable, tokenizer_meta: dict | None, desc: str, skip: int = 0) -> Iterator:
         batches = islice(read_batches(inputs, text_field, batch_bytes), skip, None)
@@ -382,23 +391,21 @@ def main(
 ) -> None:
     """Tokenize a corpus into shards of token ids and meta.json, streaming, on every core."""
     try:
-        if input:
-            inputs, source = list_inputs(input), " ".join(input)
-            name = Path(input[0].rstrip("/")).name.split(".")[0]
-            label = {"bpe": f"bpe{vocab_size or BPE_VOCAB}"}.get(tokenizer, tokenizer)
-            out = out or f"data/{name}_{label if tokenizer in TOKENIZERS else 'reused'}"
-        else:
-            inputs = [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)]
-            source = SHAKESPEARE_SOURCE
-            names = {"char": "char", "gpt2": "bpe", "bpe": f"bpe{vocab_size or BPE_VOCAB}"}
-            out = out or f"data/shakespeare_{names.get(tokenizer, 'reused')}"
-        meta = prepare(inputs, tokenizer, out, source, vocab_size=vocab_size,
-                       tokenizer_train_chars=tokenizer_train_chars, text_field=text_field,
-                       val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
-                       force=force, progress=True)
-    except (DataError, AssetError, OSError) as e:  # OSError: a path the file system refuses
-        typer.echo(f"error: {error_line(e)}", err=True)
-        raise typer.Exit(1) from None
+        with reported(DataError, AssetError, OSError):  # OSError: a path the file system refuses
+            if input:
+                inputs, source = list_inputs(input), " ".join(input)
+                name = Path(input[0].rstrip("/")).name.split(".")[0]
+                label = {"bpe": f"bpe{vocab_size or BPE_VOCAB}"}.get(tokenizer, tokenizer)
+                out = out or f"data/{name}_{label if tokenizer in TOKENIZERS else 'reused'}"
+            else:
+                inputs = [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)]
+                source = SHAKESPEARE_SOURCE
+                names = {"char": "char", "gpt2": "bpe", "bpe": f"bpe{vocab_size or BPE_VOCAB}"}
+                out = out or f"data/shakespeare_{names.get(tokenizer, 'reused')}"
+            meta = prepare(inputs, tokenizer, out, source, vocab_size=vocab_size,
+                           tokenizer_train_chars=tokenizer_train_chars, text_field=text_field,
+                           val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
+                           force=force, progress=True)
     except KeyboardInterrupt:
         typer.echo(f"interrupted: run the same command again to resume {out} after its last "
                    f"whole shard", err=True)

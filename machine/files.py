@@ -16,7 +16,6 @@ survives a power cut. A crash at any moment leaves the old file or the new one, 
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from collections.abc import Iterator
@@ -120,19 +119,6 @@ def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -
             return (f"its {key} is {value!r:.40}, not of type "
                     f"{' or '.join(k.__name__ for k in kinds)}")
     return None
-
-
-def error_line(error: Exception) -> str:
-    """What a command prints after "error: " for a failure it reports in one line: the
-    message of its own errors; for an OSError that reached it (a path too long for the file
-    system, a folder without permission), the path, the reason and the fix."""
-    if not isinstance(error, OSError):
-        return str(error)
-    where = f" {error.filename}" if error.filename else ""
-    if error.errno == errno.ENAMETOOLONG:
-        return (f"cannot use{where}: a name in it is longer than the file system allows; "
-                f"choose a shorter one")
-    return f"cannot use{where} ({error.strerror or error}); check the path and its permissions"
 
 
 class OutputError(ValueError):

@@ -123,46 +123,40 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
     return row
 
 
-def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
-                  lengths: list[int], repeats: int, json_path: Path | None,
-                  decode: str = "auto", batch: int = 1, layout: str = "gpt2",
-                  n_kv_head: int = 0, baselines: bool = True,
-                  prompt_len: int = PROMPT_LEN) -> list[dict]:
-    """Measure every path at every length, print a table, and write JSON if asked. A preset
-    is built in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head). Without
-    baselines only the default path runs: no eager, uncached or transformers rows, which at
-    GPT-2's shape take minutes."""
-    if preset is not None:
-        torch.manual_seed(0)
-        shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
-                 "n_kv_head": n_kv_head}
-        model = GPT(GPTConfig(**shape)).eval()
-        source = f"preset {preset}, {layout} layout, n_kv_head {model.config.n_kv_head} (random weights)"
-    else:
-        model = model_from_checkpoint(load_checkpoint(checkpoint))
-        source = str(checkpoint)
-    n_params = model.num_params()  # before int8 turns the matrices into buffers
-    model = cast_weights(model.to(device), dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
-                           generator=torch.Generator().manual_seed(0)).to(device)
-    weights_mb = weight_bytes(model) / 1e6
-    cfg = model.config
-    cache = model.new_kv_cache(1, 1)  # its dtype: int8 models keep their cache in float32
-    # keys and values of every layer: GQA keeps n_kv_head heads of them, not n_head
-    kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
-    cache_mb = batch * cfg.block_size * kv_bytes / 1e6
-    need = batch * cache_length(prompt_len, max(lengths), cfg.block_size) * kv_bytes
+def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
+                    n_kv_head: int) -> tuple[GPT, str]:
+    """The model to time, and a line saying what it is: a checkpoint's, or a preset's shape
+    in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head), random weights."""
+    if preset is None:
+        return model_from_checkpoint(load_checkpoint(checkpoint)), str(checkpoint)
+    torch.manual_seed(0)
+    shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
+             "n_kv_head": n_kv_head}
+    model = GPT(GPTConfig(**shape)).eval()
+    return model, (f"preset {preset}, {layout} layout, n_kv_head {model.config.n_kv_head} "
+                   f"(random weights)")
+
+
+def cache_bytes_per_token(model: GPT) -> int:
+    """Keys and values of every layer for one token: GQA keeps n_kv_head heads, not n_head;
+    an int8 model keeps its cache in float32."""
+    cfg, cache = model.config, model.new_kv_cache(1, 1)
+    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
+
+
+def check_cache_memory(kv_bytes: int, batch: int, prompt_len: int, lengths: list[int],
+                       block_size: int, device: str) -> None:
+    """Refuse a batch whose KV cache cannot fit: it would swap a CPU to a standstill."""
+    need = batch * cache_length(prompt_len, max(lengths), block_size) * kv_bytes
     available = available_memory(torch.device(device))
-    if available is not None and need > available:  # it would swap a CPU to a standstill
+    if available is not None and need > available:
         raise ValueError(f"--batch {batch} needs {need / 1e9:,.1f} GB for its KV cache, but "
                          f"{device} has {available / 1e9:,.1f} GB free; lower --batch")
-    # a generation's cache holds the power of two above its length, at most block_size slots
-    print(f"{source}: {n_params / 1e6:.1f}M parameters, {weights_mb:.1f} MB of "
-          f"weights, KV cache {kv_bytes:,} bytes per token, at most {cache_mb:.1f} MB, "
-          f"block_size {cfg.block_size}, {dtype}, {device}, batch {batch}, "
-          f"{torch.get_num_threads()} threads, a {prompt_len}-token prompt"
-          f"{' (tokens/s: decoding alone)' if prompt_len > PROMPT_LEN else ''}")
 
+
+def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
+                   prompt: torch.Tensor, first_length: int) -> tuple[dict[str, Tokens], float | None]:
+    """The paths to time, by row name, and the seconds the compiled step took to build."""
     default = decode_step(model)  # what a user gets without choosing
     chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
     paths: dict[str, Tokens] = {f"default ({chosen})": ours(model, default)}
@@ -174,10 +168,10 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         # the step is built for one cache size, and a generation's cache size follows its
         # length: compile for the first length measured (other sizes compile in their warm-up)
         t0 = time.perf_counter()
-        ours(model, step)(prompt, lengths[0])
+        ours(model, step)(prompt, first_length)
         compile_s = time.perf_counter() - t0
         print(f"compiled the decode step in {compile_s:.1f} s (the first generation of "
-              f"{lengths[0]} tokens, compile included)")
+              f"{first_length} tokens, compile included)")
         paths["compiled"] = ours(model, step)
         if torch.device(device).type == "cuda":  # what the CUDA graphs add
             paths["compiled, no graphs"] = ours(model, compiled_step(model, cuda_graphs=False))
@@ -185,15 +179,20 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
         paths["C step"] = ours(model, decode_step(model, "c"))
     if baselines:
         paths["uncached"] = ours(model, None)
-    theirs = transformers_generate(model) if dtype != "int8" and baselines else None
+    return paths, compile_s
 
+
+def measure_rows(paths: dict[str, Tokens], theirs: Tokens | None, prompt: torch.Tensor,
+                 lengths: list[int], repeats: int, block_size: int) -> list[dict]:
+    """Every path at every length, printed as a table as it goes; each row compared with
+    the uncached path's speed and tokens where that path ran."""
     print(f"{'new tokens':>10} {'path':>18} {'tokens/s':>9} {'vs uncached':>11} "
           f"{'peak MB':>8} {'growth MB':>10} {'identical':>9}")
     rows = []
     for n_new in lengths:
         group = [{"path": name, **measure(run, prompt, n_new, repeats)}
                  for name, run in paths.items()]
-        if theirs is not None and prompt_len + n_new <= cfg.block_size:
+        if theirs is not None and prompt.size(1) + n_new <= block_size:
             group.append({"path": "transformers", **measure(theirs, prompt, n_new, repeats)})
         uncached = next((row for row in group if row["path"] == "uncached"), None)
         for row in group:
@@ -208,12 +207,38 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
             print(f"{n_new:>10} {row['path']:>18} {row['tokens_per_s']:>9.1f} "
                   f"{speedup} {memory} {str(row['identical'] if uncached else '-'):>9}")
             rows.append({k: v for k, v in row.items() if k != "tokens"})
+    return rows
+
+
+def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtype: str,
+                  lengths: list[int], repeats: int, json_path: Path | None,
+                  decode: str = "auto", batch: int = 1, layout: str = "gpt2",
+                  n_kv_head: int = 0, baselines: bool = True,
+                  prompt_len: int = PROMPT_LEN) -> list[dict]:
+    """Measure every path at every length, print a table, and write JSON if asked. Without
+    baselines only the default path runs: no eager, uncached or transformers rows, which at
+    GPT-2's shape take minutes."""
+    model, source = benchmark_model(checkpoint, preset, layout, n_kv_head)
+    n_params = model.num_params()  # before int8 turns the matrices into buffers
+    model = cast_weights(model.to(device), dtype)
+    cfg, kv_bytes = model.config, cache_bytes_per_token(model)
+    check_cache_memory(kv_bytes, batch, prompt_len, lengths, cfg.block_size, device)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    # a generation's cache holds the power of two above its length, at most block_size slots
+    print(f"{source}: {n_params / 1e6:.1f}M parameters, {weight_bytes(model) / 1e6:.1f} MB of "
+          f"weights, KV cache {kv_bytes:,} bytes per token, at most "
+          f"{batch * cfg.block_size * kv_bytes / 1e6:.1f} MB, block_size {cfg.block_size}, "
+          f"{dtype}, {device}, batch {batch}, {torch.get_num_threads()} threads, a "
+          f"{prompt_len}-token prompt"
+          f"{' (tokens/s: decoding alone)' if prompt_len > PROMPT_LEN else ''}")
+    paths, compile_s = decoding_paths(model, device, decode, baselines, prompt, lengths[0])
+    theirs = transformers_generate(model) if dtype != "int8" and baselines else None
+    rows = measure_rows(paths, theirs, prompt, lengths, repeats, cfg.block_size)
     if json_path:
         write_bytes_atomic(json_path, (json.dumps({
             "source": source, "device": device, "dtype": dtype, "batch": batch,
-            "prompt_len": prompt_len,
-            "kv_cache_bytes_per_token": kv_bytes,
+            "prompt_len": prompt_len, "kv_cache_bytes_per_token": kv_bytes,
             "threads": torch.get_num_threads(), "compile_s": compile_s, "rows": rows,
         }, indent=2) + "\n").encode())
     return rows
-

@@ -1,6 +1,6 @@
-"""The project's shape: no module imports another that imports it back (data flows one
-way, text -> tokens -> batches -> model -> loss / tokens), and the model file stays the
-model alone."""
+"""The project's shape: packages in layers, imports only downwards (commands -> training /
+weights / measure / generate / data -> model -> machine), no cycles, the model file the model
+alone, and every function short enough to read as a list of named steps."""
 
 import ast
 from pathlib import Path
@@ -56,9 +56,10 @@ def test_no_import_cycles():
 def test_the_model_file_imports_nothing_of_the_project():
     modules = project_modules()
     assert imports(modules["model"], modules) == set()
-    # about two screens: GPT-2's layout, its switches, and the two gradients and the CPU's
-    # bf16 attention written out for speed, read in one sitting
-    assert len(modules["model"].read_text().splitlines()) < 425
+    # about two screens: GPT-2's layout, its switches (each with the help train.py's --help
+    # shows), and the two gradients and the CPU's bf16 attention written out for speed, read
+    # in one sitting
+    assert len(modules["model"].read_text().splitlines()) < 435
 
 
 def test_every_source_file_says_what_it_is_for_and_how_to_use_it():
@@ -67,3 +68,58 @@ def test_every_source_file_says_what_it_is_for_and_how_to_use_it():
         doc = ast.get_docstring(ast.parse(text))
         assert doc and "Usage:" in doc, f"{name} needs a docstring with a usage line"
         assert len(text.splitlines()) <= 500, f"{name} is over 500 lines: split it"
+
+
+# Each top-level package or root module, and its layer: a module imports only from lower
+# layers, or from its own package. The commands are the root's other modules, one layer
+# up; benchmarks/ stands above them but imports layers only, never a command.
+LAYERS = {
+    "machine": 0,
+    "model": 1,
+    "data": 2, "cdecode": 2, "viz": 2,
+    "weights": 3, "generate": 3,
+    "training": 4, "measure": 4,
+}
+COMMANDS = 5
+BENCHMARKS = 6
+OLD_NAMES = {("gpt2", "export")}  # gpt2.py is export.py's old name, and runs it
+
+
+def layer(name: str) -> int:
+    top = name.split(".")[0]
+    if top == "benchmarks":
+        return BENCHMARKS
+    return LAYERS.get(top, COMMANDS)
+
+
+def test_imports_flow_down_the_layers():
+    modules = project_modules()
+    commands = {name for name in modules if "." not in name and layer(name) == COMMANDS}
+    assert {"train", "sample", "evaluate", "export"} <= commands
+    assert set(LAYERS) <= {name.split(".")[0] for name in modules}
+    for name, path in modules.items():
+        for dep in imports(path, modules):
+            same_package = dep.split(".")[0] == name.split(".")[0]
+            if "." in name:  # no package imports a command (only gpt2.py, export's old name, may)
+                assert dep not in commands, f"{name} imports the command {dep}"
+            if not same_package and layer(name) != BENCHMARKS and (name, dep) not in OLD_NAMES:
+                assert layer(dep) < layer(name), (
+                    f"{name} (layer {layer(name)}) imports {dep} (layer {layer(dep)}): imports "
+                    f"flow down, commands -> training / weights / generate -> model -> machine")
+
+
+def test_machine_imports_nothing_of_the_project():
+    modules = project_modules()
+    for name, path in modules.items():
+        if name.startswith("machine"):
+            assert {dep for dep in imports(path, modules) if not dep.startswith("machine")} == set()
+
+
+def test_no_function_is_longer_than_a_screen():
+    """A command reads as a list of calls (check, load, run, report): a function over 60
+    lines, its signature included, is split by meaning."""
+    for name, path in project_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{name}.{node.name} is {length} lines long: split it"

@@ -36,7 +36,7 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tiny_config):
     in_muon = sorted(names[p] for g in muon.param_groups for p in g["params"])
     assert in_muon == sorted(n for n, p in model.named_parameters()
                              if n.startswith("transformer.h.") and p.dim() == 2)
-    assert len(in_muon) == 4 * tiny_config.n_layer  # qkv, attention out, MLP in and out
+    assert len(in_muon) == 4 * tiny_config.model.n_layer  # qkv, attention out, MLP in and out
     in_adamw = {names[p] for g in adamw.param_groups for p in g["params"]}
     assert "transformer.wte.weight" in in_adamw and "transformer.wpe.weight" in in_adamw
     assert in_adamw.isdisjoint(in_muon) and len(in_adamw) + len(in_muon) == len(names)
@@ -65,7 +65,7 @@ def test_muon_loss_falls_and_its_state_lands_in_the_checkpoint(tiny_config):
     assert val[-1] < 2.1
     ckpt = load_checkpoint(result.run_dir / "last.pt")
     adamw_state, muon_state = ckpt["optimizer"]
-    assert len(muon_state["state"]) == 4 * cfg.n_layer
+    assert len(muon_state["state"]) == 4 * cfg.model.n_layer
     assert all("momentum_buffer" in s for s in muon_state["state"].values())
     # the loaded state equals what was saved, tensor for tensor
     model = GPT(cfg.model_config(vocab_size))
@@ -140,9 +140,9 @@ def test_schedule_warms_up_then_decays_every_group_to_the_same_fraction(tiny_con
 
 
 def test_muon_parameters_of_a_model_without_biases(tiny_config):
-    model = GPT(dataclasses.replace(tiny_config, bias=False).model_config(vocab_size=30))
+    model = GPT(dataclasses.replace(tiny_config.model, bias=False, vocab_size=30))
     assert all(p.dim() == 2 for p in muon_parameters(model))
-    assert len(muon_parameters(model)) == 4 * tiny_config.n_layer
+    assert len(muon_parameters(model)) == 4 * tiny_config.model.n_layer
 
 
 @pytest.mark.parametrize("flags, speedup, expected, reason", [

@@ -194,7 +194,7 @@ def test_bad_configs_are_rejected_with_the_key_named(tmp_path, toml, overrides, 
 
 
 def test_block_size_larger_than_the_data_is_rejected(tiny_config):
-    cfg = dataclasses.replace(tiny_config, block_size=10**6)
+    cfg = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, block_size=10**6))
     with pytest.raises(ConfigError, match=r"block_size \(1000000\) must be smaller than the train split"):
         train(cfg)
 
@@ -210,7 +210,7 @@ def test_every_preset_is_a_valid_config():
     assert len(presets) >= 6
     for path in presets:
         cfg = load_config(path)
-        assert cfg.model_config(vocab_size=65).n_embd == cfg.n_embd, path.name
+        assert cfg.model_config(vocab_size=65).n_embd == cfg.model.n_embd, path.name
 
 
 def test_training_benchmark_reads_its_figures_back(tmp_path, corpus_file):

@@ -15,7 +15,7 @@ import difflib
 import inspect
 import math
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +29,12 @@ class ConfigError(ValueError):
     """A configuration the trainer cannot run; the message names the key."""
 
 
+# Training starts from a smaller shape than GPTConfig's defaults; every other field of the
+# model keeps model.py's default. vocab_size is no setting: it is the dataset's.
+MODEL_DEFAULTS = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
+MODEL_FIELDS = {f.name: f for f in fields(GPTConfig) if f.name != "vocab_size"}
+
+
 def opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -39,25 +45,12 @@ class TrainConfig:
     data_dir: str = opt("data/shakespeare_char", "prepared dataset folder (shards and "
                         "meta.json, from data.prepare); data/shakespeare_char and "
                         "data/shakespeare_bpe are prepared automatically when missing")
-    # model
     init_from: str = opt("", "Hugging Face GPT-2 folder to fine-tune; its config.json sets the "
                          "shape (n_layer, n_head, n_embd are then ignored) and block_size "
                          "crops its context")
-    n_layer: int = opt(4, "transformer blocks")
-    n_head: int = opt(4, "attention heads per block")
-    n_embd: int = opt(128, "embedding width; a multiple of n_head")
-    block_size: int = opt(64, "context length in tokens")
-    dropout: float = opt(0.0, "dropout probability (0 for small data or short runs)")
-    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as in GPT-2")
-    # the layout: GPT-2's by default; each switch one idea of the models since (model.py)
-    pos_embedding: str = opt("learned", "positions: learned (GPT-2's table), rope (rotary) or "
-                             "none (the causal mask alone carries order)")
-    norm: str = opt("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
-    qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention")
-    mlp: str = opt("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
-    tie_embeddings: bool = opt(True, "the output layer shares the token embedding's table")
-    n_kv_head: int = opt(0, "key/value heads (grouped-query attention); 0 means n_head, 1 is "
-                         "multi-query")
+    # the model: GPTConfig's fields (model.py declares each switch once, with its help),
+    # written flat in a TOML file and on the command line: n_layer = 4, --n-layer 4
+    model: GPTConfig = field(default_factory=lambda: GPTConfig(**MODEL_DEFAULTS))
     # optimisation
     batch_size: int = opt(12, "sequences per micro-batch")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
@@ -101,7 +94,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):  # nan passes every comparison below, and inf means nothing
-            value = getattr(self, f.name)
+            value = getattr(self, f.name)  # (the model's fields GPTConfig checks itself)
             if type(value) is float and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
         positive = ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval",
@@ -115,10 +108,6 @@ class TrainConfig:
         for key in non_negative:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        try:  # the model's shape is checked where the model is defined
-            self.model_config(vocab_size=1)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed learning_rate "
                               f"({self.learning_rate})")
@@ -137,14 +126,13 @@ class TrainConfig:
             raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout,
-                         bias=self.bias, pos_embedding=self.pos_embedding, norm=self.norm,
-                         qk_norm=self.qk_norm, mlp=self.mlp, tie_embeddings=self.tie_embeddings,
-                         n_kv_head=self.n_kv_head)
+        """The model to build for a dataset of vocab_size tokens."""
+        return replace(self.model, vocab_size=vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every setting by its key, flat, as a TOML file writes them (checkpoints keep this)."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        return {**settings, **{name: getattr(self.model, name) for name in MODEL_FIELDS}}
 
 
 def check_seed(seed: int) -> None:
@@ -154,7 +142,8 @@ def check_seed(seed: int) -> None:
         raise ConfigError(f"seed must be in [0, 2^63), got {seed}")
 
 
-FIELDS = {f.name: f for f in fields(TrainConfig)}
+# every key a TOML file or the command line may set: training's own and the model's
+FIELDS = {**{f.name: f for f in fields(TrainConfig) if f.name != "model"}, **MODEL_FIELDS}
 
 
 def field_help(name: str) -> str:
@@ -162,8 +151,7 @@ def field_help(name: str) -> str:
 
 
 def field_default(name: str) -> Any:
-    f = FIELDS[name]
-    return f.default if f.default is not MISSING else None
+    return MODEL_DEFAULTS.get(name, FIELDS[name].default)
 
 
 def check_value(key: str, value: Any) -> Any:
@@ -201,16 +189,23 @@ def load_config(path: str | Path | None = None,
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     values.update(overrides or {})
     checked = {key: check_value(key, value) for key, value in values.items()}
-    return TrainConfig(**checked)
+    shape = {key: checked.pop(key) for key in MODEL_FIELDS if key in checked}
+    try:  # the model's shape is checked where the model is defined
+        model = GPTConfig(**{**MODEL_DEFAULTS, **shape})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return TrainConfig(**checked, model=model)
 
 
 def cli_parameters() -> list[inspect.Parameter]:
     """One typer option per field, for a command's signature. Each defaults to None, so
     that only what is given on the command line overrides the config file."""
     params = []
-    for f in fields(TrainConfig):
-        option = typer.Option(help=f"{field_help(f.name)} [default: {field_default(f.name)!r}]",
-                              show_default=False, rich_help_panel="Config fields")
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[type(f.default) | None, option]))
+    for name in FIELDS:
+        default = field_default(name)
+        panel = "Model fields (model.py's GPTConfig)" if name in MODEL_FIELDS else "Config fields"
+        option = typer.Option(help=f"{field_help(name)} [default: {default!r}]",
+                              show_default=False, rich_help_panel=panel)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[type(default) | None, option]))
     return params

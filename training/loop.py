@@ -44,6 +44,7 @@ class TrainingError(RuntimeError):
 
 class Interrupted(TrainingError):
     """SIGINT or SIGTERM arrived; a checkpoint of the last finished step was written."""
+    label = "interrupted"  # what train.py's one line starts with, in place of "error"
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
@@ -84,7 +85,7 @@ def estimate_loss(model: torch.nn.Module, splits: dict[str, Tokens], cfg: TrainC
         total = torch.zeros(2, device=device)  # (sum of losses, batches)
         for k in range(rounds if distributed.is_sharded(model) else cfg.eval_iters):
             if k < cfg.eval_iters:
-                x, y = get_batch(data, cfg.block_size, cfg.batch_size, generator)
+                x, y = get_batch(data, cfg.model.block_size, cfg.batch_size, generator)
             if k % dist.world_size == dist.rank:
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
@@ -246,28 +247,83 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
             s.folder.release()
 
 
-def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
-    """Evaluate, step, log, evaluate and save, until max_iters or a signal."""
-    cfg, dist = s.cfg, s.dist
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    flops_per_iter = s.raw_model.flops_per_token(cfg.block_size) * tokens_per_iter
-    peak, peak_source = peak_flops(s.device, s.dtype)
-    say = tqdm.write if dist.is_main else (lambda message: None)
+def say(s: Session, message: str) -> None:
+    """A line above the progress bar, from rank 0 alone."""
+    if s.dist.is_main:
+        tqdm.write(message)
+
+
+def announce(s: Session, tokens_per_iter: int, peak: float, peak_source: str) -> None:
+    """The run's first lines: its size, where it runs, its dtype and why, MFU's yardstick."""
+    dist = s.dist
     processes = (f" x {dist.world_size} process{'es' if dist.world_size > 1 else ''}"
                  if dist.enabled else "")
-    say(f"{s.raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
-        f"device {s.device}{processes}, optimizer {cfg.optimizer}, writing to {s.run_dir}/")
-    say(f"dtype {str(s.dtype).removeprefix('torch.')} ({s.dtype_reason})")
-    say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
+    say(s, f"{s.raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
+           f"device {s.device}{processes}, optimizer {s.cfg.optimizer}, writing to {s.run_dir}/")
+    say(s, f"dtype {str(s.dtype).removeprefix('torch.')} ({s.dtype_reason})")
+    say(s, f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
-    losses = {}
-    if s.iter_num == 0:
-        losses = evaluate(s, 0)
-        say(f"iter 0: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+
+def log_point(s: Session, bar: tqdm, loss_sum: torch.Tensor, iters: int, seconds: float,
+              lr_scale: float, grad_norm: torch.Tensor, peak: float) -> None:
+    """The mean training loss of the last `iters` steps, the lr, the gradient norm, tokens/s
+    and MFU, to TensorBoard and the bar. .item() waits for the device: only here."""
+    cfg, it = s.cfg, s.iter_num
+    train_loss = distributed.all_sum(loss_sum, s.dist).item() / (iters * s.dist.world_size)
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"training loss became {train_loss} at iter {it}; the last good "
+                            f"checkpoint is kept: lower learning_rate or set grad_clip")
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size
+    tokens_per_sec = iters * tokens_per_iter / seconds
+    flops = s.raw_model.flops_per_token(cfg.model.block_size) * tokens_per_iter * iters
+    mfu = flops / seconds / (peak * s.dist.world_size)
+    if s.writer is not None:
+        for tag, value in (("train/loss_step", train_loss),
+                           ("train/lr", cfg.learning_rate * lr_scale),
+                           ("train/grad_norm", grad_norm.item()),
+                           ("perf/tokens_per_sec", tokens_per_sec), ("perf/mfu", mfu)):
+            s.writer.add_scalar(tag, value, it)
+    bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{mfu:.0%}")
+
+
+def evaluate_and_say(s: Session) -> dict[str, float]:
+    """Losses at this step, logged and printed."""
+    losses = evaluate(s, s.iter_num)
+    say(s, f"iter {s.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    return losses
+
+
+def evaluate_and_save(s: Session) -> dict[str, float]:
+    """Losses at this step, logged and printed; last.pt written, and best.pt if they are the
+    best yet."""
+    losses = evaluate_and_say(s)
+    is_best = losses["val"] < s.best_val_loss
+    s.best_val_loss = min(s.best_val_loss, losses["val"])
+    save(s, losses, is_best)
+    return losses
+
+
+def stop_asked(s: Session, stop: dict[str, int]) -> bool:
+    """Whether SIGINT or SIGTERM asked this run to save and leave. Processes must agree on
+    when to leave; under DDP they compare notes only at log points, where the loop waits for
+    the device anyway, never on every step."""
+    if not s.dist.enabled:
+        return bool(stop)
+    at_log_point = s.iter_num % s.cfg.log_interval == 0
+    return at_log_point and distributed.any_true(bool(stop), s.dist, s.device)
+
+
+def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
+    """Evaluate, step, log, evaluate and save, until max_iters or a signal."""
+    cfg = s.cfg
+    peak, peak_source = peak_flops(s.device, s.dtype)
+    announce(s, cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size, peak,
+             peak_source)
+    losses = evaluate_and_say(s) if s.iter_num == 0 else {}
     x, y = s.batches.next()
     # disable=None: a live bar on a terminal, no carriage-return noise in logs and pipes
     bar = tqdm(total=cfg.max_iters, initial=s.iter_num, unit="it", dynamic_ncols=True,
-               disable=None if dist.is_main else True)
+               disable=None if s.dist.is_main else True)
     t_log, iters_since_log = time.perf_counter(), 0
     loss_sum = torch.zeros((), device=s.device)
     try:
@@ -280,45 +336,16 @@ def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
             iters_since_log += 1
             bar.update(1)
             it = s.iter_num
-
             if it % cfg.log_interval == 0 or it == cfg.max_iters:
-                # .item() waits for the device: only at log points
-                train_loss = distributed.all_sum(loss_sum, dist).item() / (
-                    iters_since_log * dist.world_size)
-                if not math.isfinite(train_loss):
-                    raise TrainingError(f"training loss became {train_loss} at iter {it}; "
-                                        f"the last good checkpoint is kept: lower "
-                                        f"learning_rate or set grad_clip")
-                elapsed = time.perf_counter() - t_log
-                tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-                mfu = iters_since_log * flops_per_iter / elapsed / (peak * dist.world_size)
-                if s.writer is not None:
-                    for tag, value in (("train/loss_step", train_loss),
-                                       ("train/lr", cfg.learning_rate * lr_scale),
-                                       ("train/grad_norm", grad_norm.item()),
-                                       ("perf/tokens_per_sec", tokens_per_sec),
-                                       ("perf/mfu", mfu)):
-                        s.writer.add_scalar(tag, value, it)
-                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}",
-                                mfu=f"{mfu:.0%}")
+                log_point(s, bar, loss_sum, iters_since_log, time.perf_counter() - t_log,
+                          lr_scale, grad_norm, peak)
                 t_log, iters_since_log = time.perf_counter(), 0
                 loss_sum = torch.zeros_like(loss_sum)
-
             evaluated = it % cfg.eval_interval == 0 or it == cfg.max_iters
             if evaluated:
-                losses = evaluate(s, it)
-                say(f"iter {it}: train loss {losses['train']:.4f}, "
-                    f"val loss {losses['val']:.4f}")
-                is_best = losses["val"] < s.best_val_loss
-                s.best_val_loss = min(s.best_val_loss, losses["val"])
-                save(s, losses, is_best)
+                losses = evaluate_and_save(s)
                 t_log = time.perf_counter()  # evaluation time is not training throughput
-            # SIGINT/SIGTERM: this step is done; save it and leave. Processes must agree
-            # on when to leave; under DDP they compare notes only at log points, where
-            # the loop waits for the device anyway, never on every step.
-            at_log_point = it % cfg.log_interval == 0
-            if (stop if not dist.enabled else
-                    at_log_point and distributed.any_true(bool(stop), dist, s.device)):
+            if stop_asked(s, stop):  # this step is done: save it and leave
                 # an earlier evaluation's val loss is not this state's: NaN says unmeasured
                 save(s, losses if evaluated else {}, is_best=False)
                 signum = stop.get("signal", signal.SIGTERM)

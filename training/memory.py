@@ -37,14 +37,14 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
     # fp32 weights, their gradients and at least one moment (Muon's momentum; AdamW keeps
     # two), of all of which FSDP keeps a shard in each process
     weights = 12 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
-    activations = min_activation_bytes(config, cfg.batch_size * cfg.block_size)
+    activations = min_activation_bytes(config, cfg.batch_size * cfg.model.block_size)
     # torchrun's processes on one machine share its RAM; a GPU is each process's own
     processes = dist.local_world_size if device.type == "cpu" else 1
     need = processes * (weights + activations)
     if need > available:
         parts = (f"{weights / 1e9:,.1f} for the weights, gradients and optimizer state, "
                  f"{activations / 1e9:,.1f} for the activations of batch_size {cfg.batch_size} "
-                 f"x block_size {cfg.block_size}")
+                 f"x block_size {cfg.model.block_size}")
         if processes > 1:
             parts = f"{processes} processes, each {parts}"
         raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({parts}), but "

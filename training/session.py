@@ -48,8 +48,8 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
     meta = load_meta(data_dir)
     splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
     for split, data in splits.items():
-        if len(data) <= cfg.block_size:
-            raise ConfigError(f"block_size ({cfg.block_size}) must be smaller than the {split} "
+        if len(data) <= cfg.model.block_size:
+            raise ConfigError(f"block_size ({cfg.model.block_size}) must be smaller than the {split} "
                               f"split ({len(data)} tokens); lower block_size or use more text")
     return meta, splits
 
@@ -75,7 +75,7 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
                           f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
     from weights.gpt2 import GPT2FormatError, load_hf_gpt2
     try:
-        model = load_hf_gpt2(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
+        model = load_hf_gpt2(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
     except GPT2FormatError as e:
         raise ConfigError(f"init_from: {e}") from None
     if model.config.vocab_size < meta["vocab_size"]:
@@ -123,7 +123,7 @@ def training_step(cfg: TrainConfig, vocab_size: int,
         if not parts:
             with torch.random.fork_rng(devices=[]):
                 parts["model"] = GPT(cfg.model_config(vocab_size)).to(device)
-            parts["x"] = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size), device=device,
+            parts["x"] = torch.randint(vocab_size, (cfg.batch_size, cfg.model.block_size), device=device,
                                        generator=torch.Generator(device).manual_seed(0))
             parts.update({d: configure_optimizers(parts["model"], cfg, device, d)
                           for d in (torch.float32, torch.bfloat16)})
@@ -151,8 +151,8 @@ def setting_tokens(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
 def probe_tokens(cfg: TrainConfig, tokenizer: Tokenizer, val: Tokens) -> list[int]:
     """The token ids whose attention is logged at each evaluation."""
     if not cfg.attention_probe:
-        return val[:min(32, cfg.block_size)].tolist()
-    return setting_tokens("attention_probe", cfg.attention_probe, tokenizer)[-cfg.block_size:]
+        return val[:min(32, cfg.model.block_size)].tolist()
+    return setting_tokens("attention_probe", cfg.attention_probe, tokenizer)[-cfg.model.block_size:]
 
 
 def text_block(text: str) -> str:
@@ -262,7 +262,7 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
         raw_model=model, model=model,
         optimizers=configure_optimizers(model, cfg, device, dtype),
         scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-        batches=BatchStream(splits["train"], cfg.block_size, cfg.batch_size, cfg.seed,
+        batches=BatchStream(splits["train"], cfg.model.block_size, cfg.batch_size, cfg.seed,
                             dist.rank, dist.world_size),
         iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
     if saved is not None:

@@ -1,0 +1,49 @@
+"""A user's error as every command reports it: one line on stderr and an exit code, never
+a traceback.
+
+Usage:
+    from machine.errors import reported
+    with reported(ValueError, OSError, debug=debug):   # "error: <what and the fix>", exit 1
+        run_the_command()
+
+A command names the kinds of error that are its user's to fix (a bad option, a missing
+file, a full disk); anything else is a bug, and keeps its traceback. --debug shows the
+traceback of a reported error too.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def error_line(error: Exception) -> str:
+    """What a command prints after "error: " for a failure it reports in one line: the
+    message of its own errors; for an OSError that reached it (a path too long for the file
+    system, a folder without permission), the path, the reason and the fix."""
+    if not isinstance(error, OSError):
+        return str(error)
+    where = f" {error.filename}" if error.filename else ""
+    if error.errno == errno.ENAMETOOLONG:
+        return (f"cannot use{where}: a name in it is longer than the file system allows; "
+                f"choose a shorter one")
+    return f"cannot use{where} ({error.strerror or error}); check the path and its permissions"
+
+
+@contextmanager
+def reported(*kinds: type[BaseException], debug: bool = False,
+             quiet: Callable[[BaseException], bool] = lambda error: False) -> Iterator[None]:
+    """Report an error of one of `kinds` raised in the block as "LABEL: <one line>" and exit
+    with its code. An error may carry its own: `label` (default "error") and `exit_code`
+    (default 1). `quiet(error)` true prints nothing and exits all the same: the processes
+    under torchrun that rank 0 speaks for."""
+    try:
+        yield
+    except kinds as e:
+        if debug:
+            raise
+        if not quiet(e):
+            print(f"{getattr(e, 'label', 'error')}: {error_line(e)}", file=sys.stderr)
+        raise SystemExit(getattr(e, "exit_code", 1)) from None
