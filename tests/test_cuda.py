@@ -3,7 +3,6 @@ in bf16 and in fp16 (with the gradient scaler) follows fp32, --compile follows e
 torchrun trains under NCCL (FSDP too), a checkpoint written on the GPU runs on the CPU, and cached
 decoding gives the uncached tokens past block_size."""
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +29,8 @@ def val_losses(run_dir: Path) -> list[float]:
 
 def train_on_gpu(cfg: TrainConfig, **changes) -> TrainResult:
     """The tiny preset on the GPU for 60 iterations (each call writes a new run folder)."""
-    return train(dataclasses.replace(cfg, **{"device": "cuda", "max_iters": 60,
-                                             "eval_interval": 30, **changes}))
+    return train(cfg.updated(**{"device": "cuda", "max_iters": 60, "eval_interval": 30,
+                                **changes}))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

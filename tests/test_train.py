@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,8 +136,8 @@ def test_broken_checkpoints_are_named(tmp_path):
 def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread, optimizer,
                                                           layout):
     # the schedule is pinned by lr_decay_iters, so stopping at 20 does not change it
-    cfg = dataclasses.replace(tiny_config, max_iters=40, eval_interval=20, lr_decay_iters=40,
-                              dropout=0.1, optimizer=optimizer, **LAYOUTS[layout])
+    cfg = tiny_config.updated(max_iters=40, eval_interval=20, lr_decay_iters=40, dropout=0.1,
+                              optimizer=optimizer, **LAYOUTS[layout])
     straight = train(dataclasses.replace(cfg, run_name="straight"))
     train(dataclasses.replace(cfg, run_name="halves", max_iters=20))
     resumed = train(dataclasses.replace(cfg, run_name="halves"), resume=True)
@@ -146,6 +147,36 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_threa
     assert all(torch.equal(a[k], b[k]) for k in a)
     for tag in ("train/loss_step", "loss/val"):
         assert scalars(straight.run_dir, tag) == scalars(resumed.run_dir, tag)
+
+
+# last.pt of a run by the code before the packages (commit ed2947f, when train.py held the
+# loop and checkpoint.py sat at the root): 10 Muon steps of the modern layout, one layer of
+# width 16, on conftest's corpus, with these settings (and the schedule pinned to 20 steps,
+# so that stopping at 15 does not change it)
+OLD_CHECKPOINT = REPO / "tests" / "fixtures" / "last_before_packages.pt"
+OLD_SETTINGS = dict(n_layer=1, n_embd=16, block_size=16, optimizer="muon", eval_interval=10,
+                    lr_decay_iters=20,
+                    sample_tokens=0, **{**LAYOUTS["modern"], "n_kv_head": 1})
+
+
+def test_a_checkpoint_from_before_the_packages_samples_and_resumes_exactly(tiny_config,
+                                                                           one_thread):
+    old = load_checkpoint(OLD_CHECKPOINT)
+    model = model_from_checkpoint(old)
+    assert old["iter_num"] == 10 and model.config.n_kv_head == 1
+    finals = {}
+    for run_name, stops in (("straight", [20]), ("in-two", [15, 20])):
+        folder = Path(tiny_config.out_dir) / run_name
+        folder.mkdir(parents=True)
+        shutil.copyfile(OLD_CHECKPOINT, folder / "last.pt")
+        for max_iters in stops:
+            result = train(tiny_config.updated(run_name=run_name, max_iters=max_iters,
+                                               **OLD_SETTINGS), resume=True)
+        assert result.iter_num == 20
+        finals[run_name] = load_checkpoint(folder / "last.pt")
+    a, b = finals["straight"], finals["in-two"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["val_loss"] == b["val_loss"] < old["val_loss"]  # and it went on learning
 
 
 def test_a_new_run_never_overwrites_an_old_one(tiny_config):
@@ -171,7 +202,7 @@ def test_a_config_path_that_is_no_toml_file_is_named_as_such(tmp_path):
         load_config("/dev/null")
     bom = tmp_path / "bom.toml"
     bom.write_bytes(b"\xef\xbb\xbfn_layer = 3\n")  # a byte-order mark, as some editors write
-    assert load_config(bom).n_layer == 3
+    assert load_config(bom).model.n_layer == 3
 
 
 @pytest.mark.parametrize("toml, overrides, message", [
@@ -194,7 +225,7 @@ def test_bad_configs_are_rejected_with_the_key_named(tmp_path, toml, overrides, 
 
 
 def test_block_size_larger_than_the_data_is_rejected(tiny_config):
-    cfg = dataclasses.replace(tiny_config, model=dataclasses.replace(tiny_config.model, block_size=10**6))
+    cfg = tiny_config.updated(block_size=10**6)
     with pytest.raises(ConfigError, match=r"block_size \(1000000\) must be smaller than the train split"):
         train(cfg)
 

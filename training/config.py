@@ -130,9 +130,18 @@ class TrainConfig:
         return replace(self.model, vocab_size=vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every setting by its key, flat, as a TOML file writes them (checkpoints keep this)."""
+        """Every setting by its key, flat, as a TOML file writes them (checkpoints keep this).
+        n_kv_head is 0 where it equals n_head, as written: then a new n_head keeps it so."""
         settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
-        return {**settings, **{name: getattr(self.model, name) for name in MODEL_FIELDS}}
+        shape = {name: getattr(self.model, name) for name in MODEL_FIELDS}
+        if shape["n_kv_head"] == shape["n_head"]:
+            shape["n_kv_head"] = 0
+        return {**settings, **shape}
+
+    def updated(self, **settings: Any) -> TrainConfig:
+        """This config with some settings changed, by their flat keys (the model's too),
+        checked as a TOML file's are: cfg.updated(max_iters=10, n_layer=2)."""
+        return load_config(None, {**self.to_dict(), **settings})
 
 
 def check_seed(seed: int) -> None:
