@@ -5,15 +5,8 @@ Usage:
     python evaluate.py --input texts/ --run quickstart --dtype int8 --json scores.json
     python evaluate.py --input play.txt --init-from path/to/gpt2 --stride 512
 
-A text longer than the model's window is scored with a sliding window, the rule of
-transformers' perplexity guide: windows of block_size tokens start every `stride` tokens
-(block_size // 2 by default), and each token after the first is scored once, in the first
-window that reaches it, with the context that window gives it. A smaller stride gives
-more context per token, and costs block_size / stride forward tokens per scored token.
-
-The loss is in nats per predicted token, and depends on the tokenizer; bits per character
-(the summed loss in bits over the characters of the predicted tokens) does not, so a
-character model and GPT-2 can be compared on the same text.
+The rules of the score (a sliding window over long texts, nats per token, bits per
+character that compare tokenizers) are measure/scores.py's.
 """
 
 from __future__ import annotations
@@ -45,7 +38,7 @@ def main(
         help="Score a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
     dtype: Annotated[str, typer.Option(
         help="Weights dtype: float32, bfloat16, float16 or int8 (weight-only, see "
-             "quantize.py).")] = "float32",
+             "weights/quantize.py).")] = "float32",
     stride: Annotated[int | None, typer.Option(
         help="Tokens between window starts; default block_size // 2.")] = None,
     batch_size: Annotated[int | None, typer.Option(

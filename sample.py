@@ -172,7 +172,7 @@ SeedOption = Annotated[int, typer.Option(help="Random seed: the same seed gives 
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")]
 DtypeOption = Annotated[str, typer.Option(
         help="Weights dtype: float32, bfloat16, float16, or int8 (weight-only: int8 matrices "
-             "with a scale per row, float activations; see quantize.py).")]
+             "with a scale per row, float activations; see weights/quantize.py).")]
 KvCacheOption = Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")]
 DecodeOption = Annotated[str, typer.Option(

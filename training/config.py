@@ -56,7 +56,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
     max_iters: int = opt(2000, "optimizer steps in total")
     optimizer: str = opt("adamw", "adamw (GPT-2's recipe) or muon (Muon on the matrices inside "
-                         "the blocks, AdamW on the rest); see optimizer.py")
+                         "the blocks, AdamW on the rest); see training/optimizer.py")
     learning_rate: float = opt(1e-3, "peak AdamW learning rate")
     min_lr: float = opt(1e-4, "AdamW learning rate at the end of the cosine decay; every "
                         "group decays to the same fraction of its peak")

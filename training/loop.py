@@ -193,7 +193,7 @@ def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
         save_checkpoint(state, s.run_dir / "last.pt")
         if is_best:  # the same file under a second name: no second write
             link_checkpoint(s.run_dir / "last.pt", s.run_dir / "best.pt")
-    except OSError as e:  # a full disk, mid-write too (storage.atomic_write)
+    except OSError as e:  # a full disk, mid-write too (machine.files.atomic_write)
         raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({e.strerror}) at "
                             f"iter {s.iter_num}; {resume_hint(s)}") from None
     s.saved_iter = s.iter_num
@@ -230,7 +230,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                   t_start: float, stop: dict[str, int]) -> TrainResult:
     """The loop as each process runs it (the only one, or one of torchrun's); `stop` holds
-    the signal that asks it to save and leave (see runs.stop_signals)."""
+    the signal that asks it to save and leave (see training/runs.stop_signals)."""
     s = setup(cfg, resume, dist)
     try:
         with quiet_writer_threads():

@@ -184,7 +184,7 @@ class Session:
     probe_ids: list[int]
     writer: SummaryWriter | None = None  # rank 0 only, as are the pictures and the folder
     pictures: LayerPictures | None = None
-    folder: RunFolder | None = None  # run_dir, locked (runs.lock_run_dir): no second run there
+    folder: RunFolder | None = None  # run_dir, locked (training/runs.lock_run_dir): no second run there
     saved_iter: int | None = None  # the iteration of the last checkpoint written or resumed
 
 
