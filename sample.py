@@ -132,20 +132,25 @@ def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path
     print(f"attention: {html} and {png}", file=sys.stderr)
 
 
-def benchmark_decoding(run: str | None, checkpoint: str | None, preset: str | None,
-                       device: str, dtype: str, lengths: str, repeats: int,
+def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str | None,
+                       preset: str | None, device: str, dtype: str, lengths: str, repeats: int,
                        json_path: Path | None, decode: str, batch: int, layout: str,
                        n_kv_head: int) -> None:
-    """--benchmark: every decoding path timed on a checkpoint, or on a preset's shape."""
+    """--benchmark: every decoding path timed on the model sample.py would load (a run, a
+    checkpoint, a Hugging Face folder), or on a preset's shape."""
+    if preset is not None and (run or checkpoint or init_from):
+        raise SampleError("--preset times random weights of a named shape; drop --run, "
+                          "--checkpoint and --init-from, or drop --preset")
     if layout not in LAYOUTS:
         raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if json_path is not None:  # checked now, not after the benchmark
         check_output_file(json_path, "--json")
     # imported here: keeps the sampling path light
     from measure.decoding import parse_lengths, run_benchmark
-    run_benchmark(resolve_checkpoint(run, checkpoint) if preset is None else None, preset,
-                  device, dtype, parse_lengths(lengths), repeats, json_path, decode, batch,
-                  layout, n_kv_head)
+    from_run = preset is None and not init_from
+    run_benchmark(resolve_checkpoint(run, checkpoint) if from_run else None, preset, device,
+                  dtype, parse_lengths(lengths), repeats, json_path, decode, batch, layout,
+                  n_kv_head, init_from=init_from)
 
 
 # The options, one a line: each one's help is its documentation (python sample.py --help).
@@ -245,8 +250,8 @@ def main(
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         stops = stop_strings(stop or [])
         if benchmark:
-            benchmark_decoding(run, checkpoint, preset, device, dtype, lengths, repeats,
-                               json_path, decode, batch, layout, n_kv_head)
+            benchmark_decoding(run, checkpoint, init_from, preset, device, dtype, lengths,
+                               repeats, json_path, decode, batch, layout, n_kv_head)
             return
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind

@@ -40,6 +40,7 @@ from machine.files import write_bytes_atomic
 from machine.perf import available_memory, memory_mb, reset_peak_memory, sync
 from model import GPT, LAYOUTS, GPTConfig
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.gpt2 import load_hf_gpt2
 from weights.quantize import cast_weights, weight_bytes
 
 PROMPT_LEN = 8
@@ -124,9 +125,12 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 
 
 def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
-                    n_kv_head: int) -> tuple[GPT, str]:
-    """The model to time, and a line saying what it is: a checkpoint's, or a preset's shape
-    in `layout` (model.LAYOUTS) with n_kv_head key/value heads (0: n_head), random weights."""
+                    n_kv_head: int, init_from: str | None = None) -> tuple[GPT, str]:
+    """The model to time, and a line saying what it is: a Hugging Face GPT-2 folder's, a
+    checkpoint's, or a preset's shape in `layout` (model.LAYOUTS) with n_kv_head key/value
+    heads (0: n_head), random weights."""
+    if init_from:
+        return load_hf_gpt2(init_from), init_from
     if preset is None:
         return model_from_checkpoint(load_checkpoint(checkpoint)), str(checkpoint)
     torch.manual_seed(0)
@@ -214,11 +218,11 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
                   lengths: list[int], repeats: int, json_path: Path | None,
                   decode: str = "auto", batch: int = 1, layout: str = "gpt2",
                   n_kv_head: int = 0, baselines: bool = True,
-                  prompt_len: int = PROMPT_LEN) -> list[dict]:
+                  prompt_len: int = PROMPT_LEN, init_from: str | None = None) -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked. Without
     baselines only the default path runs: no eager, uncached or transformers rows, which at
     GPT-2's shape take minutes."""
-    model, source = benchmark_model(checkpoint, preset, layout, n_kv_head)
+    model, source = benchmark_model(checkpoint, preset, layout, n_kv_head, init_from)
     n_params = model.num_params()  # before int8 turns the matrices into buffers
     model = cast_weights(model.to(device), dtype)
     cfg, kv_bytes = model.config, cache_bytes_per_token(model)

@@ -62,7 +62,8 @@ def check_stride(stride: int | None, block_size: int) -> int:
         raise ValueError(f"this model's block_size is {block_size}, and a window must hold a "
                          f"token and the one it predicts; evaluate.py scores models with "
                          f"block_size 2 or more")
-    stride = stride or block_size // 2
+    if stride is None:  # not given; 0 is given, and refused below
+        stride = block_size // 2
     if not 1 <= stride < block_size:
         raise ValueError(f"stride must be at least 1 and below block_size ({block_size}), so "
                          f"that windows overlap and no token goes unscored; got {stride}")

@@ -346,6 +346,11 @@ CASES = {
                                     "vocabulary"),
     "stride as long as the window": ([*EVALUATE, "--stride", "32"], TEXT, 1,
                                      "error: stride must be at least 1 and below block_size (32)"),
+    "stride of zero": ([*EVALUATE, "--stride", "0"], TEXT, 1,
+                       "error: stride must be at least 1 and below block_size (32), so that "
+                       "windows overlap and no token goes unscored; got 0"),
+    "negative stride": ([*EVALUATE, "--stride", "-4"], TEXT, 1,
+                        "error: stride must be at least 1 and below block_size (32)"),
     "json into a missing folder": ([*EVALUATE, "--json", "{tmp}/no/x.json"], TEXT, 1,
                                    "error: --json {tmp}/no/x.json: {tmp}/no is not a folder"),
     "export into /proc": (["export.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),

@@ -154,6 +154,21 @@ def test_sample_cli_samples_from_a_gpt2_folder(tmp_path):
     assert result.stdout.startswith("Hello, my name is") and len(result.stdout) > 20
 
 
+def test_benchmark_times_the_gpt2_folder_it_is_given(tmp_path):
+    hf_model(tmp_path, **SHAPES[1])
+    result = subprocess.run([sys.executable, "sample.py", "--benchmark", "--init-from",
+                             str(tmp_path), "--lengths", "4", "--repeats", "1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{tmp_path}: ") and "uncached" in result.stdout
+    both = subprocess.run([sys.executable, "sample.py", "--benchmark", "--init-from",
+                           str(tmp_path), "--preset", "baby_gpt"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert both.returncode == 1 and both.stderr.strip() == (
+        "error: --preset times random weights of a named shape; drop --run, --checkpoint and "
+        "--init-from, or drop --preset")
+
+
 def test_training_fine_tunes_a_gpt2_folder(tmp_path):
     hf_model(tmp_path / "gpt2", **SHAPES[1])
     prepare_text("To be, or not to be, that is the question.\n" * 200, "gpt2", tmp_path / "data", "test")
