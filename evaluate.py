@@ -50,7 +50,7 @@ def main(
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
     """Score a model on a text: loss per token, perplexity and bits per character."""
-    # DataError, LoadError, CheckpointError, GPT2FormatError, DeviceError, our checks, and a
+    # DataError, LoadError, CheckpointError, FolderError, DeviceError, our checks, and a
     # path the file system refuses
     with reported(ValueError, OSError, debug=debug):
         if json_path is not None:  # checked now, not after the evaluation

@@ -17,7 +17,8 @@ import typer
 
 from machine.errors import reported
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.gpt2 import ExportError, export_hf_gpt2
+from weights.gpt2 import export_hf_gpt2
+from weights.hf import ExportError
 
 
 def main(checkpoint: Path, folder: Path,

@@ -48,6 +48,13 @@ class GPTConfig:
     tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
     n_kv_head: int = switch(0, "key/value heads (grouped-query attention); 0 means n_head, "
                             "1 is multi-query")
+    embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
+    logit_softcap: float = switch(0.0, "squash the logits into (-C, C) as C tanh(logits / C); 0 "
+                                  "means off (nanochat uses 15)")
+    n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
+    norm_eps: float = switch(1e-5, "every norm's epsilon (transformers' NanoChat uses 1e-6)")
+    rope_theta: float = switch(10000.0, "rope's base: pair i of a head at position p turns by "
+                               "p / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
         # a shape read from a file (a checkpoint, a Hugging Face config.json) may hold 1.0
@@ -73,6 +80,14 @@ class GPTConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name, low in (("logit_softcap", 0.0), ("n_inner", 0), ("norm_eps", 1e-12),
+                          ("rope_theta", 1.0)):  # "not >=": NaN is refused too
+            if not (math.isfinite(value := getattr(self, name)) and value >= low):
+                raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.n_inner or 4 * self.n_embd
 
     @property
     def head_dim(self) -> int:
@@ -96,13 +111,12 @@ FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
            "mlp": ("gelu", "relu2")}
-ROPE_BASE = 10000.0  # RoFormer's: position p turns pair i by p / 10000^(2i / head_dim)
-NORM_EPS = 1e-5
 
-# the layouts that sample.py --benchmark and the presets name: GPT-2's, and every switch on
-# but GQA (which buys cache memory, not loss; see docs/performance.md)
-LAYOUTS = {"gpt2": {}, "modern": dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True,
-                                      mlp="relu2", tie_embeddings=False)}
+# the layouts that sample.py --benchmark and the presets name: GPT-2's, every switch on but
+# GQA (which buys cache memory, not loss; see docs/performance.md), and nanochat's
+MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
+LAYOUTS = {"gpt2": {}, "modern": MODERN,
+           "nanochat": {**MODERN, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
 
 PRESETS = {
     "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
@@ -145,7 +159,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.rope, self.qk_norm = config.pos_embedding == "rope", config.qk_norm
+        self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
         self.dropout = config.dropout
         # one fused projection for queries, keys and values: a single matmul instead of
         # three; with GQA the keys and values have n_kv_head heads each
@@ -162,7 +176,7 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys, normalized and rotated alike
         if self.qk_norm:  # bounds the logits q.k, which lets the lr go higher
-            qk = rms_norm(qk)
+            qk = rms_norm(qk, self.eps)
         if self.rope:
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([nh, n_kv], dim=1)  # (B, nh, T, hd), (B, n_kv, T, hd)
@@ -181,12 +195,12 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-def rms_norm(x: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, without a gain: before a Linear,
     a gain would only rescale the Linear's columns, which the Linear can learn itself."""
     if x.is_cuda:  # one fused kernel each way
-        return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
-    return RMSNormFunction.apply(x)
+        return F.rms_norm(x, (x.size(-1),), eps=eps)
+    return RMSNormFunction.apply(x, eps)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -195,18 +209,18 @@ class RMSNormFunction(torch.autograd.Function):
     and autograd's way back through them passes over the tensor about eight times."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)  # (..., 1)
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
         y = xf * r
         ctx.save_for_backward(y, r)
         return y.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         y, r = ctx.saved_tensors
         gf = g.float()
-        return torch.addcmul(gf * r, y, r * (gf * y).mean(-1, keepdim=True), value=-1).to(g.dtype)
+        return torch.addcmul(gf * r, y, r * (gf * y).mean(-1, keepdim=True), value=-1).to(g.dtype), None
 
 
 class ReLUSquared(torch.autograd.Function):
@@ -226,7 +240,7 @@ class ReLUSquared(torch.autograd.Function):
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's angles, (block_size, head_dim) each, laid out for
     apply_rope: cos repeated for both halves of a head, sin with its first half negated."""
-    freqs = ROPE_BASE ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
+    freqs = config.rope_theta ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
     angles = torch.arange(config.block_size).double()[:, None] * freqs  # (block_size, hd/2)
     cos, sin = angles.cos().float(), angles.sin().float()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
@@ -272,13 +286,13 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
         self.relu2 = config.mlp == "relu2"
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)  # (B, T, 4C)
+        h = self.c_fc(x)  # (B, T, mlp_hidden)
         h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's
         return self.dropout(self.c_proj(h))
 
@@ -286,12 +300,18 @@ class MLP(nn.Module):
 class RMSNorm(nn.Module):
     """rms_norm as a module, where the layout has a LayerNorm; it has no parameters."""
 
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x)
+        return rms_norm(x, self.eps)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
-    return RMSNorm() if config.norm == "rmsnorm" else nn.LayerNorm(config.n_embd, bias=config.bias)
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -406,6 +426,8 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)  # (B, T, C)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(input_pos)
+        if self.config.embed_norm:
+            x = rms_norm(x, self.config.norm_eps)
         # without positions, the causal mask alone carries order
         rope = None
         if self.config.pos_embedding == "rope":  # (T, 1, hd) each: every head alike
@@ -415,11 +437,16 @@ class GPT(nn.Module):
             x = block(x, rope, kv_cache, input_pos, attn_weights)
         x = self.transformer.ln_f(x)
         if targets is not None:
-            logits = self.lm_head(x)  # (B, T, vocab)
+            logits = self.logits(x)  # (B, T, vocab)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
                                    ignore_index=-1)
             return logits, loss
-        return self.lm_head(x[:, logits_from:, :]), None
+        return self.logits(x[:, logits_from:, :]), None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer, and logit_softcap's squashing (in fp32) when it is on."""
+        logits, cap = self.lm_head(x), self.config.logit_softcap
+        return cap * torch.tanh(logits.float() / cap) if cap else logits
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache on this model's device, in the dtype its keys and values come out

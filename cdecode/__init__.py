@@ -134,7 +134,9 @@ def intact(library: Path) -> bool:
 class Layout(ctypes.Structure):
     """decode_step.c's layout_t: the switches of GPTConfig that the step follows."""
     _fields_ = [("n_kv_head", ctypes.c_int), ("rms_norm", ctypes.c_int),
-                ("qk_norm", ctypes.c_int), ("relu2", ctypes.c_int)]
+                ("qk_norm", ctypes.c_int), ("relu2", ctypes.c_int),
+                ("embed_norm", ctypes.c_int), ("hidden", ctypes.c_int),
+                ("norm_eps", ctypes.c_float), ("logit_softcap", ctypes.c_float)]
 
 
 def block_param_names(lib: ctypes.CDLL) -> list[str]:
@@ -192,7 +194,8 @@ class CDecodeStep:
         self.lm_head = params["lm_head.weight"] if untied else None
         self.lm_head_scales = params.get("lm_head.scales") if untied else None
         cfg = self.config
-        self.layout = Layout(cfg.n_kv_head, cfg.norm == "rmsnorm", cfg.qk_norm, cfg.mlp == "relu2")
+        self.layout = Layout(cfg.n_kv_head, cfg.norm == "rmsnorm", cfg.qk_norm, cfg.mlp == "relu2",
+                             cfg.embed_norm, cfg.mlp_hidden, cfg.norm_eps, cfg.logit_softcap)
         names = block_param_names(self.lib)
         self.block_params = [params.get(f"transformer.h.{i}.{name}")
                              for i in range(self.config.n_layer) for name in names]
@@ -232,7 +235,8 @@ class CDecodeStep:
             raise IndexError(f"positions {pos}..{end - 1} or a token of {ids} is out of range")
         if kv_cache.k[0].dtype != self.dtype or kv_cache.k[0].size(0) != B:
             raise ValueError("the cache's dtype or batch size differs from the step's")
-        work_size = B * T * (9 * cfg.n_embd + cfg.n_head * max_len)
+        work_size = B * T * (5 * cfg.n_embd + max(cfg.n_embd, cfg.mlp_hidden)
+                             + cfg.n_head * max_len)
         if self.work.numel() < work_size:  # a longer prefill or cache: grow once for it
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)

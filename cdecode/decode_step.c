@@ -80,30 +80,30 @@ const char *const block_param_names[] = { BLOCK_PARAMS(AS_NAME) };
 const int n_block_params = N_BLOCK_PARAMS;
 
 /* model.py's rms_norm: x / sqrt(mean(x^2) + eps), no gain, in place on n floats */
-static inline void rms_norm(float *x, int n) {
+static inline void rms_norm(float *x, int n, float eps) {
     float ss = 0.0f;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / n + 1e-5f);
+    float r = 1.0f / sqrtf(ss / n + eps);
     for (int i = 0; i < n; i++) x[i] *= r;
 }
 
 /* out[b] = LayerNorm(x[b]) for each of B rows of n, or with rms RMSNorm (model.py's
  * make_norm); a NULL bias means none */
 static void layer_norm(float *out, const float *x, const param_t *w, const param_t *bias,
-                       int B, int n, int rms) {
+                       int B, int n, int rms, float eps) {
     #pragma omp for
     for (int b = 0; b < B; b++) {
         const float *xb = x + (size_t)b * n;
         if (rms) {
             for (int i = 0; i < n; i++) out[(size_t)b * n + i] = xb[i];
-            rms_norm(out + (size_t)b * n, n);
+            rms_norm(out + (size_t)b * n, n, eps);
             continue;
         }
         float mean = 0.0f, var = 0.0f;
         for (int i = 0; i < n; i++) mean += xb[i];
         mean /= n;
         for (int i = 0; i < n; i++) var += (xb[i] - mean) * (xb[i] - mean);
-        float rstd = 1.0f / sqrtf(var / n + 1e-5f);
+        float rstd = 1.0f / sqrtf(var / n + eps);
         for (int i = 0; i < n; i++) {
             float shift = bias ? load(bias, i) : 0.0f;
             out[(size_t)b * n + i] = (xb[i] - mean) * rstd * load(w, i) + shift;
@@ -283,9 +283,9 @@ static void matvec(float *restrict y, const float *restrict x, const weight_t *r
 
 /* The positions of model.py's CausalSelfAttention, on one head of a query or key at
  * window position p: qk_norm, then RoPE when the tables are given (NULL: none) */
-static inline void place_head(float *x, int qk_norm, const param_t *rope_cos,
+static inline void place_head(float *x, int qk_norm, float eps, const param_t *rope_cos,
                               const param_t *rope_sin, int p, int head_dim) {
-    if (qk_norm) rms_norm(x, head_dim);
+    if (qk_norm) rms_norm(x, head_dim, eps);
     if (rope_cos) {
         size_t at = (size_t)p * head_dim;
         rope(x, rope_cos + at, rope_sin + at, head_dim);
@@ -299,7 +299,7 @@ static inline void place_head(float *x, int qk_norm, const param_t *rope_cos,
  * and keys are normalized and rotated in place. y: (B*T, C), heads side by side. */
 static void attention(float *restrict y, float *restrict qkv, param_t *restrict k_cache,
                       param_t *restrict v_cache, float *restrict scores, int qk_norm,
-                      const param_t *rope_cos, const param_t *rope_sin,
+                      float eps, const param_t *rope_cos, const param_t *rope_sin,
                       int B, int T, int n_head, int n_kv_head, int head_dim, int max_len,
                       int pos) {
     int C = n_head * head_dim, KV = n_kv_head * head_dim, group = n_head / n_kv_head;
@@ -309,8 +309,8 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
         #pragma omp for
         for (int i = 0; i < B * n_head * T; i++) {
             int t = i % T, b = i / T / n_head, h = i / T % n_head;
-            place_head(qkv + (b * T + t) * row + h * head_dim, qk_norm, rope_cos, rope_sin,
-                       pos + t, head_dim);
+            place_head(qkv + (b * T + t) * row + h * head_dim, qk_norm, eps, rope_cos,
+                       rope_sin, pos + t, head_dim);
         }
     }
     #pragma omp for
@@ -318,7 +318,7 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
         int bh = i / T, t = i % T, b = bh / n_kv_head, h = bh % n_kv_head;
         float *k = qkv + (b * T + t) * row + C + h * head_dim;
         const float *v = k + KV;
-        place_head(k, qk_norm, rope_cos, rope_sin, pos + t, head_dim);
+        place_head(k, qk_norm, eps, rope_cos, rope_sin, pos + t, head_dim);
         size_t slot = ((size_t)bh * max_len + pos + t) * head_dim;
         for (int d = 0; d < head_dim; d++) {
             store(k_cache, slot + d, k[d]);
@@ -355,9 +355,10 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
 }
 
 /* The switches of model.py's GPTConfig that the step follows (GPT-2's layout: all zero,
- * n_kv_head = n_head) */
+ * n_kv_head = n_head, hidden = 4 n_embd, norm_eps = 1e-5) */
 typedef struct {
-    int n_kv_head, rms_norm, qk_norm, relu2;
+    int n_kv_head, rms_norm, qk_norm, relu2, embed_norm, hidden;
+    float norm_eps, logit_softcap;  /* logit_softcap 0: off */
 } layout_t;
 
 /* Logits (B, vocab_size) of the last of T new tokens per sequence, the tokens at window
@@ -367,7 +368,7 @@ typedef struct {
  * per layer. wte_scales: the int8 token table's row scales, NULL for a float one. wpe: the
  * learned position table, or NULL; rope_cos, rope_sin: model.py's rope tables, or NULL.
  * lm_head (and its scales): an untied output layer, or NULL for wte's.
- * work: scratch of B * T * (9 * n_embd + n_head * max_len) floats. */
+ * work: scratch of B * T * (5 * n_embd + max(n_embd, hidden) + n_head * max_len) floats. */
 void decode_step(float *logits, const int64_t *tokens, int pos, int T,
                  const weight_t *wte, const float *wte_scales, const param_t *wpe,
                  const param_t *rope_cos, const param_t *rope_sin,
@@ -377,12 +378,13 @@ void decode_step(float *logits, const int64_t *tokens, int pos, int T,
                  int B, int n_layer, int n_head, int n_embd, int vocab_size, int max_len,
                  const layout_t *layout, int n_threads) {
     int C = n_embd, R = B * T;    /* R rows: token t of sequence b is row b * T + t */
-    int KV = layout->n_kv_head * (C / n_head), rms = layout->rms_norm;
+    int KV = layout->n_kv_head * (C / n_head), rms = layout->rms_norm, H = layout->hidden;
+    float eps = layout->norm_eps, cap = layout->logit_softcap;
     float *x = work;              /* (R, C) the residual stream */
     float *h = x + R * C;         /* (R, C) a LayerNorm's output */
     float *qkv = h + R * C;       /* (R, C + 2 KV) <= (R, 3C); at the end, the last rows of x */
-    float *y = qkv + R * 3 * C;   /* (R, C) attention output; also (R, 4C) MLP hidden */
-    float *scores = y + R * 4 * C;  /* (R * n_head, max_len) */
+    float *y = qkv + R * 3 * C;   /* (R, C) attention output; also (R, H) MLP hidden */
+    float *scores = y + (size_t)R * (H > C ? H : C);  /* (R * n_head, max_len) */
     #pragma omp parallel num_threads(n_threads)
     {
         #pragma omp for
@@ -393,28 +395,33 @@ void decode_step(float *logits, const int64_t *tokens, int pos, int T,
                 float p = wpe ? load(wpe, (size_t)(pos + r % T) * C + i) : 0.0f;
                 x[(size_t)r * C + i] = load_weight(tok_emb, i) * scale + p;
             }
+            if (layout->embed_norm) rms_norm(x + (size_t)r * C, C, eps);
         }
         for (int l = 0; l < n_layer; l++) {
             const void *const *p = blocks + (size_t)l * N_BLOCK_PARAMS;
-            layer_norm(h, x, p[LN1_W], p[LN1_B], R, C, rms);
+            layer_norm(h, x, p[LN1_W], p[LN1_B], R, C, rms, eps);
             matvec(qkv, h, p[ATTN_W], p[ATTN_S], p[ATTN_B], R, C, C + 2 * KV, SET);
-            attention(y, qkv, k_cache[l], v_cache[l], scores, layout->qk_norm, rope_cos,
+            attention(y, qkv, k_cache[l], v_cache[l], scores, layout->qk_norm, eps, rope_cos,
                       rope_sin, B, T, n_head, layout->n_kv_head, C / n_head, max_len, pos);
             matvec(x, y, p[ATTN_PROJ_W], p[ATTN_PROJ_S], p[ATTN_PROJ_B], R, C, C, ADD);
-            layer_norm(h, x, p[LN2_W], p[LN2_B], R, C, rms);
-            matvec(y, h, p[FC_W], p[FC_S], p[FC_B], R, C, 4 * C, SET);
-            if (layout->relu2) relu_square(y, (size_t)R * 4 * C);
-            else gelu_tanh(y, (size_t)R * 4 * C);
-            matvec(x, y, p[MLP_PROJ_W], p[MLP_PROJ_S], p[MLP_PROJ_B], R, 4 * C, C, ADD);
+            layer_norm(h, x, p[LN2_W], p[LN2_B], R, C, rms, eps);
+            matvec(y, h, p[FC_W], p[FC_S], p[FC_B], R, C, H, SET);
+            if (layout->relu2) relu_square(y, (size_t)R * H);
+            else gelu_tanh(y, (size_t)R * H);
+            matvec(x, y, p[MLP_PROJ_W], p[MLP_PROJ_S], p[MLP_PROJ_B], R, H, C, ADD);
         }
         float *last = qkv;  /* (B, C): only each sequence's last token needs logits */
         #pragma omp for
         for (int b = 0; b < B; b++)
             for (int i = 0; i < C; i++)
                 last[(size_t)b * C + i] = x[((size_t)b * T + T - 1) * C + i];
-        layer_norm(h, last, ln_f_w, ln_f_b, B, C, rms);
+        layer_norm(h, last, ln_f_w, ln_f_b, B, C, rms, eps);
         /* with weight tying (lm_head NULL) the output layer is wte */
         matvec(logits, h, lm_head ? lm_head : wte, lm_head ? lm_head_scales : wte_scales, NULL,
                B, C, vocab_size, SET);
+        if (cap > 0.0f) {  /* model.py's logit_softcap: cap tanh(logits / cap) */
+            #pragma omp for
+            for (int i = 0; i < B * vocab_size; i++) logits[i] = cap * tanhf(logits[i] / cap);
+        }
     }
 }

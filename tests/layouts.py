@@ -1,12 +1,15 @@
 """The model layouts that the tests run over: each switch of model.py's GPTConfig alone,
-and all of them (the modern layout)."""
+all of them (the modern layout), and nanochat's, whose own details (a norm after the
+embedding, capped logits, another MLP width, norm epsilon and rope base) come on together."""
 
 MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2",
               tie_embeddings=False, n_kv_head=2)
 LAYOUTS = {"gpt2": {}, "rope": dict(pos_embedding="rope"), "no_positions": dict(pos_embedding="none"),
            "rmsnorm": dict(norm="rmsnorm"), "qk_norm": dict(qk_norm=True), "relu2": dict(mlp="relu2"),
            "untied": dict(tie_embeddings=False), "gqa": dict(n_kv_head=2), "mqa": dict(n_kv_head=1),
-           "modern": MODERN}
+           "modern": MODERN,
+           "nanochat": {**MODERN, "embed_norm": True, "logit_softcap": 15.0, "n_inner": 96,
+                        "norm_eps": 1e-6, "rope_theta": 500.0}}
 
 
 def cli_args(overrides: dict) -> list[str]:

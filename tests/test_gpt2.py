@@ -19,7 +19,8 @@ from generate import generate
 from training.config import load_config
 from training.loop import train
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.gpt2 import GPT2FormatError, export_hf_gpt2, load_hf_gpt2
+from weights.gpt2 import export_hf_gpt2, load_hf_gpt2
+from weights.hf import FolderError
 
 transformers = pytest.importorskip("transformers")  # test-only dependency
 REPO = Path(__file__).resolve().parent.parent
@@ -90,13 +91,13 @@ def test_broken_folders_are_named(tmp_path):
     hf_model(tmp_path / "good", **SHAPES[0])
     (tmp_path / "no_weights").mkdir()
     (tmp_path / "no_weights" / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
-    with pytest.raises(GPT2FormatError, match="has neither model.safetensors nor pytorch_model.bin"):
+    with pytest.raises(FolderError, match="has neither model.safetensors nor pytorch_model.bin"):
         load_hf_gpt2(tmp_path / "no_weights")
-    with pytest.raises(GPT2FormatError, match="has no config.json"):
+    with pytest.raises(FolderError, match="has no config.json"):
         load_hf_gpt2(tmp_path)
     config = json.loads((tmp_path / "good" / "config.json").read_text())
     (tmp_path / "good" / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
-    with pytest.raises(GPT2FormatError, match=r"do not match its config.json: transformer.wte.weight "
+    with pytest.raises(FolderError, match=r"do not match its config.json: transformer.wte.weight "
                                               r"is \(100, 32\) but config.json implies \(100, 64\)"):
         load_hf_gpt2(tmp_path / "good")
 
@@ -112,7 +113,7 @@ def test_damaged_gpt2_folders_are_one_clear_error(tmp_path, damage, message):
     hf_model(tmp_path, **SHAPES[0])
     for name, data in damage.items():
         (tmp_path / name).write_bytes(data)
-    with pytest.raises(GPT2FormatError, match=re.escape(message)):
+    with pytest.raises(FolderError, match=re.escape(message)):
         load_hf_gpt2(tmp_path)
 
 
@@ -130,7 +131,7 @@ def test_a_damaged_pytorch_model_bin_is_one_clear_error(tmp_path, damage, messag
     hf_model(tmp_path, safe=False, **SHAPES[0])
     weights = tmp_path / "pytorch_model.bin"
     weights.write_bytes(damage(weights.read_bytes()))
-    with pytest.raises(GPT2FormatError, match=re.escape(message)):
+    with pytest.raises(FolderError, match=re.escape(message)):
         load_hf_gpt2(tmp_path)
 
 

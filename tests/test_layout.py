@@ -57,9 +57,9 @@ def test_the_model_file_imports_nothing_of_the_project():
     modules = project_modules()
     assert imports(modules["model"], modules) == set()
     # about two screens: GPT-2's layout, its switches (each with the help train.py's --help
-    # shows), and the two gradients and the CPU's bf16 attention written out for speed, read
-    # in one sitting
-    assert len(modules["model"].read_text().splitlines()) < 435
+    # shows; nanochat's among them), and the two gradients and the CPU's bf16 attention
+    # written out for speed, read in one sitting
+    assert len(modules["model"].read_text().splitlines()) < 460
 
 
 def test_every_source_file_says_what_it_is_for_and_how_to_use_it():

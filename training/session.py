@@ -73,10 +73,11 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
     if meta["tokenizer"]["kind"] != "gpt2":
         raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
                           f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
-    from weights.gpt2 import GPT2FormatError, load_hf_gpt2
+    from weights.gpt2 import load_hf_gpt2
+    from weights.hf import FolderError
     try:
         model = load_hf_gpt2(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
-    except GPT2FormatError as e:
+    except FolderError as e:
         raise ConfigError(f"init_from: {e}") from None
     if model.config.vocab_size < meta["vocab_size"]:
         raise ConfigError(f"init_from: {cfg.init_from} has a vocabulary of "

@@ -13,77 +13,37 @@ as Conv1D weights, (in, out), which are transposed into Linear's (out, in).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
-from machine.files import fsync_dir, write_bytes_atomic
 from model import GPT, GPTConfig
-from weights.checkpoint import (
-    UnreadableFile,
-    safe_load,
-    state_dict_mismatch,
-)
+from weights.checkpoint import state_dict_mismatch
+from weights.hf import FolderError, read_config, read_weights, write_folder
 
 # Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 CONFIG_KEYS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 
 
-class GPT2FormatError(ValueError):
-    """A folder that is not a usable GPT-2 checkpoint; the message says what is wrong."""
-
-
-class ExportError(ValueError):
-    """A folder that an export must not or cannot write into; the message says why."""
-
-
 def read_hf_config(folder: Path) -> dict:
+    """config.json of a GPT-2 folder, refused where it computes something model.py does not."""
+    hf = read_config(folder)
     path = folder / "config.json"
-    if not path.is_file():
-        raise GPT2FormatError(f"{folder} has no config.json; point at a Hugging Face GPT-2 folder")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GPT2FormatError(f"{path} is not valid JSON ({e}); point at a Hugging Face "
-                              f"GPT-2 folder") from None
-    missing = [key for key in CONFIG_KEYS if not isinstance(hf, dict) or key not in hf]
+    missing = [key for key in CONFIG_KEYS if key not in hf]
     if missing:
-        raise GPT2FormatError(f"{path} lacks {', '.join(missing)}; is it a GPT-2 config?")
+        raise FolderError(f"{path} lacks {', '.join(missing)}; is it a GPT-2 config?")
     # the variants of GPT-2 that compute something model.py does not
     if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-        raise GPT2FormatError(f"{path}: n_inner {hf['n_inner']} is not 4 * n_embd; unsupported")
+        raise FolderError(f"{path}: n_inner {hf['n_inner']} is not 4 * n_embd; unsupported")
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise GPT2FormatError(f"{path}: activation {hf['activation_function']} is unsupported")
+        raise FolderError(f"{path}: activation {hf['activation_function']} is unsupported")
     if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
-        raise GPT2FormatError(f"{path}: layer_norm_epsilon {hf['layer_norm_epsilon']} is unsupported")
+        raise FolderError(f"{path}: layer_norm_epsilon {hf['layer_norm_epsilon']} is unsupported")
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-        raise GPT2FormatError(f"{path}: attention variants of GPT-2 are unsupported")
+        raise FolderError(f"{path}: attention variants of GPT-2 are unsupported")
     return hf
-
-
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    for name in WEIGHT_FILES:
-        path = folder / name
-        if path.is_file():
-            try:
-                weights = load_file(path) if name.endswith(".safetensors") else safe_load(path)
-            except (SafetensorError, OSError, UnreadableFile) as e:
-                reason = (str(e).splitlines() or [type(e).__name__])[0]
-                raise GPT2FormatError(f"{path} is truncated or not a weights file ({reason}); "
-                                      f"download or export the folder again") from None
-            if not (isinstance(weights, dict)
-                    and all(isinstance(v, torch.Tensor) for v in weights.values())):
-                raise GPT2FormatError(f"{path} does not hold named weight tensors (a saved "
-                                      f"state_dict); download or export the folder again")
-            return weights
-    raise GPT2FormatError(f"{folder} has neither {' nor '.join(WEIGHT_FILES)}")
 
 
 def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
@@ -97,9 +57,9 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
                            n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
                            dropout=dropout, bias=True)
     except (TypeError, ValueError) as e:
-        raise GPT2FormatError(f"{folder / 'config.json'}: {e}") from None
+        raise FolderError(f"{folder / 'config.json'}: {e}") from None
     state = {}
-    for key, tensor in read_hf_weights(folder).items():
+    for key, tensor in read_weights(folder).items():
         key = key.removeprefix("transformer.")
         if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
             continue
@@ -111,12 +71,12 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
     model = GPT(config)
     problem = state_dict_mismatch(model.state_dict(), state, "config.json")
     if problem:
-        raise GPT2FormatError(f"weights in {folder} do not match its config.json: {problem}")
+        raise FolderError(f"weights in {folder} do not match its config.json: {problem}")
     model.load_state_dict(state)
     if block_size is not None and block_size < config.block_size:
         model.crop_block_size(block_size)
     elif block_size is not None and block_size > config.block_size:
-        raise GPT2FormatError(f"block_size {block_size} exceeds the checkpoint's n_positions "
+        raise FolderError(f"block_size {block_size} exceeds the checkpoint's n_positions "
                               f"{config.block_size}")
     return model.eval()
 
@@ -127,18 +87,12 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
     that holds anything is refused unless `force`, and then its two files are replaced."""
     cfg = model.config
     if not cfg.bias:
-        raise GPT2FormatError("GPT-2 has biases; a model trained with bias = false cannot be exported")
+        raise FolderError("GPT-2 has biases; a model trained with bias = false cannot be exported")
     if not cfg.is_gpt2:
-        raise GPT2FormatError("a GPT-2 folder holds GPT-2's layout only (learned positions, "
+        raise FolderError("a GPT-2 folder holds GPT-2's layout only (learned positions, "
                               "LayerNorm, GELU, a tied head, every head its own keys); this "
                               "model was trained with the modern switches, and its checkpoint "
                               "is the way to keep it")
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ExportError(f"{folder} is a file, not a folder; choose another folder")
-    if folder.is_dir() and any(folder.iterdir()) and not force:
-        raise ExportError(f"{folder} is not empty; choose another folder, or pass --force to "
-                          f"replace its config.json and model.safetensors")
     state = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight":  # tied to wte: GPT-2 folders store it once
@@ -158,19 +112,4 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
         hf.update(bos_token_id=50256, eos_token_id=50256)
     files = {"model.safetensors": save(state, metadata={"format": "pt"}),
              "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # the config last
-    if folder.is_dir():
-        for name, data in files.items():
-            write_bytes_atomic(folder / name, data)
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
-        for name, data in files.items():
-            write_bytes_atomic(tmp / name, data)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(folder.parent)
-    return folder
-
+    return write_folder(folder, files, force)

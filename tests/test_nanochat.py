@@ -1,0 +1,89 @@
+"""NanoChat compatibility, proven against transformers' NanoChatForCausalLM: folders read in
+give its logits, and our models exported give ours in it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from generate import generate
+from model import GPT, GPTConfig
+from weights.hf import FolderError
+from weights.nanochat import LAYOUT, export_hf_nanochat, load_hf_nanochat
+
+transformers = pytest.importorskip("transformers")  # test-only dependency
+
+SHAPE = dict(vocab_size=50, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=32)
+VARIANTS = {"gqa, softcap": dict(num_key_value_heads=2, final_logit_softcapping=15.0),
+            "mha, no softcap": dict(num_key_value_heads=4, final_logit_softcapping=None),
+            "tied, theta 500": dict(tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 500.0})}
+
+
+def nanochat_folder(path: Path, **changes) -> transformers.NanoChatForCausalLM:
+    """A random NanoChat model saved by transformers itself, its weights large enough that a
+    wrong sign or order shows in the logits."""
+    torch.manual_seed(0)
+    model = transformers.NanoChatForCausalLM(transformers.NanoChatConfig(**{**SHAPE, **changes}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def tokens(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (3, 32), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_nanochat_folder_read_in_gives_transformers_logits(tmp_path, variant):
+    theirs = nanochat_folder(tmp_path, **VARIANTS[variant])
+    ours = load_hf_nanochat(tmp_path)
+    idx = tokens(SHAPE["vocab_size"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_head, softcap", [(2, 15.0), (4, 0.0), (1, 30.0)])
+def test_our_model_exported_gives_the_same_logits_and_tokens_in_transformers(tmp_path, n_kv_head,
+                                                                            softcap):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_embd=32,
+                       n_kv_head=n_kv_head, logit_softcap=softcap, n_inner=80, norm_eps=1e-6,
+                       tie_embeddings=False, **LAYOUT)
+    ours = GPT(config).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.mul_(4)
+    export_hf_nanochat(ours, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(theirs).__name__ == "NanoChatForCausalLM"
+    idx = tokens(50)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
+        back = load_hf_nanochat(tmp_path / "hf")
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                   ours.state_dict().values(), strict=True))
+        prompt = idx[:1, :4]
+        greedy = theirs.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert generate(ours, prompt, 20, temperature=0.0).tolist() == greedy.tolist()
+
+
+@pytest.mark.parametrize("switch, value", [("embed_norm", False), ("bias", True),
+                                           ("norm", "layernorm"), ("pos_embedding", "learned")])
+def test_a_layout_nanochat_cannot_hold_is_refused_naming_the_switch(tmp_path, switch, value):
+    model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=1, n_head=2, n_embd=16,
+                          **{**LAYOUT, switch: value}))
+    with pytest.raises(FolderError, match=f"a NanoChat folder holds {switch} = "):
+        export_hf_nanochat(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_nanochat_folder_whose_weights_disagree_with_its_config_is_one_line(tmp_path):
+    nanochat_folder(tmp_path)
+    config = (tmp_path / "config.json").read_text().replace('"hidden_size": 32', '"hidden_size": 64')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(FolderError, match="do not match its config.json"):
+        load_hf_nanochat(tmp_path)
