@@ -35,7 +35,8 @@ def main(
              "default: the newest run.")] = None,
     checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file to score.")] = None,
     init_from: Annotated[str | None, typer.Option(
-        help="Score a Hugging Face GPT-2 folder (config.json + weights) instead.")] = None,
+        help="Score a Hugging Face GPT-2 or NanoChat folder (config.json, weights, "
+             "tokenizer.json) instead.")] = None,
     dtype: Annotated[str, typer.Option(
         help="Weights dtype: float32, bfloat16, float16 or int8 (weight-only, see "
              "weights/quantize.py).")] = "float32",

@@ -1,11 +1,14 @@
-"""Export a checkpoint of ours as a Hugging Face folder that transformers loads.
+"""Export a checkpoint of ours as a Hugging Face folder that transformers loads: the weights,
+config.json, and tokenizer.json for whichever tokenizer the model was trained with.
 
 Usage:
-    python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2            # GPT-2's format
-    python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force    # replace that export
+    python export.py runs/quickstart out/hf-quickstart               # best.pt of a run
+    python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force # replace that export
+    python export.py runs/nano/last.pt out/hf-nano --format nanochat
 
-GPT-2's layout exports to GPT-2's format (weights/gpt2.py); a layout GPT-2 cannot hold is
-refused in one line that names the switch.
+The format follows from the layout: GPT-2's for GPT-2's layout (weights/gpt2.py), NanoChat's
+for the modern one (weights/nanochat.py); a layout that neither can hold is refused in one
+line naming the switch. AutoModelForCausalLM and AutoTokenizer load the folder.
 """
 
 from __future__ import annotations
@@ -15,24 +18,50 @@ from typing import Annotated
 
 import typer
 
+from data.tokenizer_json import tokenizer_files
 from machine.errors import reported
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.gpt2 import export_hf_gpt2
 from weights.hf import ExportError
+from weights.loading import load_model
+
+FORMATS = ("auto", "gpt2", "nanochat")
 
 
-def main(checkpoint: Path, folder: Path,
+def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Path]:
+    """Write the export; return its format and folder."""
+    from weights.gpt2 import export_hf_gpt2
+    from weights.nanochat import export_hf_nanochat
+    if format not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    path = Path(source)
+    run, checkpoint = (source, None) if path.is_dir() else (None, source)
+    model, tokenizer, _ = load_model(run, checkpoint)
+    if format == "auto":
+        format = "gpt2" if model.config.is_gpt2 else "nanochat"
+    files = tokenizer_files(tokenizer)
+    vocab = getattr(tokenizer, "specials", {})
+    eot = tokenizer.eot_token
+    special = {"bos": vocab.get("<|bos|>", eot), "eos": vocab.get("<|assistant_end|>", eot)}
+    try:
+        if format == "gpt2":
+            return format, export_hf_gpt2(model, folder, force, extra=files)
+        return format, export_hf_nanochat(model, folder, force, extra=files, special=special)
+    except OSError as e:
+        raise ExportError(f"cannot write {folder} ({e.strerror}); choose another "
+                          f"folder") from None
+
+
+def main(checkpoint: Annotated[str, typer.Argument(
+             help="A checkpoint (.pt written by train.py), or a run folder (its best.pt).")],
+         folder: Annotated[Path, typer.Argument(help="The folder to write.")],
+         format: Annotated[str, typer.Option(
+             help="auto (GPT-2's for GPT-2's layout, else NanoChat's), gpt2 or nanochat.")] = "auto",
          force: Annotated[bool, typer.Option(
              help="Replace the export in a folder that is not empty.")] = False) -> None:
-    """Export CHECKPOINT (a .pt written by train.py) to FOLDER in Hugging Face GPT-2 format."""
+    """Export CHECKPOINT to FOLDER as a Hugging Face model folder."""
     with reported(ValueError, OSError):  # OSError: the checkpoint's path
-        model = model_from_checkpoint(load_checkpoint(checkpoint))
-        try:
-            export_hf_gpt2(model, folder, force)
-        except OSError as e:
-            raise ExportError(f"cannot write {folder} ({e.strerror}); choose another "
-                              f"folder") from None
-    typer.echo(f"wrote {folder}/config.json and {folder}/model.safetensors")
+        written_format, written = export(checkpoint, folder, format, force)
+    names = sorted(p.name for p in written.iterdir())
+    typer.echo(f"wrote {written}/ in {written_format}'s format: {', '.join(names)}")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,10 @@ class GPTConfig:
 
     @property
     def is_gpt2(self) -> bool:
-        """GPT-2's layout: what a Hugging Face GPT-2 folder can hold."""
-        return (self.pos_embedding, self.norm, self.qk_norm, self.mlp, self.tie_embeddings,
-                self.n_kv_head) == ("learned", "layernorm", False, "gelu", True, self.n_head)
+        """GPT-2's layout, what a Hugging Face GPT-2 folder can hold: every switch at its
+        default, every head its own keys and values, the MLP 4 n_embd wide."""
+        return (all(getattr(self, name) == default for name, default in SWITCH_DEFAULTS.items())
+                and self.n_kv_head == self.n_head and self.mlp_hidden == 4 * self.n_embd)
 
     @classmethod
     def from_name(cls, name: str) -> GPTConfig:
@@ -107,6 +108,10 @@ class GPTConfig:
         return cls(**PRESETS[name])
 
 
+# the switches of the layout (the other fields are the shape), at GPT-2's values
+SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
+    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap",
+    "norm_eps")}
 FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),

@@ -162,7 +162,8 @@ RunOption = Annotated[str | None, typer.Option(
              "default: the newest run.")]
 CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to load.")]
 InitFromOption = Annotated[str | None, typer.Option(
-        help="Sample from a Hugging Face GPT-2 folder (config.json + weights) instead.")]
+        help="Sample from a Hugging Face GPT-2 or NanoChat folder (config.json, weights, "
+             "tokenizer.json) instead.")]
 NumSamplesOption = Annotated[int, typer.Option(min=1, help="Samples to draw.")]
 MaxNewTokensOption = Annotated[int, typer.Option(min=1, help="Tokens per sample.")]
 TemperatureOption = Annotated[float, typer.Option(

@@ -1,5 +1,6 @@
 """Tokenizers: text <-> token ids. Character-level, GPT-2's BPE (offline), and a BPE trained
-on your corpus; both BPEs encode through tiktoken.
+on your corpus, both encoded by tiktoken; and a Hugging Face folder's tokenizer.json, encoded
+by the `tokenizers` library (its special tokens kept). tokenizer_json.py writes ours as one.
 
 Usage:
     from data.tokenizer import CharTokenizer, load_tokenizer
@@ -17,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import json
 from typing import Protocol
 
 import numpy as np
@@ -89,6 +91,7 @@ class TiktokenTokenizer:
 
     def __init__(self, name: str, pattern: str, ranks: dict[bytes, int]) -> None:
         import tiktoken
+        self.pattern, self.ranks = pattern, ranks
         self.enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens={END_OF_TEXT: len(ranks)})
         self.eot_token = self.enc.eot_token
@@ -134,7 +137,7 @@ class BPETokenizer(TiktokenTokenizer):
         missing = set(range(256)) - {t[0] for t in tokens if len(t) == 1}
         if len(set(tokens)) != len(tokens) or missing:
             raise ValueError("the token table has duplicates or lacks single bytes")
-        self.tokens, self.pattern = tokens, pattern
+        self.tokens = tokens
         super().__init__("bpe", pattern, {t: i for i, t in enumerate(tokens)})
 
     @classmethod
@@ -151,6 +154,73 @@ class BPETokenizer(TiktokenTokenizer):
         # base64 keeps every token's bytes in JSON and in a weights_only checkpoint
         return {"kind": "bpe", "vocab_size": self.vocab_size, "pattern": self.pattern,
                 "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens]}
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json, encoded by the `tokenizers` library: a byte-level BPE
+    (NanoChat's, GPT-2's) or a character table as tokenizer_json.py writes one. Its special
+    tokens keep their ids, and text that spells one ("<|bos|>") stays text."""
+
+    def __init__(self, json_text: str) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        try:
+            spec = json.loads(json_text)
+            model = spec.get("model") or {}
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError("not a tokenizer file (it is not a JSON record)") from None
+        if not isinstance(model, dict) or model.get("type") != "BPE":
+            kind = model.get("type") if isinstance(model, dict) else model
+            raise ValueError(f"it holds a {kind} model; only byte-level BPE (and this "
+                             f"project's character tables) can be read")
+        try:
+            self.backend = Backend.from_str(json_text)
+        except Exception as e:  # the library's own error type is not exported
+            raise ValueError(f"the tokenizers library cannot read it "
+                             f"({str(e).splitlines()[0]})") from None
+        self.json_text = json_text
+        self.backend.encode_special_tokens = True  # text never becomes a special token
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self.specials = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()
+                         if t.special}
+        # a document's natural start: nanochat's <|bos|>, GPT-2's <|endoftext|>
+        self.eot_token = next((vocab[t] for t in ("<|bos|>", END_OF_TEXT) if t in vocab), None)
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        self.byte_of = {c: b for b, c in byte_unicode().items()} if byte_level else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.array(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The bytes of these tokens, a character possibly cut between two of them."""
+        if self.byte_of is None:
+            return self.decode(ids).encode("utf-8")
+        pieces = []
+        for i in ids:
+            token = self.backend.id_to_token(i) or ""
+            special = i in self.specials.values()
+            pieces.append(token.encode("utf-8") if special else bytes(self.byte_of[c] for c in token))
+        return b"".join(pieces)
+
+    def to_meta(self) -> dict:
+        return {"kind": "hf", "vocab_size": self.vocab_size, "json": self.json_text}
+
+
+def byte_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, as byte-level BPE files spell tokens: the
+    printable Latin-1 bytes stand for themselves, the others (control bytes, the space) for
+    the code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 class TextStream:
@@ -175,8 +245,9 @@ class TextStream:
 
 # each kind, and what its description (to_meta) must hold, of what type
 RECORDS = {"char": {"vocab_size": int, "chars": str}, "gpt2": {"vocab_size": int},
-           "bpe": {"vocab_size": int, "pattern": str, "tokens": list}}
-TOKENIZERS = tuple(RECORDS)
+           "bpe": {"vocab_size": int, "pattern": str, "tokens": list},
+           "hf": {"vocab_size": int, "json": str}}
+TOKENIZERS = ("char", "gpt2", "bpe")  # the kinds data.prepare makes; "hf" comes from a folder
 GPT2_VOCAB_SIZE = 50257  # 50,000 merges, the 256 bytes and <|endoftext|>
 
 
@@ -191,6 +262,8 @@ def tokenizer_problem(meta: object) -> str | None:
     if problem:
         return problem
     kind = meta["kind"]  # a BPE's table lacks <|endoftext|>, which comes after it
+    if kind == "hf":  # its size is known once the file is read
+        return None
     size = (len(meta["chars"]) if kind == "char" else len(meta["tokens"]) + 1 if kind == "bpe"
             else GPT2_VOCAB_SIZE)
     if size != meta["vocab_size"]:
@@ -198,7 +271,7 @@ def tokenizer_problem(meta: object) -> str | None:
     return None
 
 
-def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer | BPETokenizer:
+def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer | BPETokenizer | HFTokenizer:
     """Rebuild the tokenizer that `to_meta()` described; ValueError if it is damaged."""
     problem = tokenizer_problem(meta)
     if problem:
@@ -210,4 +283,6 @@ def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer | BPETokenizer:
         return GPT2Tokenizer()
     if kind == "bpe":
         return BPETokenizer.from_meta(meta)
+    if kind == "hf":
+        return HFTokenizer(meta["json"])
 

@@ -40,7 +40,7 @@ from machine.files import write_bytes_atomic
 from machine.perf import available_memory, memory_mb, reset_peak_memory, sync
 from model import GPT, LAYOUTS, GPTConfig
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.gpt2 import load_hf_gpt2
+from weights.loading import load_folder
 from weights.quantize import cast_weights, weight_bytes
 
 PROMPT_LEN = 8
@@ -126,11 +126,11 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 
 def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
                     n_kv_head: int, init_from: str | None = None) -> tuple[GPT, str]:
-    """The model to time, and a line saying what it is: a Hugging Face GPT-2 folder's, a
+    """The model to time, and a line saying what it is: a Hugging Face folder's, a
     checkpoint's, or a preset's shape in `layout` (model.LAYOUTS) with n_kv_head key/value
     heads (0: n_head), random weights."""
     if init_from:
-        return load_hf_gpt2(init_from), init_from
+        return load_folder(init_from)[0], init_from
     if preset is None:
         return model_from_checkpoint(load_checkpoint(checkpoint)), str(checkpoint)
     torch.manual_seed(0)

@@ -365,9 +365,19 @@ CASES = {
                                    "n_embd / n_head (3) must be even"),
     "an unknown norm": ([*TRAIN, "--norm", "batchnorm"], nothing, 1,
                         "error: norm must be one of layernorm, rmsnorm, got 'batchnorm'"),
-    "a modern layout exported to GPT-2": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out"],
-                                          modern_checkpoint, 1,
-                                          "a GPT-2 folder holds GPT-2's layout only"),
+    "a modern layout exported to GPT-2": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out", "--format",
+                                           "gpt2"], modern_checkpoint, 1,
+                                          "error: a GPT-2 folder holds pos_embedding = 'learned', "
+                                          "and this model has 'rope'; export it with --format "
+                                          "nanochat"),
+    "a layout neither format holds": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out"],
+                                      modern_checkpoint, 1,
+                                      "error: a NanoChat folder holds bias = False, and this "
+                                      "model has True; neither NanoChat's format nor GPT-2's "
+                                      "holds this layout"),
+    "an unknown export format": (["export.py", "{ckpt}", "{tmp}/hf-out", "--format", "gguf"],
+                                 nothing, 1, "error: --format must be one of auto, gpt2, "
+                                             "nanochat, got 'gguf'"),
     "a layout override on init_from": ([*BPE_TRAIN, "--init-from", "{tmp}/hf", "--mlp", "relu2"],
                                        hf_folder(), 1, "error: init_from loads GPT-2's layout"),
 }

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.prepare import prepare_text
+from data.tokenizer import load_tokenizer
 from generate import generate
 from training.config import load_config
 from training.loop import train
@@ -193,6 +194,9 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, tra
     idx = torch.randint(0, ours.config.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the char table
+    text = "ROMEO: Juliet loves the moon.\n\nNURSE:  Tybalt"
+    assert auto.encode(text) == load_tokenizer(load_checkpoint(best)["tokenizer"]).encode(text)
     # a second export into the same folder is refused, and the first is left as it was; the
     # command's old name, gpt2.py, is the same command
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
@@ -201,8 +205,9 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, tra
                            timeout=120)
     assert again.returncode == 1 and "Traceback" not in again.stderr
     assert again.stderr.strip() == (f"error: {tmp_path / 'hf'} is not empty; choose another "
-                                    f"folder, or pass --force to replace its config.json and "
-                                    f"model.safetensors")
+                                    f"folder, or pass --force to replace its config.json, "
+                                    f"model.safetensors, tokenizer.json and "
+                                    f"tokenizer_config.json")
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     export_hf_gpt2(ours, tmp_path / "hf", force=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before

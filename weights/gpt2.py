@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from model import GPT, GPTConfig
+from model import GPT, SWITCH_DEFAULTS, GPTConfig
 from weights.checkpoint import state_dict_mismatch
 from weights.hf import FolderError, read_config, read_weights, write_folder
 
@@ -81,18 +81,28 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
     return model.eval()
 
 
-def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
+def gpt2_problem(cfg: GPTConfig) -> str | None:
+    """Why a GPT-2 folder cannot hold this model, naming the switch; None if it can."""
+    if not cfg.bias:
+        return "a GPT-2 folder holds biases, and this model has bias = False"
+    for name, value in SWITCH_DEFAULTS.items():
+        if getattr(cfg, name) != value:
+            return (f"a GPT-2 folder holds {name} = {value!r}, and this model has "
+                    f"{getattr(cfg, name)!r}")
+    if cfg.n_kv_head != cfg.n_head or cfg.mlp_hidden != 4 * cfg.n_embd:
+        return "a GPT-2 folder holds n_kv_head = n_head and n_inner = 4 n_embd"
+    return None
+
+
+def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
+                   extra: dict[str, bytes] | None = None) -> Path:
     """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads.
     A new folder appears whole or not at all (written beside it, then renamed); a folder
     that holds anything is refused unless `force`, and then its two files are replaced."""
+    problem = gpt2_problem(model.config)
+    if problem:
+        raise FolderError(f"{problem}; export it with --format nanochat, or keep its checkpoint")
     cfg = model.config
-    if not cfg.bias:
-        raise FolderError("GPT-2 has biases; a model trained with bias = false cannot be exported")
-    if not cfg.is_gpt2:
-        raise FolderError("a GPT-2 folder holds GPT-2's layout only (learned positions, "
-                              "LayerNorm, GELU, a tied head, every head its own keys); this "
-                              "model was trained with the modern switches, and its checkpoint "
-                              "is the way to keep it")
     state = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight":  # tied to wte: GPT-2 folders store it once
@@ -110,6 +120,6 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False) -> Path:
     }
     if cfg.vocab_size == 50257:  # GPT-2's own vocabulary: its end-of-text token
         hf.update(bos_token_id=50256, eos_token_id=50256)
-    files = {"model.safetensors": save(state, metadata={"format": "pt"}),
+    files = {"model.safetensors": save(state, metadata={"format": "pt"}), **(extra or {}),
              "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # the config last
     return write_folder(folder, files, force)

@@ -1,5 +1,5 @@
-"""A model to run, and its tokenizer: from a run folder, a checkpoint or a Hugging Face GPT-2
-folder, in the weight dtype asked for. Shared by sample.py and evaluate.py.
+"""A model to run, and its tokenizer: from a run folder, a checkpoint or a Hugging Face folder
+(GPT-2's or NanoChat's), in the weight dtype asked for. Shared by sample.py and evaluate.py.
 
 Usage:
     from weights.loading import load_model
@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from data.tokenizer import Tokenizer, load_tokenizer
+from data.tokenizer import GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from model import GPT
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.hf import FolderError, model_type
 from weights.quantize import cast_weights, check_weight_dtype
 
 
@@ -59,6 +60,38 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
     return run_checkpoint(newest)
 
 
+def load_folder(folder: str | Path, block_size: int | None = None) -> tuple[GPT, Tokenizer]:
+    """The model and tokenizer of a Hugging Face folder: GPT-2's (read with GPT-2's BPE) or
+    NanoChat's (read with its tokenizer.json). block_size below the folder's crops it."""
+    from weights.gpt2 import load_hf_gpt2
+    from weights.nanochat import load_hf_nanochat
+    kind = model_type(folder)
+    if kind == "gpt2":
+        model, tokenizer = load_hf_gpt2(folder, block_size=block_size), GPT2Tokenizer()
+    elif kind == "nanochat":
+        model, tokenizer = load_hf_nanochat(folder, block_size=block_size), folder_tokenizer(folder)
+    else:
+        raise FolderError(f"{folder} holds a {kind!r} model; --init-from reads GPT-2 and "
+                          f"NanoChat folders")
+    if model.config.vocab_size < tokenizer.vocab_size:
+        whose = ("GPT-2's", ": a Hugging Face folder is read with GPT-2's tokenizer only") \
+            if kind == "gpt2" else ("its tokenizer's", "")
+        raise LoadError(f"{folder} has a vocabulary of {model.config.vocab_size:,} tokens, "
+                        f"fewer than {whose[0]} {tokenizer.vocab_size:,}{whose[1]}")
+    return model, tokenizer
+
+
+def folder_tokenizer(folder: str | Path) -> HFTokenizer:
+    """The tokenizer.json of a folder; FolderError if it is missing or not one this reads."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise FolderError(f"{folder} has no tokenizer.json; a NanoChat folder needs one")
+    try:
+        return HFTokenizer(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FolderError(f"{path}: {e}") from None
+
+
 def load_model(run: str | None = None, checkpoint: str | None = None,
                init_from: str | None = None, device: str = "cpu",
                dtype: str = "float32") -> tuple[GPT, Tokenizer, str]:
@@ -66,14 +99,7 @@ def load_model(run: str | None = None, checkpoint: str | None = None,
     mode, its tokenizer, and where it came from. init_from wins over run and checkpoint."""
     check_weight_dtype(dtype)  # before a checkpoint is read
     if init_from:
-        from data.tokenizer import GPT2Tokenizer
-        from weights.gpt2 import load_hf_gpt2
-        model, source = load_hf_gpt2(init_from), init_from
-        tokenizer = GPT2Tokenizer()
-        if model.config.vocab_size < tokenizer.vocab_size:
-            raise LoadError(f"{init_from} has a vocabulary of {model.config.vocab_size:,} "
-                            f"tokens, fewer than GPT-2's {tokenizer.vocab_size:,}: a Hugging "
-                            f"Face folder is read with GPT-2's tokenizer only")
+        (model, tokenizer), source = load_folder(init_from), init_from
     else:
         path = resolve_checkpoint(run, checkpoint)
         ckpt = load_checkpoint(path, map_location="cpu")

@@ -1,0 +1,118 @@
+"""export.py and --init-from end to end: a model trained here in nanochat's layout leaves as
+a Hugging Face folder with the same loss and tokens in transformers, and comes back in to
+sample and evaluate as its checkpoint does; every tokenizer of ours gives AutoTokenizer's ids."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_corpus
+from torch.nn import functional as F
+
+from data.bpe import train_bpe
+from data.tokenizer import CharTokenizer, GPT2Tokenizer
+from data.tokenizer_json import tokenizer_files
+from tests.layouts import LAYOUTS
+from training.config import load_config
+from training.loop import train
+from weights.checkpoint import load_checkpoint
+
+transformers = pytest.importorskip("transformers")  # test-only dependency
+REPO = Path(__file__).resolve().parent.parent
+TEXTS = ["Hello, world!  Runs   of spaces\n\n\nand newlines\tand tabs",
+         "unicode: é ß Ωμέγα 中文, emoji 🙂👍🏽 and 'll 've 're",
+         "  leading and trailing spaces   ", "numbers 1234567 and 3.14159\r\n"]
+
+
+@pytest.fixture(scope="module")
+def nanochat_run(tmp_path_factory, char_data) -> Path:
+    """A tiny model in nanochat's layout (no biases), trained 20 steps: runs/nano."""
+    out = tmp_path_factory.mktemp("runs")
+    layout = {k: v for k, v in LAYOUTS["nanochat"].items() if k != "n_inner"}
+    cfg = load_config(REPO / "config" / "tiny.toml", {
+        "data_dir": str(char_data), "out_dir": str(out), "run_name": "nano", "max_iters": 20,
+        "eval_interval": 20, "sample_tokens": 0, "bias": False, "n_kv_head": 1, **layout})
+    return train(cfg).run_dir
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanochat_run):
+    result = run("export.py", str(nanochat_run), str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {tmp_path / 'hf'}/ in nanochat's format")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = make_corpus(20, seed=5)
+    ids = torch.tensor([tokenizer.encode(text)[:32]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    theirs = F.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+    (tmp_path / "text.txt").write_text(text[:32])  # the 32 characters transformers scored
+    scored = run("evaluate.py", "--input", str(tmp_path / "text.txt"), "--run", str(nanochat_run))
+    assert scored.returncode == 0, scored.stderr
+    ours = float(scored.stdout.split("loss ")[1].split()[0])
+    assert math.isclose(ours, theirs, abs_tol=1e-4)
+    # greedy tokens: transformers' generate equals sample.py's, from the checkpoint and from
+    # the exported folder read back
+    prompt = "ROMEO: "
+    greedy = model.generate(torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=20,
+                            do_sample=False)
+    expected = tokenizer.decode(greedy[0])
+    for source in (["--run", str(nanochat_run)], ["--init-from", str(tmp_path / "hf")]):
+        sampled = run("sample.py", *source, "--prompt", prompt, "--max-new-tokens", "20",
+                      "--temperature", "0")
+        assert sampled.returncode == 0, sampled.stderr
+        assert sampled.stdout == expected + "\n"
+
+
+@pytest.mark.parametrize("kind", ["char", "gpt2", "bpe"])
+def test_every_tokenizer_of_ours_gives_autotokenizers_ids(tmp_path, kind):
+    if kind == "char":
+        ours = CharTokenizer.from_text("".join(TEXTS))
+    elif kind == "gpt2":
+        ours = GPT2Tokenizer()
+    else:
+        ours = train_bpe(iter([make_corpus(2000) + "".join(TEXTS)]), 400)
+    for name, data in tokenizer_files(ours).items():
+        (tmp_path / name).write_bytes(data)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert auto.encode(text, add_special_tokens=False) == ids
+        assert auto.decode(ids) == text
+
+
+def test_a_folder_that_cannot_be_read_is_one_line_and_nothing_written(tmp_path, nanochat_run):
+    folder = tmp_path / "hf"
+    assert run("export.py", str(nanochat_run), str(folder)).returncode == 0
+    cases = {
+        "no tokenizer.json": ("tokenizer.json", None, "has no tokenizer.json"),
+        "another model type": ("config.json", '{"model_type": "llama"}',
+                               "holds a 'llama' model; --init-from reads GPT-2 and NanoChat"),
+        "a WordPiece tokenizer": ("tokenizer.json",
+                                  '{"version": "1.0", "model": {"type": "WordPiece", '
+                                  '"vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}}',
+                                  "tokenizer.json: it holds a WordPiece model; only byte-level BPE"),
+    }
+    for name, (file, contents, message) in cases.items():
+        broken = tmp_path / name.replace(" ", "-")
+        broken.mkdir()
+        for f in folder.iterdir():
+            (broken / f.name).write_bytes(f.read_bytes())
+        if contents is None:
+            (broken / file).unlink()
+        else:
+            (broken / file).write_text(contents)
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        result = run("sample.py", "--init-from", str(broken), "--prompt", "ROMEO:")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, name
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, name
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert load_checkpoint(nanochat_run / "best.pt")["iter_num"] == 20
