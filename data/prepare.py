@@ -45,7 +45,7 @@ from data.bpe import check_vocab_size, train_bpe
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
-from data.tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, load_tokenizer
+from data.tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
 from data.workers import CHAR_SEPARATOR, alphabet_of, ordered_map, separator_ids, tokenize_batch, usable_cores
 from machine.errors import reported
 from machine.files import write_bytes_atomic
@@ -218,11 +218,18 @@ def sample_texts(inputs: list[Input], text_field: str, limit: int) -> Iterator[s
 
 
 def reused_tokenizer(path: str) -> dict:
-    """The tokenizer of a prepared dataset (its folder or meta.json), checked."""
+    """The tokenizer of a prepared dataset (its folder or meta.json), or of a Hugging Face
+    folder (its tokenizer.json), checked."""
+    folder_json = Path(path) / "tokenizer.json"
+    if folder_json.is_file() and not (Path(path) / "meta.json").exists():
+        try:
+            return HFTokenizer(folder_json.read_text(encoding="utf-8")).to_meta()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DataError(f"{folder_json}: {e}") from None
     meta_path = Path(path) / "meta.json" if Path(path).is_dir() else Path(path)
     if not meta_path.is_file():
-        raise DataError(f"unknown tokenizer {path!r}; choose char, gpt2, bpe, or the folder of "
-                        f"a prepared dataset whose tokenizer to reuse")
+        raise DataError(f"unknown tokenizer {path!r}; choose char, gpt2, bpe, the folder of a "
+                        f"prepared dataset whose tokenizer to reuse, or a Hugging Face folder")
     meta = read_json(meta_path)
     described = meta.get("tokenizer") if meta else None
     try:

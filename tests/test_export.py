@@ -16,7 +16,7 @@ from data.bpe import train_bpe
 from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from data.tokenizer_json import tokenizer_files
 from tests.layouts import LAYOUTS
-from training.config import load_config
+from training.config import ConfigError, load_config
 from training.loop import train
 from weights.checkpoint import load_checkpoint
 
@@ -116,3 +116,30 @@ def test_a_folder_that_cannot_be_read_is_one_line_and_nothing_written(tmp_path, 
         assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, name
         assert sorted(p.name for p in tmp_path.rglob("*")) == before
     assert load_checkpoint(nanochat_run / "best.pt")["iter_num"] == 20
+
+
+def test_a_nanochat_folder_is_fine_tuned_on_data_prepared_with_its_tokenizer(tmp_path, nanochat_run,
+                                                                            corpus_file, char_data):
+    folder = tmp_path / "hf"
+    assert run("export.py", str(nanochat_run), str(folder)).returncode == 0
+    prepared = run("-m", "data.prepare", "--input", str(corpus_file), "--tokenizer", str(folder),
+                   "--out", str(tmp_path / "data"))
+    assert prepared.returncode == 0, prepared.stderr
+    cfg = load_config(REPO / "config" / "tiny.toml", {
+        "init_from": str(folder), "data_dir": str(tmp_path / "data"),
+        "out_dir": str(tmp_path / "runs"), "max_iters": 10, "eval_interval": 10,
+        "sample_tokens": 0, "learning_rate": 1e-3, "block_size": 16})
+    result = train(cfg)
+    ckpt = load_checkpoint(result.run_dir / "best.pt")
+    base = load_checkpoint(nanochat_run / "best.pt")
+    assert ckpt["model_args"]["block_size"] == 16 and ckpt["model_args"]["embed_norm"]
+    # the same text as the base model's data, the same ids: ten more steps go on learning
+    assert ckpt["tokenizer"]["kind"] == "hf" and ckpt["val_loss"] < base["val_loss"]
+    sampled = run("sample.py", "--run", str(result.run_dir), "--prompt", "ROMEO:",
+                  "--max-new-tokens", "10")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
+    # data tokenized otherwise (the char dataset's own table) is refused, and nothing written
+    with pytest.raises(ConfigError, match=f"init_from needs data tokenized by {folder}'s "
+                                          f"tokenizer, but {char_data} was prepared with another"):
+        train(cfg.updated(data_dir=str(char_data), run_name="other"))
+    assert not (tmp_path / "runs" / "other").exists()

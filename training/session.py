@@ -67,23 +67,38 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
                                        param_dtype, cfg.compile)
     if not cfg.init_from:
         return GPT(cfg.model_config(meta["vocab_size"])).to(device)
-    if not cfg.model_config(meta["vocab_size"]).is_gpt2:
-        raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, qk_norm, "
-                          "mlp, tie_embeddings and n_kv_head at their defaults to fine-tune it")
-    if meta["tokenizer"]["kind"] != "gpt2":
-        raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
-                          f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
-    from weights.gpt2 import load_hf_gpt2
-    from weights.hf import FolderError
+    return pretrained_model(cfg, meta).to(device)
+
+
+def pretrained_model(cfg: TrainConfig, meta: dict) -> GPT:
+    """The Hugging Face folder to fine-tune (GPT-2's or NanoChat's), its context cropped to
+    block_size, checked against the data it will see: its folder sets the model's shape and
+    layout, and the data must be tokenized as it was."""
+    from weights.hf import model_type
+    from weights.loading import load_folder
     try:
-        model = load_hf_gpt2(cfg.init_from, block_size=cfg.model.block_size, dropout=cfg.model.dropout)
-    except FolderError as e:
+        kind = model_type(cfg.init_from)
+        if kind == "gpt2" and not cfg.model_config(meta["vocab_size"]).is_gpt2:
+            raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
+                              "qk_norm, mlp, tie_embeddings and n_kv_head at their defaults "
+                              "to fine-tune it")
+        if kind == "gpt2" and meta["tokenizer"]["kind"] != "gpt2":
+            raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
+                              f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
+        model, tokenizer = load_folder(cfg.init_from, cfg.model.block_size, cfg.model.dropout)
+    except ConfigError:
+        raise
+    except ValueError as e:  # FolderError, LoadError
         raise ConfigError(f"init_from: {e}") from None
+    if kind != "gpt2" and tokenizer.to_meta() != meta["tokenizer"]:
+        raise ConfigError(f"init_from needs data tokenized by {cfg.init_from}'s tokenizer, "
+                          f"but {cfg.data_dir} was prepared with another; prepare it with "
+                          f"--tokenizer {cfg.init_from}")
     if model.config.vocab_size < meta["vocab_size"]:
         raise ConfigError(f"init_from: {cfg.init_from} has a vocabulary of "
                           f"{model.config.vocab_size:,} tokens, fewer than the "
                           f"{meta['vocab_size']:,} of {cfg.data_dir}; use a GPT-2 folder")
-    return model.to(device)
+    return model
 
 
 def sharded(cfg: TrainConfig, dist: distributed.Dist) -> bool:

@@ -60,16 +60,17 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
     return run_checkpoint(newest)
 
 
-def load_folder(folder: str | Path, block_size: int | None = None) -> tuple[GPT, Tokenizer]:
+def load_folder(folder: str | Path, block_size: int | None = None,
+                dropout: float = 0.0) -> tuple[GPT, Tokenizer]:
     """The model and tokenizer of a Hugging Face folder: GPT-2's (read with GPT-2's BPE) or
     NanoChat's (read with its tokenizer.json). block_size below the folder's crops it."""
     from weights.gpt2 import load_hf_gpt2
     from weights.nanochat import load_hf_nanochat
     kind = model_type(folder)
     if kind == "gpt2":
-        model, tokenizer = load_hf_gpt2(folder, block_size=block_size), GPT2Tokenizer()
+        model, tokenizer = load_hf_gpt2(folder, block_size, dropout), GPT2Tokenizer()
     elif kind == "nanochat":
-        model, tokenizer = load_hf_nanochat(folder, block_size=block_size), folder_tokenizer(folder)
+        model, tokenizer = load_hf_nanochat(folder, block_size, dropout), folder_tokenizer(folder)
     else:
         raise FolderError(f"{folder} holds a {kind!r} model; --init-from reads GPT-2 and "
                           f"NanoChat folders")

@@ -54,7 +54,7 @@ def flip_rope(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return rows.reshape(w.shape)
 
 
-def config_from_hf(hf: dict, path: Path) -> GPTConfig:
+def config_from_hf(hf: dict, path: Path, dropout: float = 0.0) -> GPTConfig:
     """model.py's GPTConfig for a NanoChat config.json, or FolderError naming what does not fit."""
     missing = [key for key in CONFIG_KEYS if key not in hf]
     if missing:
@@ -75,15 +75,16 @@ def config_from_hf(hf: dict, path: Path) -> GPTConfig:
             n_inner=0 if hf["intermediate_size"] == 4 * n_embd else hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
             logit_softcap=hf.get("final_logit_softcapping") or 0.0,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **LAYOUT)
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=dropout, **LAYOUT)
     except (TypeError, ValueError) as e:
         raise FolderError(f"{path}: {e}") from None
 
 
-def load_hf_nanochat(folder: str | Path, block_size: int | None = None) -> GPT:
+def load_hf_nanochat(folder: str | Path, block_size: int | None = None,
+                     dropout: float = 0.0) -> GPT:
     """A GPT holding the weights of a NanoChat folder; block_size below its context crops it."""
     folder = Path(folder)
-    config = config_from_hf(read_config(folder), folder / "config.json")
+    config = config_from_hf(read_config(folder), folder / "config.json", dropout)
     hd, state = config.head_dim, {}
     for key, tensor in read_weights(folder).items():
         name = key.removeprefix("model.")
@@ -110,6 +111,9 @@ def load_hf_nanochat(folder: str | Path, block_size: int | None = None) -> GPT:
     if problem:
         raise FolderError(f"weights in {folder} do not match its config.json: {problem}")
     model.load_state_dict(state)
+    if block_size is not None and block_size > config.block_size:
+        raise FolderError(f"block_size {block_size} exceeds {folder}'s context of "
+                          f"{config.block_size} tokens (max_position_embeddings)")
     if block_size is not None and block_size < config.block_size:
         model.crop_block_size(block_size)
     return model.eval()
