@@ -40,21 +40,17 @@ class GPTConfig:
     n_embd: int = switch(384, "embedding width; a multiple of n_head")
     dropout: float = switch(0.0, "dropout probability (0 for small data or short runs)")
     bias: bool = switch(True, "biases in Linear and LayerNorm layers, as in GPT-2")
-    pos_embedding: str = switch("learned", "positions: learned (GPT-2's table), rope (rotary) "
-                                "or none (the causal mask alone carries order)")
+    pos_embedding: str = switch("learned", "learned (GPT-2's table), rope (rotary) or none")
     norm: str = switch("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
     qk_norm: bool = switch(False, "RMS-normalize each head's queries and keys before attention")
     mlp: str = switch("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
     tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
-    n_kv_head: int = switch(0, "key/value heads (grouped-query attention); 0 means n_head, "
-                            "1 is multi-query")
+    n_kv_head: int = switch(0, "key/value heads (GQA); 0 means n_head, 1 is multi-query")
     embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
-    logit_softcap: float = switch(0.0, "squash the logits into (-C, C) as C tanh(logits / C); 0 "
-                                  "means off (nanochat uses 15)")
+    logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0: off, nanochat: 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = switch(1e-5, "every norm's epsilon (transformers' NanoChat uses 1e-6)")
-    rope_theta: float = switch(10000.0, "rope's base: pair i of a head at position p turns by "
-                               "p / theta^(2i / head_dim)")
+    rope_theta: float = switch(10000.0, "rope's base: pair i turns by p / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
         # a shape read from a file (a checkpoint, a Hugging Face config.json) may hold 1.0
@@ -80,9 +76,8 @@ class GPTConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for name, low in (("logit_softcap", 0.0), ("n_inner", 0), ("norm_eps", 1e-12),
-                          ("rope_theta", 1.0)):  # "not >=": NaN is refused too
-            if not (math.isfinite(value := getattr(self, name)) and value >= low):
+        for name, low in {"logit_softcap": 0, "n_inner": 0, "norm_eps": 1e-12, "rope_theta": 1}.items():
+            if not (math.isfinite(value := getattr(self, name)) and value >= low):  # NaN too
                 raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
 
     @property
@@ -120,8 +115,8 @@ CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "
 # the layouts that sample.py --benchmark and the presets name: GPT-2's, every switch on but
 # GQA (which buys cache memory, not loss; see docs/performance.md), and nanochat's
 MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
-LAYOUTS = {"gpt2": {}, "modern": MODERN,
-           "nanochat": {**MODERN, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
+LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
+    **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
 
 PRESETS = {
     "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
@@ -129,6 +124,7 @@ PRESETS = {
     "gpt2-medium": dict(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": dict(vocab_size=50257, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    "nanochat-d12": dict(vocab_size=65536, block_size=2048, n_layer=12, n_head=6, n_embd=768),
 }
 
 

@@ -70,18 +70,23 @@ def ours(model: GPT, step: DecodeStep | None) -> Tokens:
 
 
 def transformers_generate(model: GPT) -> Tokens | None:
-    """transformers' greedy generate on the same weights, or None if it is not installed."""
+    """transformers' greedy generate on the same weights (exported to GPT-2's format or
+    NanoChat's, as the layout allows), or None if it is not installed or neither holds it."""
     try:
         import transformers
     except ImportError:
         return None
     from weights.gpt2 import export_hf_gpt2
+    from weights.nanochat import export_hf_nanochat, nanochat_problem
+    if not model.config.is_gpt2 and nanochat_problem(model.config):
+        return None
+    export = export_hf_gpt2 if model.config.is_gpt2 else export_hf_nanochat
     # quiet: its notes on GPT-2's end-of-text id outside a character vocabulary, its bars
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
-        export_hf_gpt2(copy.deepcopy(model).float(), folder)  # a copy: .float() casts in place
-        theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+        export(copy.deepcopy(model).float(), folder, force=True)  # a copy: .float() casts in place
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     p = model.lm_head.weight
     theirs = theirs.to(device=p.device, dtype=p.dtype)
 
