@@ -78,7 +78,8 @@ RECIPES = [
 def ablation_recipes() -> list[Recipe]:
     """The classic recipe; the quickstart (modern layout, Muon) with each switch turned back
     to GPT-2's, and GPT-2's layout with each turned on, Muon throughout; no positions; and
-    grouped-query attention at n_kv_head n_head / 2 and 1 (multi-query). Each Muon row
+    grouped-query attention at n_kv_head n_head / 2 and 1 (multi-query); nanochat's details
+    (nanochat_recipes). Each Muon row
     in the dtype that auto chooses for it, as a user would run it."""
     rows = [RECIPES[0], Recipe("quickstart: modern layout, muon", QUICKSTART, {}),
             Recipe("GPT-2 layout, muon", QUICKSTART, GPT2_LAYOUT)]
@@ -89,7 +90,15 @@ def ablation_recipes() -> list[Recipe]:
     rows += [Recipe("modern, embedding_lr = learning_rate", QUICKSTART, {"embedding_lr": 0})]
     rows += [Recipe("modern, pos_embedding = none", QUICKSTART, {"pos_embedding": "none"})]
     rows += [Recipe(f"modern, n_kv_head = {n}", QUICKSTART, {"n_kv_head": n}) for n in (2, 1)]
-    return rows
+    return rows + nanochat_recipes()
+
+
+def nanochat_recipes() -> list[Recipe]:
+    """nanochat's details on the quickstart, one at a time and all together."""
+    details = {"bias": False, "embed_norm": True, "logit_softcap": 15.0}
+    rows = [Recipe(f"modern, {name} = {value}", QUICKSTART, {name: value})
+            for name, value in details.items()]
+    return rows + [Recipe("nanochat's layout (all three)", QUICKSTART, details)]
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[Any]]:
