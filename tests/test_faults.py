@@ -40,16 +40,18 @@ def wait_for_line(proc: subprocess.Popen, text: str) -> None:
     raise AssertionError(f"training ended before printing {text!r}: {proc.stderr.read()}")
 
 
-def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path, char_data):
+# SIGHUP: the terminal or the SSH session that started the run was closed
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, char_data, signum):
     args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--eval-interval", "100000",
             "--sample-tokens", "0")
     proc = start_training(*args, "--max-iters", "100000")
     wait_for_line(proc, "iter 0:")
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGINT
-    assert "interrupted: stopped by SIGINT at iter" in stderr and "--resume" in stderr
+    assert proc.returncode == 128 + signum
+    assert f"interrupted: stopped by {signum.name} at iter" in stderr and "--resume" in stderr
     assert "Traceback" not in stderr
     stopped_at = load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"]
     assert stopped_at > 0

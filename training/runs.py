@@ -130,7 +130,8 @@ def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
 
 @contextmanager
 def stop_signals() -> Iterator[dict[str, int]]:
-    """While active, SIGINT and SIGTERM only set stop["signal"], so the loop can finish its
+    """While active, SIGINT, SIGTERM and SIGHUP (the terminal or SSH session closed) only
+    set stop["signal"], so the loop can finish its
     step and save. A second Ctrl-C interrupts at once, as usual."""
     stop: dict[str, int] = {}
     if threading.current_thread() is not threading.main_thread():
@@ -141,7 +142,8 @@ def stop_signals() -> Iterator[dict[str, int]]:
         stop["signal"] = signum
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, handler)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield stop
     finally:
