@@ -13,6 +13,7 @@ The context-window policy past block_size is stated in main's docstring, which i
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,14 @@ from weights.quantize import check_weight_dtype
 
 class SampleError(ValueError):
     """Input that sampling cannot use; the message says what to change."""
+
+
+def prompt_text(prompt: str, prompt_file: Path | None) -> str:
+    """--prompt-file's text, else --prompt's. The shell's bytes are read as the file's, so
+    text that is not UTF-8 is refused from both (Python would pass it on as U+DC80-U+DCFF)."""
+    if prompt_file:
+        return decode_text(prompt_file.read_bytes(), str(prompt_file))
+    return decode_text(os.fsencode(prompt), "--prompt")
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -257,7 +266,7 @@ def main(
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind
         attention_path = attention_target(attention) if attention is not None else None
-        text = decode_text(prompt_file.read_bytes(), str(prompt_file)) if prompt_file else prompt
+        text = prompt_text(prompt, prompt_file)
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
 

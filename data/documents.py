@@ -30,6 +30,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -205,6 +206,11 @@ def parquet_batches(item: Input, field: str) -> Iterator[Batch]:
         rows += len(texts)
 
 
+# UTF-16's halves of a character, which JSON may escape one at a time; alone they are no
+# character, and no tokenizer can encode them
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def batch_texts(batch: Batch) -> list[tuple[str, bool]]:
     """The texts of a batch, each with whether it starts a document. Runs in a worker."""
     if batch.kind == "text":
@@ -232,6 +238,9 @@ def batch_texts(batch: Batch) -> list[tuple[str, bool]]:
             got = "no such field" if text is None else f"a {type(text).__name__}"
             raise DataError(f"{where} has no text in field {batch.field!r} ({got}); name the "
                             f"text field with --text-field")
+        if (half := LONE_SURROGATE.search(text)) is not None:  # JSON's "\ud83d" alone
+            raise DataError(f"{where} escapes half a character (\\u{ord(half[0]):04x} without "
+                            f"its pair), which no text holds; fix or remove the line")
         texts.append((text, True))
     return texts
 

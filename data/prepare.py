@@ -373,6 +373,19 @@ def prepare_builtin(name: str, out_dir: str | Path) -> dict:
                         vocab_size=vocab_size)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, `kill`) or SIGHUP (the terminal closed): the preparation
+    stops as at Ctrl-C, between two whole shards, and says how to resume."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stop(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
 def main(
     input: Annotated[list[str] | None, typer.Option(
         help="A corpus file or folder, read recursively; repeat for more. .txt (a file is a "
@@ -397,6 +410,8 @@ def main(
     force: Annotated[bool, typer.Option(help="Replace a dataset already in --out.")] = False,
 ) -> None:
     """Tokenize a corpus into shards of token ids and meta.json, streaming, on every core."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # answered as Ctrl-C is
+        signal.signal(signum, stop)
     try:
         with reported(DataError, AssetError, OSError):  # OSError: a path the file system refuses
             if input:
@@ -413,10 +428,10 @@ def main(
                            tokenizer_train_chars=tokenizer_train_chars, text_field=text_field,
                            val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
                            force=force, progress=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (see Stopped)
         typer.echo(f"interrupted: run the same command again to resume {out} after its last "
                    f"whole shard", err=True)
-        raise typer.Exit(128 + signal.SIGINT) from None
+        raise typer.Exit(128 + getattr(e, "signum", signal.SIGINT)) from None
     typer.echo(f"{meta['source']}: {meta['documents']:,} documents, {meta['train_tokens']:,} "
                f"train + {meta['val_tokens']:,} val tokens in {len(meta['shards'])} shards, "
                f"vocabulary {meta['vocab_size']:,}, written to {out}/")

@@ -59,6 +59,11 @@ def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanoch
     assert scored.returncode == 0, scored.stderr
     ours = float(scored.stdout.split("loss ")[1].split()[0])
     assert math.isclose(ours, theirs, abs_tol=1e-4)
+    # the folder read back scores the text's own tokens, no special token added
+    folder = run("evaluate.py", "--input", str(tmp_path / "text.txt"), "--init-from",
+                 str(tmp_path / "hf"))
+    assert folder.returncode == 0, folder.stderr
+    assert float(folder.stdout.split("loss ")[1].split()[0]) == ours
     # greedy tokens: transformers' generate equals sample.py's, from the checkpoint and from
     # the exported folder read back
     prompt = "ROMEO: "

@@ -193,7 +193,8 @@ def as_from_a_terminal() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def test_ctrl_c_stops_cleanly_in_one_line_and_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_cleanly_in_one_line_and_the_same_command_resumes(tmp_path, signum):
     path = write_corpus(tmp_path / "in", make_documents(3000), "jsonl")
     command = [sys.executable, "-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2",
                "--shard-tokens", "300"]
@@ -202,10 +203,10 @@ def test_ctrl_c_stops_cleanly_in_one_line_and_the_same_command_resumes(tmp_path)
                             preexec_fn=as_from_a_terminal)
     while len(list((tmp_path / "cut").glob("tokens_*.bin"))) < 5 and proc.poll() is None:
         time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, (stderr, signal.getsignal(signal.SIGINT),
-                                    signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    assert proc.returncode == 128 + signum, (stderr, signal.getsignal(signal.SIGINT),
+                                             signal.pthread_sigmask(signal.SIG_BLOCK, []))
     assert stderr.splitlines() == [f"interrupted: run the same command again to resume "
                                    f"{tmp_path / 'cut'} after its last whole shard"]
     assert not (tmp_path / "cut" / "meta.json").exists()
@@ -306,4 +307,18 @@ def test_bad_input_is_one_line_naming_the_file_and_nothing_is_left(tmp_path, nam
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
     assert message in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lone_surrogate_escape_is_one_line_naming_the_line_and_nothing_is_left(tmp_path):
+    # "\ud83d" is half of an emoji's UTF-16 pair: valid JSON, but no character
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "half an emoji: \\ud83d"}\n')
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                             "--tokenizer", "gpt2", "--out", str(tmp_path / "out")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: {path} line 2 escapes half a character (\\ud83d without its pair), which no "
+        f"text holds; fix or remove the line"]
     assert not (tmp_path / "out").exists()

@@ -348,3 +348,19 @@ def test_a_temperature_however_small_samples_the_likeliest_token(temperature):
     logits = torch.tensor([[3.0, 9.5, -2.0, 9.25], [100.0, -100.0, 0.0, 50.0]])
     picked = sample_next(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
     assert picked.flatten().tolist() == [1, 0]
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_from_the_command_line_as_from_a_file(tmp_path,
+                                                                                trained_run):
+    bad = b"ROMEO\xff:"
+    (tmp_path / "prompt.txt").write_bytes(bad)
+    for source, where in (([b"--prompt", bad], "--prompt"),
+                          ([b"--prompt-file", bytes(tmp_path / "prompt.txt")],
+                           str(tmp_path / "prompt.txt"))):
+        result = subprocess.run([sys.executable.encode(), b"sample.py", b"--run",
+                                 bytes(trained_run), *source], cwd=REPO, capture_output=True,
+                                timeout=120)
+        stderr = result.stderr.decode()
+        assert result.returncode == 1 and "Traceback" not in stderr
+        assert stderr.splitlines() == [f"error: {where} is not valid UTF-8 (byte offset 5, line "
+                                       f"1); convert it to UTF-8 first"]
