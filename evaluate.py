@@ -20,7 +20,7 @@ import typer
 
 from data.sources import read_text
 from machine.device import resolve_device
-from machine.errors import reported
+from machine.errors import reported, run_command
 from machine.files import check_output_file, write_bytes_atomic
 from measure.scores import check_stride, evaluate
 from weights.loading import load_model
@@ -82,4 +82,4 @@ def main(
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_command(lambda: typer.run(main))

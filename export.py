@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from data.tokenizer_json import tokenizer_files
-from machine.errors import reported
+from machine.errors import reported, run_command
 from weights.hf import ExportError
 from weights.loading import load_model
 
@@ -65,4 +65,4 @@ def main(checkpoint: Annotated[str, typer.Argument(
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_command(lambda: typer.run(main))

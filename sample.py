@@ -27,7 +27,7 @@ from data.sources import decode_text
 from data.tokenizer import Tokenizer
 from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
 from machine.device import resolve_device
-from machine.errors import reported
+from machine.errors import reported, run_command
 from machine.files import check_output_file, probe_writable
 from model import GPT, LAYOUTS
 from training.config import check_seed
@@ -282,4 +282,4 @@ def main(
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_command(lambda: typer.run(main))

@@ -22,7 +22,7 @@ import typer
 from data.assets import AssetError
 from data.sources import DataError
 from machine.device import DeviceError
-from machine.errors import reported
+from machine.errors import reported, run_command
 from training import distributed
 from training.config import ConfigError, cli_parameters, load_config
 from training.loop import Interrupted, TrainingError, train
@@ -89,4 +89,4 @@ def build_cli() -> typer.Typer:
 
 
 if __name__ == "__main__":
-    build_cli()()
+    run_command(build_cli())

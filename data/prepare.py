@@ -47,7 +47,7 @@ from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
 from data.tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
 from data.workers import CHAR_SEPARATOR, alphabet_of, ordered_map, separator_ids, tokenize_batch, usable_cores
-from machine.errors import reported
+from machine.errors import reported, run_command
 from machine.files import write_bytes_atomic
 
 # built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
@@ -438,4 +438,4 @@ def main(
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_command(lambda: typer.run(main))

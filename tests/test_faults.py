@@ -2,6 +2,7 @@
 since the last checkpoint, and never leave a checkpoint that does not load."""
 
 import dataclasses
+import json
 import os
 import pickle
 import random
@@ -416,3 +417,30 @@ def test_a_damaged_decode_step_in_the_cache_is_built_again(tmp_path, trained_run
     again = run_with_cache(str(tmp_path), *sample)
     assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
     assert library.read_bytes()[:4] == b"\x7fELF" and library.stat().st_size > 1000
+
+
+def test_output_to_a_full_disk_is_one_line_and_what_was_written_is_kept(tmp_path, trained_run,
+                                                                      corpus_file):
+    """stdout on a full disk (`> /dev/full`): one line on stderr and exit 1, for every
+    command, and the files the command wrote (evaluate's --json, prepare's dataset) stay."""
+    best = str(trained_run / "best.pt")
+    commands = {
+        "sample": ["sample.py", "--checkpoint", best, "--prompt", "ROMEO:",
+                   "--max-new-tokens", "5"],
+        "evaluate": ["evaluate.py", "--checkpoint", best, "--input", str(corpus_file),
+                     "--json", str(tmp_path / "scores.json")],
+        "prepare": ["-m", "data.prepare", "--input", str(corpus_file), "--out",
+                    str(tmp_path / "data")],
+        "help": ["train.py", "--help"],
+    }
+    for name, argv in commands.items():
+        with open("/dev/full", "w") as full:
+            result = subprocess.run([sys.executable, *argv], cwd=REPO, stdout=full,
+                                    stderr=subprocess.PIPE, text=True, timeout=120)
+        assert result.returncode == 1, (name, result.stderr)
+        assert result.stderr.splitlines()[-1:] == [
+            "error: cannot write the output (No space left on device); send it to a file or "
+            "a disk with space"], (name, result.stderr)
+        assert "Traceback" not in result.stderr, name
+    assert json.loads((tmp_path / "scores.json").read_text())["tokens"] > 0
+    assert (tmp_path / "data" / "meta.json").is_file()
