@@ -93,7 +93,7 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
             "--sample-tokens", "0", "--max-iters", "100000"]
     rng = random.Random(0)
     last = tmp_path / "tiny" / "last.pt"
-    kills, unreadable, mid_write, iters = 4, 0, 0, []
+    kills, unreadable, mid_write, iters = 3, 0, 0, []
     for _ in range(kills):
         resume = last.exists()
         proc = start_training(*args, *(["--resume"] if resume else []))

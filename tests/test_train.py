@@ -68,7 +68,8 @@ def test_tiny_model_loss_falls_and_lands_in_tensorboard(tiny_config):
 def test_bf16_autocast_run_trains_and_samples(tiny_config):
     # the default on a GPU with bf16; on the CPU the same autocast path runs, sampling included
     # ten steps: a CPU without native bf16 emulates it, several times slower than fp32
-    cfg = dataclasses.replace(tiny_config, dtype="bfloat16", max_iters=10, eval_interval=10)
+    cfg = dataclasses.replace(tiny_config, dtype="bfloat16", max_iters=10, eval_interval=10,
+                              sample_tokens=8)
     result = train(cfg)
     val = scalars(result.run_dir, "loss/val")
     assert [step for step, _ in val] == [0, 10] and val[1][1] < val[0][1]
