@@ -20,16 +20,16 @@ import typer
 
 from data.tokenizer_json import tokenizer_files
 from machine.errors import reported, run_command
+from weights.gpt2 import export_hf_gpt2
 from weights.hf import ExportError
 from weights.loading import load_model
+from weights.nanochat import export_hf_nanochat
 
 FORMATS = ("auto", "gpt2", "nanochat")
 
 
 def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Path]:
     """Write the export; return its format and folder."""
-    from weights.gpt2 import export_hf_gpt2
-    from weights.nanochat import export_hf_nanochat
     if format not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
     path = Path(source)
@@ -38,9 +38,9 @@ def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Pa
     if format == "auto":
         format = "gpt2" if model.config.is_gpt2 else "nanochat"
     files = tokenizer_files(tokenizer)
-    vocab = getattr(tokenizer, "specials", {})
-    eot = tokenizer.eot_token
-    special = {"bos": vocab.get("<|bos|>", eot), "eos": vocab.get("<|assistant_end|>", eot)}
+    # a folder's own special tokens (nanochat's), else the end-of-text token where there is one
+    specials, eot = getattr(tokenizer, "specials", {}), tokenizer.eot_token
+    special = {"bos": specials.get("<|bos|>", eot), "eos": specials.get("<|assistant_end|>", eot)}
     try:
         if format == "gpt2":
             return format, export_hf_gpt2(model, folder, force, extra=files)
