@@ -253,12 +253,12 @@ def say(s: Session, message: str) -> None:
         tqdm.write(message)
 
 
-def announce(s: Session, tokens_per_iter: int, peak: float, peak_source: str) -> None:
+def announce(s: Session, peak: float, peak_source: str) -> None:
     """The run's first lines: its size, where it runs, its dtype and why, MFU's yardstick."""
     dist = s.dist
     processes = (f" x {dist.world_size} process{'es' if dist.world_size > 1 else ''}"
                  if dist.enabled else "")
-    say(s, f"{s.raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
+    say(s, f"{s.raw_model.num_params() / 1e6:.2f}M parameters, {s.cfg.tokens_per_iter:,} tokens/iter, "
            f"device {s.device}{processes}, optimizer {s.cfg.optimizer}, writing to {s.run_dir}/")
     say(s, f"dtype {str(s.dtype).removeprefix('torch.')} ({s.dtype_reason})")
     say(s, f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
@@ -273,7 +273,7 @@ def log_point(s: Session, bar: tqdm, loss_sum: torch.Tensor, iters: int, seconds
     if not math.isfinite(train_loss):
         raise TrainingError(f"training loss became {train_loss} at iter {it}; the last good "
                             f"checkpoint is kept: lower learning_rate or set grad_clip")
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size
+    tokens_per_iter = cfg.tokens_per_iter
     tokens_per_sec = iters * tokens_per_iter / seconds
     flops = s.raw_model.flops_per_token(cfg.model.block_size) * tokens_per_iter * iters
     mfu = flops / seconds / (peak * s.dist.world_size)
@@ -317,8 +317,7 @@ def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
     """Evaluate, step, log, evaluate and save, until max_iters or a signal."""
     cfg = s.cfg
     peak, peak_source = peak_flops(s.device, s.dtype)
-    announce(s, cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size, peak,
-             peak_source)
+    announce(s, peak, peak_source)
     losses = evaluate_and_say(s) if s.iter_num == 0 else {}
     x, y = s.batches.next()
     # disable=None: a live bar on a terminal, no carriage-return noise in logs and pipes
