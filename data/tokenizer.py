@@ -184,6 +184,7 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self.specials = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()
                          if t.special}
+        self.special_ids = set(self.specials.values())
         # a document's natural start: nanochat's <|bos|>, GPT-2's <|endoftext|>
         self.eot_token = next((vocab[t] for t in ("<|bos|>", END_OF_TEXT) if t in vocab), None)
         byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
@@ -205,8 +206,8 @@ class HFTokenizer:
         pieces = []
         for i in ids:
             token = self.backend.id_to_token(i) or ""
-            special = i in self.specials.values()
-            pieces.append(token.encode("utf-8") if special else bytes(self.byte_of[c] for c in token))
+            pieces.append(token.encode("utf-8") if i in self.special_ids
+                          else bytes(self.byte_of[c] for c in token))
         return b"".join(pieces)
 
     def to_meta(self) -> dict:
