@@ -4,6 +4,7 @@ Usage:
     python evaluate.py --input play.txt                          # best.pt of the newest run
     python evaluate.py --input texts/ --run quickstart --dtype int8 --json scores.json
     python evaluate.py --input play.txt --init-from path/to/gpt2 --stride 512
+    python evaluate.py --run runs/chat_sft --answers demo        # a chat model's right answers
 
 The rules of the score (a sliding window over long texts, nats per token, bits per
 character that compare tokenizers) are measure/scores.py's.
@@ -22,14 +23,19 @@ from data.sources import read_text
 from machine.device import resolve_device
 from machine.errors import reported, run_command
 from machine.files import check_output_file, write_bytes_atomic
+from measure.answers import answer_score, demo_conversations, read_conversations
 from measure.scores import check_stride, evaluate
 from weights.loading import load_model
 
 
 def main(
-    input: Annotated[Path, typer.Option(
+    input: Annotated[Path | None, typer.Option(
         "--input", help="A UTF-8 text file, scored exactly as it is, or a folder of .txt "
-                        "files (path order, a blank line between two files).")],
+                        "files (path order, a blank line between two files).")] = None,
+    answers: Annotated[str | None, typer.Option(
+        help="Instead: count the conversations whose last reply the model gives exactly "
+             "(greedy), from a JSON Lines file of {\"messages\": [...]}, or 'demo' for the "
+             "built-in held-out set (docs/chat.md).")] = None,
     run: Annotated[str | None, typer.Option(
         help="Run folder, or run name under runs/, whose best.pt (else last.pt) to score; "
              "default: the newest run.")] = None,
@@ -54,9 +60,14 @@ def main(
     # DataError, LoadError, CheckpointError, FolderError, DeviceError, our checks, and a
     # path the file system refuses
     with reported(ValueError, OSError, debug=debug):
+        if (input is None) == (answers is None):
+            raise ValueError("give --input TEXT to score a text, or --answers (a file or demo) "
+                             "to score a chat model's replies")
         if json_path is not None:  # checked now, not after the evaluation
             check_output_file(json_path, "--json")
         device = str(resolve_device(device))
+        if answers is not None:
+            return score_answers(answers, run, checkpoint, init_from, device, dtype)
         text = read_text(input)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
         stride = check_stride(stride, model.config.block_size)
@@ -65,13 +76,9 @@ def main(
         except ValueError as e:  # text outside a character vocabulary, or too short
             raise ValueError(f"{input}: {e}") from None
         if json_path is not None:
-            record = {**asdict(scores), "input": str(input), "model": source, "dtype": dtype,
-                      "block_size": model.config.block_size, "stride": stride}
-            try:
-                write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
-            except OSError as e:
-                raise ValueError(f"cannot write --json {json_path} ({e.strerror}); choose "
-                                 f"another path") from None
+            write_json(json_path, {**asdict(scores), "input": str(input), "model": source,
+                                   "dtype": dtype, "block_size": model.config.block_size,
+                                   "stride": stride})
     print(f"{source} ({dtype}) on {input}: {scores.tokens:,} tokens, {scores.chars:,} characters, "
           f"{scores.windows:,} windows")
     print(f"loss {scores.loss:.4f} nats/token   perplexity {scores.perplexity:.3f}   "
@@ -79,6 +86,23 @@ def main(
           f"({scores.tokens / scores.seconds:,.0f} tokens/s)")
     if json_path is not None:
         print(f"wrote {json_path}")
+
+
+def write_json(path: Path, record: dict) -> None:
+    try:
+        write_bytes_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
+    except OSError as e:
+        raise ValueError(f"cannot write --json {path} ({e.strerror}); choose another "
+                         f"path") from None
+
+
+def score_answers(answers: str, run: str | None, checkpoint: str | None, init_from: str | None,
+                  device: str, dtype: str) -> None:
+    records = demo_conversations() if answers == "demo" else read_conversations(Path(answers))
+    model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+    right, total = answer_score(model, tokenizer, records)
+    print(f"{source} ({dtype}): {right} of {total} last replies right "
+          f"({100 * right / max(total, 1):.1f}%) on {answers}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Usage:
     step = decode_step(model, "compile")                      # build a backend once, reuse it
     for token in stream(model, idx, 100, decode=step): ...    # (B, 1) at a time
     text = "".join(generate_text(model, tokenizer, ids, 200, stop=("\\n\\n",)))
+    chat = Chat(model, tokenizer, temperature=0.0)            # a conversation, cache kept
+    chat.add_user("Who am I?"); reply = "".join(chat.reply())
 
 The pieces, in the order a token meets them (gpt-fast's layout):
 - prefill: the prompt's window in one forward pass, which fills the KV cache;
@@ -31,6 +33,7 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
+from data.chat import ASSISTANT_END, BOS, special_ids, user_turn
 from data.tokenizer import TextStream, Tokenizer
 from machine.device import check_compile
 from model import GPT, KVCache
@@ -179,15 +182,16 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
 
 # --- prefill, decode and the context window ----------------------------------------------
 
-def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """The window idx (B, T) in one pass at positions 0..T-1, filling the cache; the last
-    token's logits (B, 1, vocab_size). A step that can prefill (the C step) takes windows up
-    to its `prefills` tokens, reading each weight once for all of them; the model's matrix
-    products take longer ones."""
-    T = idx.size(1)
-    if T <= getattr(step, "prefills", 0):
-        return step(idx, cache, torch.arange(T, device=idx.device))
-    return model(idx, kv_cache=cache, logits_from=-1)[0]
+def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
+            start: int = 0) -> torch.Tensor:
+    """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
+    the last token's logits (B, 1, vocab_size). A step that can prefill (the C step) takes
+    up to its `prefills` tokens, reading each weight once for all of them; the model's
+    matrix products take longer runs."""
+    positions = torch.arange(start, start + idx.size(1), device=idx.device)
+    if idx.size(1) <= getattr(step, "prefills", 0):
+        return step(idx, cache, positions)
+    return model(idx, kv_cache=cache, input_pos=positions, logits_from=-1)[0]
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -295,3 +299,82 @@ def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_toke
             held = held[len(held) - hold:]
     held += text_stream.flush()
     yield held[:first_stop(held, stop)]
+
+
+# --- chat --------------------------------------------------------------------------------
+
+class Chat:
+    """A conversation with a chat model (data/chat.py's format), its KV cache kept across
+    turns: a turn prefills only the tokens that the cache does not hold yet, its own.
+
+    The history is kept as ids, the replies as sampled, so it is exactly what a fresh
+    prefill of the whole conversation would see. When a turn would not fit in block_size,
+    the oldest turns are dropped (add_user says how many) and the cache is refilled from
+    what is left, the system text folded into the new first turn."""
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer, *, max_new_tokens: int = 256,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None, decode: str | DecodeStep = "auto",
+                 system: str | None = None) -> None:
+        check_sampling(temperature, top_k, top_p)
+        self.model, self.tokenizer, self.ids_of = model, tokenizer, special_ids(tokenizer)
+        self.sampling = (temperature, top_k, top_p, generator)
+        self.max_new_tokens = max_new_tokens
+        self.step = decode_step(model, decode) if isinstance(decode, str) else decode
+        self.cache = model.new_kv_cache(1, model.config.block_size)
+        self.reset(system)
+
+    def reset(self, system: str | None = None) -> None:
+        """Start over, with `system` as the system message."""
+        self.system = system
+        self.turns: list[tuple[str, list[int]]] = []  # (user text, reply ids) of each turn
+        self.ids: list[int] = []  # the conversation so far, ending with the open reply
+        self.cached = 0  # how many of ids the cache holds, from the first
+
+    def rendered(self, turns: list[tuple[str, list[int]]], text: str) -> list[int]:
+        """The conversation of `turns` and a new user turn, opening the reply."""
+        ids = [self.ids_of[BOS]]
+        for n, (user, reply) in enumerate([*turns, (text, [])]):
+            user = f"{self.system}\n\n{user}" if n == 0 and self.system else user
+            ids += user_turn(self.tokenizer, user) + reply
+        return ids
+
+    def add_user(self, text: str) -> int:
+        """Add a user turn; the number of oldest turns dropped to make room for it and at
+        least one token of reply. ValueError if it cannot fit even alone."""
+        block_size, dropped = self.model.config.block_size, 0
+        ids = self.rendered(self.turns, text)
+        while len(ids) >= block_size and self.turns:
+            self.turns, dropped = self.turns[1:], dropped + 1
+            ids = self.rendered(self.turns, text)
+        if len(ids) >= block_size:
+            raise ValueError(f"this message takes {len(ids)} tokens with the chat tokens, "
+                             f"and the model's context holds {block_size}; write a shorter one")
+        same = next((i for i, (a, b) in enumerate(zip(self.ids, ids, strict=False)) if a != b),
+                    min(len(self.ids), len(ids)))
+        self.cached = min(self.cached, same)  # what follows `same` in the cache is stale
+        self.ids, self.pending = ids, text
+        return dropped
+
+    @torch.inference_mode()
+    def reply(self) -> Iterator[str]:
+        """The reply to the last user turn, as text, piece by piece. It ends at
+        <|assistant_end|>, at max_new_tokens, or where the context is full; the turn is
+        closed with <|assistant_end|> either way."""
+        end, device = self.ids_of[ASSISTANT_END], self.model.lm_head.weight.device
+        budget = min(self.max_new_tokens, self.model.config.block_size - len(self.ids))
+        text, start = TextStream(self.tokenizer), len(self.ids)
+        for _ in range(budget):
+            new = torch.tensor([self.ids[self.cached:]], device=device)
+            logits = prefill(self.model, self.step, new, self.cache, self.cached)
+            self.cached = len(self.ids)
+            token = sample_next(logits[:, -1, :], *self.sampling).item()
+            self.ids.append(token)
+            if token == end:
+                break
+            if piece := text.push([token]):
+                yield piece
+        else:
+            self.ids.append(end)
+        yield text.flush()
+        self.turns.append((self.pending, self.ids[start:]))

@@ -6,6 +6,7 @@ Usage:
     python sample.py --benchmark                               # cached vs uncached speed
     python sample.py --benchmark --preset baby_gpt             # random weights, no training
     python sample.py --prompt "ROMEO:" --decode eager          # or compile, c; default auto
+    python sample.py --run runs/chat_sft --chat                # talk to a fine-tuned model
 
 The context-window policy past block_size is stated in main's docstring, which is what
 `python sample.py --help` prints (one paragraph: typer keeps the line breaks of later ones).
@@ -17,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, BinaryIO
 
 import torch
 import typer
@@ -25,7 +26,7 @@ import typer
 from cdecode import BuildError
 from data.sources import decode_text
 from data.tokenizer import Tokenizer
-from generate import DECODE_BACKENDS, check_sampling, decode_step, generate_text
+from generate import DECODE_BACKENDS, Chat, check_sampling, decode_step, generate_text
 from machine.device import resolve_device
 from machine.errors import reported, run_command
 from machine.files import check_output_file, probe_writable
@@ -162,6 +163,55 @@ def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str |
                   n_kv_head, init_from=init_from)
 
 
+def open_chat(run: str | None, checkpoint: str | None, init_from: str | None, device: str,
+              dtype: str, prompted: bool, **settings: Any) -> Chat:
+    """--chat's conversation with the model that sample.py would load."""
+    if prompted:
+        raise SampleError("--chat reads its turns from stdin; drop --prompt, --prompt-file, "
+                          "--stop, --attention and --num-samples")
+    model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
+    return Chat(model, tokenizer, **settings)
+
+
+def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
+    """--chat: a user turn a line, each reply streamed to stdout on a line of its own;
+    notes and errors go to stderr, so a pipe's output holds the replies alone. A line
+    that cannot be a turn (not UTF-8, unknown characters, too long) is answered with one
+    line on stderr, and the conversation goes on."""
+    if sys.stdin.isatty():
+        print("chat: a line is a turn; /reset starts over, /system TEXT starts over with a "
+              "system message, /quit or Ctrl-D ends", file=sys.stderr)
+    for line in lines or sys.stdin.buffer:
+        try:
+            text = decode_text(line, "stdin").rstrip("\r\n")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        command, _, argument = text.partition(" ")
+        if command == "/quit":
+            return
+        if command in ("/reset", "/system"):
+            chat.reset(argument.strip() or None if command == "/system" else chat.system)
+            print(f"({'system message set; ' if command == '/system' else ''}"
+                  f"a new conversation)", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        try:
+            dropped = chat.add_user(text)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"(the context is full: the {dropped} oldest turn{'s' * (dropped > 1)} "
+                  f"dropped)", file=sys.stderr)
+        for piece in chat.reply():
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
 # The options, one a line: each one's help is its documentation (python sample.py --help).
 PromptOption = Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")]
 PromptFileOption = Annotated[Path | None, typer.Option(
@@ -201,6 +251,9 @@ AttentionOption = Annotated[str | None, typer.Option(
              "heatmaps): the attention of every layer and head over the prompt and the "
              "first sample (its last block_size tokens). A folder gets attention.html and "
              ".png inside it.")]
+ChatOption = Annotated[bool, typer.Option(
+        help="Talk to a chat model (fine-tuned on conversations): one user turn a line from "
+             "stdin, a terminal or a pipe; /reset, /system TEXT, /quit, Ctrl-D to end.")]
 BenchmarkOption = Annotated[bool, typer.Option(
         help="Measure cached vs uncached decoding speed instead of sampling.")]
 PresetOption = Annotated[str | None, typer.Option(
@@ -238,6 +291,7 @@ def main(
     decode: DecodeOption = "auto",
     stream: StreamOption = True,
     attention: AttentionOption = None,
+    chat: ChatOption = False,
     benchmark: BenchmarkOption = False,
     preset: PresetOption = None,
     lengths: LengthsOption = "64,248,1024",
@@ -248,34 +302,33 @@ def main(
     json_path: JsonPathOption = None,
     debug: DebugOption = False,
 ) -> None:
-    """Sample text from a checkpoint, or benchmark the KV cache (--benchmark).
-    Context window: the model sees at most block_size tokens. When the next token would not
-    fit, the window jumps forward to keep the most recent block_size // 2 tokens, and the
-    KV cache is rebuilt from them in one prefill. --no-kv-cache uses the same window, so
-    both give the same text.
-    """
+    """Sample text from a checkpoint, talk to a chat model (--chat), or benchmark the KV cache
+    (--benchmark). Context window: when the next token would not fit in block_size, the window
+    jumps forward to keep the most recent block_size // 2 tokens, rebuilding the KV cache in
+    one prefill; --no-kv-cache uses the same window, so both give the same text."""
     # bad options, a model that cannot load, a C step that cannot build, a refused path
     with reported(ValueError, BuildError, OSError, debug=debug):
         check_settings(dtype, temperature, top_k, top_p, seed, decode, kv_cache)
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         stops = stop_strings(stop or [])
         if benchmark:
-            benchmark_decoding(run, checkpoint, init_from, preset, device, dtype, lengths,
-                               repeats, json_path, decode, batch, layout, n_kv_head)
-            return
+            return benchmark_decoding(run, checkpoint, init_from, preset, device, dtype, lengths,
+                                      repeats, json_path, decode, batch, layout, n_kv_head)
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, generator=torch.Generator(device=device).manual_seed(seed))
+        if chat:  # turns from stdin: the options of a prompt are refused, not ignored
+            prompted = bool(prompt or prompt_file or stop or attention or num_samples > 1)
+            return chat_loop(open_chat(run, checkpoint, init_from, device, dtype, prompted,
+                                       decode=decode if kv_cache else "eager", **sampling))
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind
         attention_path = attention_target(attention) if attention is not None else None
         text = prompt_text(prompt, prompt_file)
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
-
-    generator = torch.Generator(device=device).manual_seed(seed)
     first_sample = print_samples(
-        lambda: generate_text(model, tokenizer, ids, max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, use_kv_cache=kv_cache,
-                              generator=generator, stop=stops, decode=step or "eager"),
-        text, num_samples, stream)
+        lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
+                              decode=step or "eager", **sampling), text, num_samples, stream)
     if attention_path is not None:
         with reported(SampleError):
             write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)

@@ -87,6 +87,8 @@ class Batch:
     continues: bool = False    # text: data goes on with the previous batch's document
     field: str = "text"
     read: int = 0              # bytes of the file on disk consumed so far (progress)
+    chat: bool = False         # records are conversations (data/chat.py), not texts
+    skip_bad: bool = False     # chat: count a bad conversation and go on, instead of stopping
 
 
 def format_of(path: Path) -> str | None:
@@ -120,19 +122,23 @@ def list_inputs(paths: list[str | Path]) -> list[Input]:
     return inputs
 
 
-def read_batches(inputs: list[Input], text_field: str = "text",
-                 batch_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
+def read_batches(inputs: list[Input], text_field: str = "text", batch_bytes: int = BATCH_BYTES,
+                 chat: bool = False, skip_bad: bool = False) -> Iterator[Batch]:
     """The corpus as batches, in input order. The same files give the same batches on every
-    run, which is what lets an interrupted preparation resume at a batch."""
+    run, which is what lets an interrupted preparation resume at a batch. chat: the field
+    holds conversations (OpenAI's messages), which .txt files cannot."""
     done = 0
     for item in inputs:
         kind = FORMATS[item.suffix][0]
+        if chat and kind == "text":
+            raise DataError(f"{item.name}: conversations come in .jsonl (a line holds "
+                            f'{{"messages": [...]}}) or .parquet files, not text')
         if kind == "parquet":
-            batches = parquet_batches(item, text_field)
+            batches = parquet_batches(item, text_field, chat)
         else:
             batches = stream_batches(item, kind, text_field, batch_bytes)
         for batch in batches:
-            yield replace(batch, read=done + batch.read)
+            yield replace(batch, read=done + batch.read, chat=chat, skip_bad=skip_bad)
         done += item.size
 
 
@@ -182,7 +188,7 @@ def cut_point(data: bytes, kind: str, force: bool) -> int:
     return max(cut - 1, 1)
 
 
-def parquet_batches(item: Input, field: str) -> Iterator[Batch]:
+def parquet_batches(item: Input, field: str, chat: bool = False) -> Iterator[Batch]:
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
@@ -195,7 +201,10 @@ def parquet_batches(item: Input, field: str) -> Iterator[Batch]:
         raise DataError(f"{item.name} has no column {field!r} (its columns: "
                         f"{', '.join(schema.names)}); name the text column with --text-field")
     column = schema.field(field).type
-    if not (pa.types.is_string(column) or pa.types.is_large_string(column)):
+    if chat and not (pa.types.is_list(column) or pa.types.is_large_list(column)):
+        raise DataError(f"{item.name}: column {field!r} holds {column}, not a list of "
+                        f"messages; name the conversations' column with --text-field")
+    if not chat and not (pa.types.is_string(column) or pa.types.is_large_string(column)):
         raise DataError(f"{item.name}: column {field!r} holds {column}, not text; name the "
                         f"text column with --text-field")
     rows, total = 0, max(parquet.metadata.num_rows, 1)
@@ -222,18 +231,8 @@ def batch_texts(batch: Batch) -> list[tuple[str, bool]]:
                                 f"(null); remove the row or fill it")
         return [(text, True) for text in batch.data]
     texts = []
-    for i, line in enumerate(batch.data.split(b"\n")):
-        if not line.strip():
-            continue
-        where = f"{batch.name} line {batch.line + i}"
-        try:
-            record = json.loads(line)
-        except UnicodeDecodeError:
-            raise DataError(f"{where} is not valid UTF-8; convert the file to UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where} is not valid JSON ({e.msg}, column {e.colno}); fix or "
-                            f"remove the line") from None
-        text = record.get(batch.field) if isinstance(record, dict) else None
+    for where, line in json_lines(batch):
+        text = json_field(line, where, batch.field)
         if not isinstance(text, str):
             got = "no such field" if text is None else f"a {type(text).__name__}"
             raise DataError(f"{where} has no text in field {batch.field!r} ({got}); name the "
@@ -243,4 +242,24 @@ def batch_texts(batch: Batch) -> list[tuple[str, bool]]:
                             f"its pair), which no text holds; fix or remove the line")
         texts.append((text, True))
     return texts
+
+
+def json_lines(batch: Batch) -> Iterator[tuple[str, bytes]]:
+    """The non-blank lines of a JSON Lines batch, each with its file and line number."""
+    for i, line in enumerate(batch.data.split(b"\n")):
+        if line.strip():
+            yield f"{batch.name} line {batch.line + i}", line
+
+
+def json_field(line: bytes, where: str, field: str) -> object:
+    """The value of `field` in a line's JSON object (None where it has none); DataError for a
+    line that is not JSON."""
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        raise DataError(f"{where} is not valid UTF-8; convert the file to UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is not valid JSON ({e.msg}, column {e.colno}); fix or "
+                        f"remove the line") from None
+    return record.get(field) if isinstance(record, dict) else None
 

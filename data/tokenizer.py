@@ -26,11 +26,16 @@ import numpy as np
 from machine.files import record_problem
 
 END_OF_TEXT = "<|endoftext|>"  # the special token that separates documents in BPE data
+# nanochat's conversation tokens (data/chat.py renders with them): a conversation opens with
+# <|bos|>, and each turn sits between its role's start and end
+CHAT_SPECIALS = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                 "<|assistant_end|>")
 
 
 class Tokenizer(Protocol):
     vocab_size: int
     eot_token: int | None  # end-of-text id, if the vocabulary has one
+    specials: dict[str, int]  # special token -> id: ids that only rendering gives, never text
 
     def encode(self, text: str) -> list[int]: ...
     def encode_array(self, text: str) -> np.ndarray: ...
@@ -39,16 +44,19 @@ class Tokenizer(Protocol):
 
 
 class CharTokenizer:
-    """One token per character of a fixed alphabet (the characters of the training text)."""
+    """One token per character of a fixed alphabet (the characters of the training text),
+    then the special tokens, if any, each one id that no character encodes to."""
 
     eot_token = None
 
-    def __init__(self, chars: str) -> None:
+    def __init__(self, chars: str, specials: tuple[str, ...] = ()) -> None:
         if len(set(chars)) != len(chars):
             raise ValueError("character table has duplicates")
         self.chars = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
-        self.vocab_size = len(chars)
+        self.added = tuple(specials)
+        self.specials = {token: len(chars) + i for i, token in enumerate(specials)}
+        self.vocab_size = len(chars) + len(specials)
         # code point -> id (-1: not in the table), for encoding whole corpora at numpy speed
         self.table = np.full(max(map(ord, chars), default=0) + 2, -1, dtype=np.int32)
         self.table[[ord(c) for c in chars]] = np.arange(len(chars))
@@ -79,21 +87,28 @@ class CharTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        n, names = len(self.chars), list(self.specials)
+        return "".join(self.chars[i] if i < n else names[i - n] for i in ids)
 
     def to_meta(self) -> dict:
-        return {"kind": "char", "vocab_size": self.vocab_size, "chars": self.chars}
+        return {"kind": "char", "vocab_size": self.vocab_size, "chars": self.chars,
+                **specials_meta(self.added)}
 
 
 class TiktokenTokenizer:
     """Byte-level BPE encoded by tiktoken: `ranks` maps each token's bytes to its id, and the
     end-of-text special token comes after them."""
 
-    def __init__(self, name: str, pattern: str, ranks: dict[bytes, int]) -> None:
+    def __init__(self, name: str, pattern: str, ranks: dict[bytes, int],
+                 specials: tuple[str, ...] = ()) -> None:
         import tiktoken
         self.pattern, self.ranks = pattern, ranks
+        # <|endoftext|> right after the table, as GPT-2 has it; the added ones after it
+        self.added = tuple(specials)
+        self.specials = {END_OF_TEXT: len(ranks),
+                         **{token: len(ranks) + 1 + i for i, token in enumerate(specials)}}
         self.enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
-                                     special_tokens={END_OF_TEXT: len(ranks)})
+                                     special_tokens=self.specials)
         self.eot_token = self.enc.eot_token
         self.vocab_size = self.enc.n_vocab
 
@@ -115,17 +130,17 @@ class TiktokenTokenizer:
 class GPT2Tokenizer(TiktokenTokenizer):
     """GPT-2's byte-level BPE (50,257 tokens), built from a local ranks file."""
 
-    def __init__(self) -> None:
+    def __init__(self, specials: tuple[str, ...] = ()) -> None:
         from tiktoken.load import load_tiktoken_bpe
         from tiktoken_ext.openai_public import r50k_pat_str  # tiktoken's GPT-2 split pattern
 
         from data.assets import GPT2_RANKS_SHA256, gpt2_ranks_path
 
         ranks = load_tiktoken_bpe(str(gpt2_ranks_path()), expected_hash=GPT2_RANKS_SHA256)
-        super().__init__("gpt2", r50k_pat_str, ranks)
+        super().__init__("gpt2", r50k_pat_str, ranks, specials)
 
     def to_meta(self) -> dict:
-        return {"kind": "gpt2", "vocab_size": self.vocab_size}
+        return {"kind": "gpt2", "vocab_size": self.vocab_size, **specials_meta(self.added)}
 
 
 class BPETokenizer(TiktokenTokenizer):
@@ -133,12 +148,12 @@ class BPETokenizer(TiktokenTokenizer):
     bytes in id order, the 256 single bytes among them, and `pattern` splits text into the
     pieces that merges stay inside."""
 
-    def __init__(self, tokens: list[bytes], pattern: str) -> None:
+    def __init__(self, tokens: list[bytes], pattern: str, specials: tuple[str, ...] = ()) -> None:
         missing = set(range(256)) - {t[0] for t in tokens if len(t) == 1}
         if len(set(tokens)) != len(tokens) or missing:
             raise ValueError("the token table has duplicates or lacks single bytes")
         self.tokens = tokens
-        super().__init__("bpe", pattern, {t: i for i, t in enumerate(tokens)})
+        super().__init__("bpe", pattern, {t: i for i, t in enumerate(tokens)}, specials)
 
     @classmethod
     def from_meta(cls, meta: dict) -> BPETokenizer:
@@ -146,14 +161,21 @@ class BPETokenizer(TiktokenTokenizer):
         size): what is left to fail is the tokens' base64 and the table itself."""
         try:
             tokens = [base64.b64decode(t, validate=True) for t in meta["tokens"]]
-            return cls(tokens, meta["pattern"])
+            return cls(tokens, meta["pattern"], tuple(meta.get("specials", ())))
         except (TypeError, ValueError, binascii.Error) as e:
             raise ValueError(f"the bpe tokenizer's description is damaged ({e})") from None
 
     def to_meta(self) -> dict:
         # base64 keeps every token's bytes in JSON and in a weights_only checkpoint
         return {"kind": "bpe", "vocab_size": self.vocab_size, "pattern": self.pattern,
-                "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens]}
+                "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens],
+                **specials_meta(self.added)}
+
+
+def specials_meta(added: tuple[str, ...]) -> dict:
+    """A description's "specials" key: the special tokens added after the table, in id
+    order (absent where there are none, so older descriptions read as they were written)."""
+    return {"specials": list(added)} if added else {}
 
 
 class HFTokenizer:
@@ -262,11 +284,15 @@ def tokenizer_problem(meta: object) -> str | None:
     problem = record_problem(meta, RECORDS[meta["kind"]])
     if problem:
         return problem
-    kind = meta["kind"]  # a BPE's table lacks <|endoftext|>, which comes after it
+    kind, added = meta["kind"], meta.get("specials", [])
     if kind == "hf":  # its size is known once the file is read
         return None
+    if not isinstance(added, list) or not all(isinstance(t, str) for t in added) \
+            or len(set(added)) != len(added) or END_OF_TEXT in added:
+        return "its specials are not a list of distinct token names"
+    # a BPE's table lacks <|endoftext|>, which comes after it
     size = (len(meta["chars"]) if kind == "char" else len(meta["tokens"]) + 1 if kind == "bpe"
-            else GPT2_VOCAB_SIZE)
+            else GPT2_VOCAB_SIZE) + len(added)
     if size != meta["vocab_size"]:
         return f"its vocab_size is {meta['vocab_size']} for a table of {size} tokens"
     return None
@@ -277,13 +303,29 @@ def load_tokenizer(meta: dict) -> CharTokenizer | GPT2Tokenizer | BPETokenizer |
     problem = tokenizer_problem(meta)
     if problem:
         raise ValueError(f"the tokenizer's description is damaged: {problem}")
-    kind = meta["kind"]
+    kind, added = meta["kind"], tuple(meta.get("specials", ()))
     if kind == "char":
-        return CharTokenizer(meta["chars"])
+        return CharTokenizer(meta["chars"], added)
     if kind == "gpt2":
-        return GPT2Tokenizer()
+        return GPT2Tokenizer(added)
     if kind == "bpe":
         return BPETokenizer.from_meta(meta)
-    if kind == "hf":
-        return HFTokenizer(meta["json"])
+    return HFTokenizer(meta["json"])
 
+
+def with_specials(meta: dict, tokens: tuple[str, ...]) -> dict:
+    """The description of this tokenizer with the special tokens it lacks added after its
+    vocabulary: the same ids for every text, and new ids for the new tokens only."""
+    if not tokens:
+        return meta
+    tokenizer = load_tokenizer(meta)
+    missing = tuple(t for t in tokens if t not in tokenizer.specials)
+    if not missing:
+        return meta
+    if meta["kind"] != "hf":
+        return {**meta, "vocab_size": meta["vocab_size"] + len(missing),
+                "specials": [*meta.get("specials", []), *missing]}
+    from tokenizers import AddedToken
+    backend = tokenizer.backend
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    return HFTokenizer(backend.to_str()).to_meta()

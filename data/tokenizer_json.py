@@ -39,7 +39,8 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 def byte_level_json(tokenizer: TiktokenTokenizer) -> dict:
-    """tokenizer.json of a tiktoken BPE, with <|endoftext|> as its special token."""
+    """tokenizer.json of a tiktoken BPE, with <|endoftext|> (and any chat tokens) as its
+    special tokens."""
     spell = byte_unicode()
 
     def spelled(token: bytes) -> str:
@@ -47,7 +48,7 @@ def byte_level_json(tokenizer: TiktokenTokenizer) -> dict:
     vocab = {spelled(token): rank for token, rank in tokenizer.ranks.items()}
     return {
         "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [special_token(END_OF_TEXT, tokenizer.eot_token)],
+        "added_tokens": added_tokens(tokenizer),
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": tokenizer.pattern}, "behavior": "Isolated",
@@ -69,7 +70,8 @@ def char_json(tokenizer: CharTokenizer) -> dict:
     """tokenizer.json of a character table: a BPE with no merges and no pre-tokenizer, so
     each character maps to its id, and a decoder that joins them as they are."""
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": added_tokens(tokenizer),
         "normalizer": None, "pre_tokenizer": None, "post_processor": None,
         "decoder": {"type": "Fuse"},
         "model": {"type": "BPE", "dropout": None, "unk_token": None,
@@ -79,9 +81,10 @@ def char_json(tokenizer: CharTokenizer) -> dict:
     }
 
 
-def special_token(content: str, id: int) -> dict:
-    return {"id": id, "content": content, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": True}
+def added_tokens(tokenizer: CharTokenizer | TiktokenTokenizer) -> list[dict]:
+    return [{"id": id, "content": content, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True}
+            for content, id in tokenizer.specials.items()]
 
 
 def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
@@ -95,7 +98,9 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
     special = {t["content"] for t in spec.get("added_tokens", []) if t.get("special")}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "model_max_length": 1_000_000}
-    for role, names in (("bos_token", ("<|bos|>", END_OF_TEXT)), ("eos_token", (END_OF_TEXT,))):
+    # a chat model's turn ends at <|assistant_end|>, a base model's text at <|endoftext|>
+    roles = {"bos_token": ("<|bos|>", END_OF_TEXT), "eos_token": ("<|assistant_end|>", END_OF_TEXT)}
+    for role, names in roles.items():
         found = next((name for name in names if name in special), None)
         if found:
             config[role] = found

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from data.documents import Batch, batch_texts
+from data.chat import check_conversation, render_conversation
+from data.documents import Batch, batch_texts, json_field, json_lines
 from data.shards import token_dtype
 from data.sources import DataError
 from data.tokenizer import load_tokenizer
@@ -55,9 +56,12 @@ def separator_ids(tokenizer: Any) -> list[int]:
     return tokenizer.encode(CHAR_SEPARATOR)
 
 
-def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-    """A batch's token ids, each document preceded by the separator, and where in them each
-    document starts. Empty documents are skipped."""
+def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
+    """A batch's token ids, each document preceded by the separator, where in them each
+    document starts, and how many bad records were skipped (always 0: texts cannot be bad
+    but by stopping the run). Empty documents are skipped."""
+    if batch.chat:
+        return tokenize_conversations(batch)
     tokenizer, separator = worker["tokenizer"], worker["separator"]
     parts, starts, n = [], [], 0
     for text, starts_document in batch_texts(batch):
@@ -72,9 +76,54 @@ def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         except ValueError as e:  # a character outside the char tokenizer's table
             raise DataError(f"{batch.name}: {e}") from None
         n += len(parts[-1])
-    dtype = token_dtype(tokenizer.vocab_size)
-    ids = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-    return ids, np.array(starts, dtype=np.int64)
+    return stream_ids(parts, starts, tokenizer.vocab_size), np.array(starts, dtype=np.int64), 0
+
+
+def stream_ids(parts: list, starts: list[int], vocab_size: int) -> np.ndarray:
+    dtype = token_dtype(vocab_size)
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+
+def tokenize_conversations(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
+    """tokenize_batch for conversations: each rendered by data/chat.py (it opens with
+    <|bos|>, so no separator is needed). A bad one stops the run with its line, or with
+    skip_bad is counted and left out."""
+    tokenizer = worker["tokenizer"]
+    parts, starts, n, skipped = [], [], 0, 0
+    for where, messages in conversation_records(batch):
+        try:
+            if isinstance(messages, DataError):
+                raise messages
+            if messages is None:
+                raise ValueError(f"it has no {batch.field!r} field (name the conversations' "
+                                 f"field with --text-field)")
+            ids, _ = render_conversation(tokenizer, check_conversation(messages))
+        except ValueError as e:  # the JSON (DataError), ConversationError, or the encoding
+            if not batch.skip_bad:
+                problem = str(e) if isinstance(e, DataError) else f"{where}: {e}; fix it"
+                raise DataError(f"{problem}, or add --skip-bad to leave out such "
+                                f"lines") from None
+            skipped += 1
+            continue
+        starts.append(n)
+        parts.append(np.array(ids, dtype=np.uint32))
+        n += len(ids)
+    return stream_ids(parts, starts, tokenizer.vocab_size), np.array(starts, dtype=np.int64), skipped
+
+
+def conversation_records(batch: Batch) -> list[tuple[str, object]]:
+    """(where, the messages field) of each record; a line that is not JSON gives the
+    DataError in place of its messages, so that skip_bad can count it."""
+    if batch.kind == "parquet":
+        return [(f"{batch.name} row {batch.line + i}", messages)
+                for i, messages in enumerate(batch.data)]
+    records = []
+    for where, line in json_lines(batch):
+        try:
+            records.append((where, json_field(line, where, batch.field)))
+        except DataError as e:
+            records.append((where, e))
+    return records
 
 
 def alphabet_of(batch: Batch) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from data.loader import load_meta, load_split
+from data.loader import batch_sampler, load_meta, load_split
 from machine.perf import datasheet_peak_flops, peak_flops
 from model import GPT, GPTConfig
 from tests.layouts import LAYOUTS
@@ -85,7 +85,10 @@ def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     assert ckpt["iter_num"] == 50 and ckpt["config"]["n_embd"] == 32
     assert ckpt["tokenizer"]["kind"] == "char"
     model = model_from_checkpoint(ckpt)
-    splits = {s: load_split(tiny_config.data_dir, s) for s in ("train", "val")}
+    meta = load_meta(tiny_config.data_dir)
+    splits = {s: batch_sampler(load_split(tiny_config.data_dir, s), meta,
+                               tiny_config.model.block_size, tiny_config.batch_size)
+              for s in ("train", "val")}
     dtype = getattr(torch, ckpt["dtype"])  # evaluated again in the precision the run used
     losses = estimate_loss(model, splits, tiny_config, torch.device("cpu"),
                            torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from data.loader import Tokens, get_batch
+from data.loader import Sampler
 from generate import generate
 from machine.device import resolve_device
 from machine.files import quiet_writer_threads
@@ -69,7 +69,7 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def estimate_loss(model: torch.nn.Module, splits: dict[str, Tokens], cfg: TrainConfig,
+def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any,
                   dist: distributed.Dist | None = None) -> dict[str, float]:
     """Mean loss over eval_iters batches per split (call it in eval mode). The batches are
@@ -80,12 +80,12 @@ def estimate_loss(model: torch.nn.Module, splits: dict[str, Tokens], cfg: TrainC
     # batch again (and not counted) where eval_iters does not divide among them
     rounds = -(-cfg.eval_iters // dist.world_size) * dist.world_size
     out = {}
-    for name, data in splits.items():
+    for name, draw in samplers.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         total = torch.zeros(2, device=device)  # (sum of losses, batches)
         for k in range(rounds if distributed.is_sharded(model) else cfg.eval_iters):
             if k < cfg.eval_iters:
-                x, y = get_batch(data, cfg.model.block_size, cfg.batch_size, generator)
+                x, y = draw(generator)
             if k % dist.world_size == dist.rank:
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
@@ -130,7 +130,7 @@ def train_step(s: Session, x: torch.Tensor, y: torch.Tensor,
 def evaluate(s: Session, it: int) -> dict[str, float]:
     """Losses on both splits, logged with a text sample and the attention pictures."""
     s.model.eval()  # no dropout while measuring or sampling
-    losses = estimate_loss(s.model, s.splits, s.cfg, s.device, s.autocast, s.dist)
+    losses = estimate_loss(s.model, s.samplers, s.cfg, s.device, s.autocast, s.dist)
     # a sharded model samples on every process (its forward is a collective), in eager
     # steps (the C step reads whole weights); rank 0 logs the text
     fsdp = distributed.is_sharded(s.raw_model)
@@ -275,7 +275,7 @@ def log_point(s: Session, bar: tqdm, loss_sum: torch.Tensor, iters: int, seconds
                             f"checkpoint is kept: lower learning_rate or set grad_clip")
     tokens_per_iter = cfg.tokens_per_iter
     tokens_per_sec = iters * tokens_per_iter / seconds
-    flops = s.raw_model.flops_per_token(cfg.model.block_size) * tokens_per_iter * iters
+    flops = s.raw_model.flops_per_token(s.raw_model.config.block_size) * tokens_per_iter * iters
     mfu = flops / seconds / (peak * s.dist.world_size)
     if s.writer is not None:
         for tag, value in (("train/loss_step", train_loss),

@@ -19,10 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from data.loader import SPLITS, BatchStream, Tokens, load_meta, load_split
+from data.loader import SPLITS, BatchStream, Sampler, Tokens, batch_sampler, load_meta, load_split
 from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
-from data.tokenizer import Tokenizer, load_tokenizer
+from data.tokenizer import CHAT_SPECIALS, Tokenizer, load_tokenizer, with_specials
 from machine.device import DTYPES, check_compile, resolve_device
 from model import GPT
 from training import distributed
@@ -71,33 +71,36 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
 
 
 def pretrained_model(cfg: TrainConfig, meta: dict) -> GPT:
-    """The Hugging Face folder to fine-tune (GPT-2's or NanoChat's), its context cropped to
-    block_size, checked against the data it will see: its folder sets the model's shape and
-    layout, and the data must be tokenized as it was."""
+    """The model to fine-tune: a Hugging Face folder (GPT-2's or NanoChat's), a checkpoint
+    or a run folder, its context cropped to block_size, checked against the data it will
+    see. The base sets the model's shape and layout, and the data must be tokenized as it
+    was, or (a chat dataset) with the chat tokens added: those get new rows."""
     from weights.hf import model_type
-    from weights.loading import load_folder
+    from weights.loading import grow_vocabulary, load_base
     try:
-        kind = model_type(cfg.init_from)
-        if kind == "gpt2" and not cfg.model_config(meta["vocab_size"]).is_gpt2:
+        if (Path(cfg.init_from) / "config.json").is_file() and model_type(cfg.init_from) == "gpt2" \
+                and not cfg.model_config(meta["vocab_size"]).is_gpt2:
             raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
                               "qk_norm, mlp, tie_embeddings and n_kv_head at their defaults "
                               "to fine-tune it")
-        if kind == "gpt2" and meta["tokenizer"]["kind"] != "gpt2":
-            raise ConfigError(f"init_from needs GPT-2 BPE data, but {cfg.data_dir} is "
-                              f"{meta['tokenizer']['kind']}; prepare it with --tokenizer gpt2")
-        model, tokenizer = load_folder(cfg.init_from, cfg.model.block_size, cfg.model.dropout)
+        model, tokenizer, source = load_base(cfg.init_from, cfg.model.block_size, cfg.model.dropout)
     except ConfigError:
         raise
-    except ValueError as e:  # FolderError, LoadError
+    except ValueError as e:  # FolderError, LoadError, CheckpointError
         raise ConfigError(f"init_from: {e}") from None
-    if kind != "gpt2" and tokenizer.to_meta() != meta["tokenizer"]:
-        raise ConfigError(f"init_from needs data tokenized by {cfg.init_from}'s tokenizer, "
-                          f"but {cfg.data_dir} was prepared with another; prepare it with "
-                          f"--tokenizer {cfg.init_from}")
+    base = tokenizer.to_meta()
+    if meta["tokenizer"] not in (base, with_specials(base, CHAT_SPECIALS)):
+        hint = ("gpt2" if base["kind"] == "gpt2" else cfg.init_from if Path(source).is_dir()
+                else "BASE_DATASET (the data the base was trained on)")
+        raise ConfigError(f"init_from needs data tokenized by {source}'s tokenizer, but "
+                          f"{cfg.data_dir} was prepared with another; prepare it with "
+                          f"--tokenizer {hint}")
     if model.config.vocab_size < meta["vocab_size"]:
-        raise ConfigError(f"init_from: {cfg.init_from} has a vocabulary of "
-                          f"{model.config.vocab_size:,} tokens, fewer than the "
-                          f"{meta['vocab_size']:,} of {cfg.data_dir}; use a GPT-2 folder")
+        added = [t for t in CHAT_SPECIALS if t not in tokenizer.specials]
+        tqdm.write(f"init_from: the vocabulary grows from {model.config.vocab_size:,} to "
+                   f"{meta['vocab_size']:,} tokens for {' '.join(added)}; their new rows "
+                   f"start at the mean of the old ones")
+        model = grow_vocabulary(model, meta["vocab_size"])
     return model
 
 
@@ -188,6 +191,7 @@ class Session:
     run_dir: Path
     meta: dict
     splits: dict[str, Tokens]
+    samplers: dict[str, Sampler]  # each split's batches: windows, or whole conversations
     tokenizer: Tokenizer
     raw_model: GPT  # the plain module: checkpoints save its weights, never a compiled one's
     model: torch.nn.Module  # what the step calls: raw_model, maybe compiled, maybe in DDP
@@ -269,17 +273,19 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
     # fp32 weights plus AdamW's two moments
     checkpoint_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
     distributed.from_main(lambda: check_writable(run_dir, checkpoint_bytes), dist)
+    # the model's block_size: a base model (init_from) may have cropped the config's
+    samplers = {split: batch_sampler(data, meta, model.config.block_size, cfg.batch_size)
+                for split, data in splits.items()}
     s = Session(
         cfg=cfg, dist=dist, device=device, dtype=dtype, dtype_reason=dtype_reason,
         # under FSDP on a GPU the weights are gathered in bf16 (its mixed precision): no autocast
         autocast=(nullcontext() if dtype == torch.float32 or fsdp and device.type == "cuda"
                   else torch.autocast(device.type, dtype=dtype)),
-        run_dir=run_dir, meta=meta, splits=splits, tokenizer=tokenizer,
+        run_dir=run_dir, meta=meta, splits=splits, samplers=samplers, tokenizer=tokenizer,
         raw_model=model, model=model,
         optimizers=configure_optimizers(model, cfg, device, dtype),
         scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-        batches=BatchStream(splits["train"], cfg.model.block_size, cfg.batch_size, cfg.seed,
-                            dist.rank, dist.world_size),
+        batches=BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size),
         iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
     if saved is not None:
         check_resumable(saved, model, meta, cfg, run_dir / "last.pt")

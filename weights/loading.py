@@ -5,12 +5,17 @@ Usage:
     from weights.loading import load_model
     model, tokenizer, source = load_model(run="quickstart", device="cpu", dtype="int8")
     model, tokenizer, source = load_model(init_from="path/to/gpt2")  # config.json + weights
+    model, tokenizer, source = load_base("runs/quickstart", block_size=64)  # what to fine-tune
+    model = grow_vocabulary(model, 70)   # room for tokens the base never had (chat's)
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from data.tokenizer import GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from model import GPT
@@ -110,3 +115,43 @@ def load_model(run: str | None = None, checkpoint: str | None = None,
         except ValueError as e:
             raise LoadError(f"{path}: {e}; the checkpoint is damaged") from None
     return cast_weights(model.to(device).eval(), dtype), tokenizer, source
+
+
+def load_base(path: str | Path, block_size: int | None = None,
+              dropout: float = 0.0) -> tuple[GPT, Tokenizer, str]:
+    """The model to fine-tune (train.py's init_from), its tokenizer, and where it came
+    from: a Hugging Face folder, a checkpoint, or a run folder (its best.pt). block_size
+    below the model's crops it; dropout is the fine-tuning's."""
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        return (*load_folder(folder, block_size, dropout), str(folder))
+    checkpoint = folder if folder.is_file() else run_checkpoint(folder) if folder.is_dir() else None
+    if checkpoint is None:
+        raise LoadError(f"{path} is neither a Hugging Face folder (config.json), a checkpoint "
+                        f"(.pt) nor a run folder (best.pt or last.pt); give one of them")
+    ckpt = load_checkpoint(checkpoint, map_location="cpu")
+    ckpt["model_args"] = {**ckpt["model_args"], "dropout": dropout}
+    model = model_from_checkpoint(ckpt)
+    if block_size is not None and block_size < model.config.block_size:
+        model.crop_block_size(block_size)
+    try:
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+    except ValueError as e:
+        raise LoadError(f"{checkpoint}: {e}; the checkpoint is damaged") from None
+    return model, tokenizer, str(checkpoint)
+
+
+def grow_vocabulary(model: GPT, vocab_size: int) -> GPT:
+    """The model with rows added to its token table (and untied head) for the ids from its
+    vocabulary size up to vocab_size. Each new row starts at the mean of the old ones: an
+    embedding like an average token's, and a logit like an average token's, so the new
+    tokens neither dominate the first steps nor start unreachable."""
+    old = model.state_dict()
+    grown = GPT(replace(model.config, vocab_size=vocab_size))
+    state = dict(old)
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        rows = old[name]
+        extra = rows.float().mean(dim=0, keepdim=True).to(rows.dtype)
+        state[name] = torch.cat([rows, extra.expand(vocab_size - len(rows), -1)])
+    grown.load_state_dict(state)
+    return grown.train(model.training)

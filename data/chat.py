@@ -1,0 +1,129 @@
+"""Conversations: checked, then rendered to token ids with nanochat's special tokens, with the
+loss mask that makes a model learn the assistant's turns and nothing else. Training, the chat
+REPL and the server all render here, so the three cannot drift apart.
+
+Usage:
+    from data.chat import check_conversation, render_conversation, render_prompt
+    turns = check_conversation(messages)               # [(role, text)], or ConversationError
+    ids, mask = render_conversation(tokenizer, turns)   # SFT: learn ids[i] where mask[i]
+    ids = render_prompt(tokenizer, turns)               # ends with <|assistant_start|>
+
+The format is nanochat's:
+
+    <|bos|><|user_start|>Who am I?<|user_end|><|assistant_start|>Anna.<|assistant_end|>
+    <|user_start|>...
+
+`messages` is OpenAI's: [{"role": "system" | "user" | "assistant", "content": "..."}]. A
+system message is not a turn of its own: its text opens the first user turn, then a blank
+line, then the user's text. That is nanochat's choice, and the reason holds here: a model
+that learns two roles serves three, and the few tokens of instructions sit where the model
+reads the user.
+
+Text is encoded as ordinary text: a message that spells "<|user_start|>" gets the ids of its
+characters, never the special id. Only this module writes special ids, so the mask, which
+they delimit, can be read back from the ids alone (`assistant_mask`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from data.tokenizer import CHAT_SPECIALS, Tokenizer
+
+BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS
+ROLES = ("system", "user", "assistant")
+
+
+class ConversationError(ValueError):
+    """A conversation that cannot be rendered; the message says what is wrong with it."""
+
+
+def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tuple[str, str]]:
+    """The user and assistant turns of OpenAI-style `messages`, alternating from the user's,
+    the system message folded into the first, the last turn `ends_with`'s ("assistant" to
+    train, "user" to prompt for a reply)."""
+    if not isinstance(messages, list) or not messages:
+        raise ConversationError("its messages are not a non-empty list")
+    system, turns = None, []
+    for n, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            raise ConversationError(f"message {n} is not an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ConversationError(f"message {n} has the unknown role {role!r:.30}; roles "
+                                    f"are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ConversationError(f"message {n}'s content is a {type(content).__name__}, "
+                                    f"not a string")
+        if not content.strip():
+            raise ConversationError(f"message {n} ({role}) has empty content")
+        if any("\ud800" <= c <= "\udfff" for c in content):  # JSON's "\ud83d" alone
+            raise ConversationError(f"message {n}'s content escapes half a character (a "
+                                    f"surrogate without its pair), which no text holds")
+        if role == "system":
+            if n != 1:
+                raise ConversationError(f"message {n} is a system message; only the first "
+                                        f"may be")
+            system = content
+            continue
+        expected = "user" if not turns or turns[-1][0] == "assistant" else "assistant"
+        if role != expected:
+            raise ConversationError(f"message {n} is a second {role} turn in a row; user "
+                                    f"and assistant turns alternate, the user's first")
+        turns.append((role, content))
+    if not turns or turns[-1][0] != ends_with:
+        raise ConversationError(f"the conversation ends without {'an' if ends_with == 'assistant' else 'a'} "
+                                f"{ends_with} turn")
+    if system is not None:
+        turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
+    return turns
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The chat tokens' ids; ValueError if the tokenizer lacks them (a base model's)."""
+    missing = [t for t in CHAT_SPECIALS if t not in tokenizer.specials]
+    if missing:
+        raise ValueError(f"the tokenizer has no {', '.join(missing)}: it is a base model's; "
+                         f"fine-tune it on conversations first (docs/chat.md)")
+    return {t: tokenizer.specials[t] for t in CHAT_SPECIALS}
+
+
+def user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A user turn and the opening of the reply that follows it."""
+    s = special_ids(tokenizer)
+    return [s[USER_START], *tokenizer.encode(text), s[USER_END], s[ASSISTANT_START]]
+
+
+def render_conversation(tokenizer: Tokenizer,
+                        turns: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+    """The conversation's ids, and for each whether SFT learns it: the assistant's text and
+    the <|assistant_end|> that closes it (so the model learns to stop), nothing else."""
+    s = special_ids(tokenizer)
+    ids, mask = [s[BOS]], [False]
+    for role, text in turns:
+        if role == "user":
+            part = user_turn(tokenizer, text)
+            ids += part
+            mask += [False] * len(part)
+        else:
+            part = [*tokenizer.encode(text), s[ASSISTANT_END]]
+            ids += part
+            mask += [True] * len(part)
+    return ids, mask
+
+
+def render_prompt(tokenizer: Tokenizer, turns: list[tuple[str, str]]) -> list[int]:
+    """The ids that ask for the next reply: the conversation up to its last user turn, and
+    the <|assistant_start|> after it."""
+    return render_conversation(tokenizer, turns)[0]
+
+
+def assistant_mask(ids: np.ndarray, start_id: int, end_id: int) -> np.ndarray:
+    """render_conversation's mask, read back from the ids: True from the token after each
+    <|assistant_start|> through its <|assistant_end|>. Exact because text never encodes
+    to a special id, so a prepared dataset needs no mask of its own on disk."""
+    starts = np.cumsum(ids == start_id) - (ids == start_id)  # opened before this token
+    ends = np.cumsum(ids == end_id) - (ids == end_id)  # closed before this token
+    return starts > ends

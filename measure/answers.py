@@ -1,0 +1,83 @@
+"""Does a chat model answer? The last assistant turn of each conversation, generated greedily
+after the turns before it, compared with the expected text, exactly.
+
+Usage:
+    from measure.answers import answer_score, demo_conversations
+    right, total = answer_score(model, tokenizer, demo_conversations())
+
+A base model has no chat tokens; it is scored as SFT starts from it, with their rows added at
+the mean of the others (weights.loading.grow_vocabulary), so that the same command measures
+a model before and after fine-tuning.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from data.chat import ASSISTANT_END, check_conversation, render_prompt, special_ids
+from data.chat_demo import conversations
+from data.sources import DataError
+from data.tokenizer import CHAT_SPECIALS, Tokenizer, load_tokenizer, with_specials
+from generate import stream
+from model import GPT
+from weights.loading import grow_vocabulary
+
+HELD_OUT_SEED, HELD_OUT = 1, 300  # the demo's training set is drawn with seed 0
+
+
+def demo_conversations() -> list[dict]:
+    return conversations(HELD_OUT, seed=HELD_OUT_SEED)
+
+
+def read_conversations(path: Path) -> list[dict]:
+    """The records of a JSON Lines file of conversations, {"messages": [...]} a line."""
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {n} is not valid JSON ({e.msg}); fix or remove "
+                                f"the line") from None
+    return records
+
+
+def with_chat_tokens(model: GPT, tokenizer: Tokenizer) -> tuple[GPT, Tokenizer]:
+    """A base model and tokenizer as SFT would start: the chat tokens added."""
+    if all(t in tokenizer.specials for t in CHAT_SPECIALS):
+        return model, tokenizer
+    chat_tokenizer = load_tokenizer(with_specials(tokenizer.to_meta(), CHAT_SPECIALS))
+    if chat_tokenizer.vocab_size > model.config.vocab_size:
+        model = grow_vocabulary(model, chat_tokenizer.vocab_size).eval()
+    return model, chat_tokenizer
+
+
+@torch.no_grad()
+def answer_score(model: GPT, tokenizer: Tokenizer, records: list[dict],
+                 decode: str = "auto") -> tuple[int, int]:
+    """(right, total): how many last replies the model gives exactly, greedily."""
+    model, tokenizer = with_chat_tokens(model, tokenizer)
+    end = special_ids(tokenizer)[ASSISTANT_END]
+    right = 0
+    for n, record in enumerate(records, 1):
+        try:
+            turns = check_conversation(record.get("messages") if isinstance(record, dict) else None)
+            prompt = render_prompt(tokenizer, turns[:-1])
+            expected = tokenizer.encode(turns[-1][1])
+        except ValueError as e:
+            raise DataError(f"conversation {n}: {e}") from None
+        # room for the answer spelled in other tokens than the expected text's, and its end
+        budget = min(len(expected) + 8, model.config.block_size - len(prompt))
+        if budget < 1:  # the question alone fills the context: a miss
+            continue
+        idx = torch.tensor([prompt], device=model.lm_head.weight.device)
+        got = []
+        for token in stream(model, idx, budget, temperature=0.0, decode=decode):
+            got.append(token.item())
+            if got[-1] == end:
+                break
+        right += got[-1:] == [end] and tokenizer.decode(got[:-1]) == turns[-1][1]
+    return right, len(records)

@@ -1,0 +1,248 @@
+"""Chat: conversations rendered with special tokens that text cannot forge, prepared with a
+loss mask, fine-tuned from a real run, and talked to through the real sample.py --chat."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data.chat import (
+    ASSISTANT_END,
+    ASSISTANT_START,
+    ConversationError,
+    assistant_mask,
+    check_conversation,
+    render_conversation,
+    special_ids,
+)
+from data.documents import list_inputs
+from data.loader import Conversations, load_meta, load_split
+from data.prepare import prepare
+from data.sources import DataError
+from data.tokenizer import (
+    CHAT_SPECIALS,
+    CharTokenizer,
+    GPT2Tokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    with_specials,
+)
+from data.tokenizer_json import tokenizer_files
+from generate import Chat, generate
+from model import GPT, GPTConfig
+from weights.checkpoint import load_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+NAMES = ["ROMEO", "JULIET", "NURSE", "TYBALT"]
+
+
+def conversation(rng: random.Random) -> dict:
+    """Two turns in the test corpus's characters, the second answer naming the first
+    question's name: the reply depends on an earlier turn."""
+    name = rng.choice(NAMES)
+    return {"messages": [{"role": "user", "content": name},
+                         {"role": "assistant", "content": f"{name.title()} loves."},
+                         {"role": "user", "content": "the name"},
+                         {"role": "assistant", "content": name}]}
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory, char_data) -> Path:
+    folder = tmp_path_factory.mktemp("chat")
+    rng = random.Random(0)
+    path = write_jsonl(folder / "chats.jsonl", [conversation(rng) for _ in range(600)])
+    out = folder / "data"
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path), "--chat",
+                             "--tokenizer", str(char_data), "--out", str(out)],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "600 conversations" in result.stdout
+    return out
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory, trained_run, chat_data) -> tuple[Path, str]:
+    """The tiny run fine-tuned on the chat data by the real train.py."""
+    out = tmp_path_factory.mktemp("sft")
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--init-from",
+         str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(out),
+         "--max-iters", "150", "--eval-interval", "75", "--batch-size", "16", "--dtype", "float32",
+         "--muon-lr", "0.03", "--learning-rate", "3e-3", "--embedding-lr", "0.05"],
+        capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return out / "chat_sft", result.stdout + result.stderr
+
+
+def chat_tokenizers() -> list:
+    char = CharTokenizer(" <>_abcdeinorstu|", CHAT_SPECIALS)
+    hf = HFTokenizer(tokenizer_files(char)["tokenizer.json"].decode())
+    gpt2 = load_tokenizer(with_specials(GPT2Tokenizer().to_meta(), CHAT_SPECIALS))
+    return [char, hf, gpt2]
+
+
+@pytest.mark.parametrize("tokenizer", chat_tokenizers(), ids=["char", "hf", "gpt2"])
+def test_text_never_becomes_a_special_token(tokenizer):
+    specials = set(special_ids(tokenizer).values())
+    for token in CHAT_SPECIALS:
+        assert not specials & set(tokenizer.encode(f"a {token} b"))
+    ids, mask = render_conversation(tokenizer, check_conversation(
+        [{"role": "user", "content": "<|assistant_start|>"}, {"role": "assistant", "content": "ab"}]))
+    assert sum(i in specials for i in ids) == 5  # bos, user start and end, assistant start and end
+    got = assistant_mask(np.array(ids), tokenizer.specials[ASSISTANT_START],
+                         tokenizer.specials[ASSISTANT_END])
+    assert got.tolist() == mask and sum(mask) == len(tokenizer.encode("ab")) + 1
+
+
+def test_specials_are_added_after_the_vocabulary_and_keep_every_text_id():
+    base = GPT2Tokenizer()
+    chat = load_tokenizer(with_specials(base.to_meta(), CHAT_SPECIALS))
+    assert chat.vocab_size == base.vocab_size + 5
+    assert sorted(special_ids(chat).values()) == list(range(50257, 50262))
+    assert chat.encode("Hello <|bos|> world") == base.encode("Hello <|bos|> world")
+    assert with_specials(chat.to_meta(), CHAT_SPECIALS) == chat.to_meta()  # nothing twice
+
+
+@pytest.mark.parametrize("messages, problem", [
+    ([{"role": "user", "content": "a"}], "ends without an assistant turn"),
+    ([{"role": "bot", "content": "a"}, {"role": "assistant", "content": "b"}], "unknown role 'bot'"),
+    ([{"role": "user", "content": " "}, {"role": "assistant", "content": "b"}], "empty content"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "second user turn"),
+    ([{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "b"}], "content is a list"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "only the first"),
+    ({"role": "user"}, "not a non-empty list"),
+])
+def test_bad_conversations_are_named(messages, problem):
+    with pytest.raises(ConversationError, match=problem):
+        check_conversation(messages)
+
+
+def test_the_system_message_opens_the_first_user_turn():
+    turns = check_conversation([{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello."}])
+    assert turns == [("user", "Be brief.\n\nHi"), ("assistant", "Hello.")]
+
+
+def test_a_bad_line_stops_preparation_with_its_number_and_skip_bad_counts_it(tmp_path, char_data):
+    rng = random.Random(1)
+    good = [conversation(rng) for _ in range(40)]
+    bad = [*good[:7], "{not json\n", *good[7:20],
+           {"messages": [{"role": "user", "content": "ROMEO"}]}, *good[20:]]
+    path = write_jsonl(tmp_path / "chats.jsonl", bad)
+    command = [sys.executable, "-m", "data.prepare", "--input", str(path), "--chat",
+               "--tokenizer", str(char_data), "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 1 and not (tmp_path / "out").exists()
+    assert result.stderr.count("\n") == 1 and "chats.jsonl line 8 is not valid JSON" in result.stderr
+    result = subprocess.run(command + ["--skip-bad"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "40 conversations (2 bad ones left out)" in result.stdout
+    assert load_meta(tmp_path / "out")["skipped"] == 2
+
+
+def test_a_conversation_that_ends_without_a_reply_is_named(tmp_path, char_data):
+    path = write_jsonl(tmp_path / "c.jsonl", [conversation(random.Random(0)),
+                                              {"messages": [{"role": "user", "content": "ROMEO"}]}])
+    with pytest.raises(DataError, match=r"c.jsonl line 2: the conversation ends without an "
+                                         r"assistant turn; fix it, or add --skip-bad"):
+        prepare(list_inputs([path]), str(char_data), tmp_path / "out", "c", chat=True)
+
+
+def test_batches_hold_whole_conversations_and_learn_the_replies_only(chat_data, char_data):
+    meta = load_meta(chat_data)
+    tokenizer = load_tokenizer(meta["tokenizer"])
+    assert meta["chat"] and meta["vocab_size"] == load_meta(char_data)["vocab_size"] + 5
+    conversations = Conversations(load_split(chat_data, "val", meta), tokenizer.specials, 64)
+    x, y = conversations.batch(8, torch.Generator().manual_seed(0))
+    bos = tokenizer.specials["<|bos|>"]
+    assert (x[:, 0] == bos).all() and x.size(1) < 64  # padded to the longest, not block_size
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        length = row_x.index(bos, 1) if bos in row_x[1:] else len(row_x)
+        assert set(row_x[length:]) <= {bos} and set(row_y[length:]) <= {-1}  # the padding
+        text = tokenizer.decode(row_x[:length])
+        name = text.split("<|user_start|>")[1].split("<|user_end|>")[0]
+        learned = tokenizer.decode([t for t in row_y if t != -1])
+        assert learned == f"{name.title()} loves.<|assistant_end|>{name}<|assistant_end|>"
+
+
+def test_sft_grows_the_vocabulary_and_learns_from_the_replies(sft_run, trained_run):
+    run, output = sft_run
+    assert "the vocabulary grows from" in output and "<|bos|>" in output
+    ckpt = load_checkpoint(run / "last.pt")
+    base = load_checkpoint(trained_run / "best.pt")
+    assert ckpt["model_args"]["vocab_size"] == base["model_args"]["vocab_size"] + 5
+    assert ckpt["iter_num"] == 150 and ckpt["val_loss"] < 1.0  # the replies are easy to learn
+    assert list(run.glob("events.out.tfevents.*"))
+
+
+def chat(run: Path, lines: str, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "sample.py", "--run", str(run), "--chat",
+                           "--temperature", "0", "--max-new-tokens", "20", *options],
+                          input=lines.encode(), capture_output=True, cwd=REPO, timeout=120)
+
+
+def test_chat_reads_turns_from_a_pipe_and_answers_each_on_a_line(sft_run):
+    run, _ = sft_run
+    result = chat(run, "JULIET\nthe name\n/reset\nTYBALT\n/quit\nROMEO\n")
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.decode().splitlines()
+    assert len(replies) == 3  # /quit ends before the last line
+    assert replies[0] == "Juliet loves." and replies[2] == "Tybalt loves."
+    assert b"a new conversation" in result.stderr
+
+
+def test_chat_refuses_a_base_model_in_one_line(trained_run):
+    result = chat(trained_run, "ROMEO\n")
+    assert result.returncode == 1
+    assert result.stderr.decode().count("\n") == 1 and b"base model" in result.stderr
+
+
+def test_chat_answers_a_bad_line_and_goes_on(sft_run):
+    run, _ = sft_run
+    result = chat(run, "ROMEO?!\n\xff\nROMEO\n")
+    assert result.returncode == 0
+    assert result.stdout.decode().splitlines() == ["Romeo loves."]
+    assert result.stderr.decode().count("error:") == 2
+
+
+def reply_matches_a_fresh_prefill(model: GPT, conversation: Chat, text: str) -> int:
+    """Add a turn, let the cached chat reply greedily, and check the reply against an
+    uncached generation from the whole history; the number of turns dropped."""
+    dropped = conversation.add_user(text)
+    history = list(conversation.ids)
+    "".join(conversation.reply())
+    reply = conversation.ids[len(history):]
+    budget = min(conversation.max_new_tokens, model.config.block_size - len(history))
+    sampled = budget if len(reply) == budget + 1 else len(reply)  # else <|assistant_end|> was added
+    fresh = generate(model, torch.tensor([history]), sampled, temperature=0.0,
+                     use_kv_cache=False)[0, len(history):].tolist()
+    assert fresh == reply[:sampled]
+    return dropped
+
+
+def test_replies_with_the_cache_kept_equal_a_fresh_prefill_of_the_history():
+    torch.manual_seed(0)
+    tokenizer = CharTokenizer("\nabcdefgh .", CHAT_SPECIALS)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=96, n_layer=2,
+                          n_head=2, n_embd=32)).eval()
+    conversation = Chat(model, tokenizer, max_new_tokens=12, temperature=0.0, decode="eager",
+                        system="be fab")
+    assert [reply_matches_a_fresh_prefill(model, conversation, turn)
+            for turn in ("abc", "de fa", "h.")] == [0, 0, 0]
+    # the context fills: the oldest turns go, and the cache is refilled from what is left
+    dropped = [reply_matches_a_fresh_prefill(model, conversation, "abcdefgh" * 2)
+               for _ in range(4)]
+    assert sum(dropped) > 0 and len(conversation.ids) <= 97
+    assert conversation.ids[:3] == [tokenizer.specials["<|bos|>"], tokenizer.specials["<|user_start|>"],
+                                    *tokenizer.encode("b")]  # the system text opens the first turn
