@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
-from data.chat import ASSISTANT_END, BOS, special_ids, user_turn
+from data.chat import ASSISTANT_END, render_prompt, special_ids, with_system
 from data.tokenizer import TextStream, Tokenizer
 from machine.device import check_compile
 from model import GPT, KVCache
@@ -333,11 +333,8 @@ class Chat:
 
     def rendered(self, turns: list[tuple[str, list[int]]], text: str) -> list[int]:
         """The conversation of `turns` and a new user turn, opening the reply."""
-        ids = [self.ids_of[BOS]]
-        for n, (user, reply) in enumerate([*turns, (text, [])]):
-            user = f"{self.system}\n\n{user}" if n == 0 and self.system else user
-            ids += user_turn(self.tokenizer, user) + reply
-        return ids
+        messages = [m for user, reply in turns for m in (("user", user), ("assistant", reply))]
+        return render_prompt(self.tokenizer, with_system(self.system, [*messages, ("user", text)]))
 
     def add_user(self, text: str) -> int:
         """Add a user turn; the number of oldest turns dropped to make room for it and at
@@ -377,4 +374,4 @@ class Chat:
         else:
             self.ids.append(end)
         yield text.flush()
-        self.turns.append((self.pending, self.ids[start:]))
+        self.turns.append((self.pending, self.ids[start:-1]))

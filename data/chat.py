@@ -74,11 +74,16 @@ def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tupl
                                     f"and assistant turns alternate, the user's first")
         turns.append((role, content))
     if not turns or turns[-1][0] != ends_with:
-        raise ConversationError(f"the conversation ends without {'an' if ends_with == 'assistant' else 'a'} "
-                                f"{ends_with} turn")
-    if system is not None:
-        turns[0] = ("user", f"{system}\n\n{turns[0][1]}")
-    return turns
+        article = "an" if ends_with == "assistant" else "a"
+        raise ConversationError(f"the conversation ends without {article} {ends_with} turn")
+    return with_system(system, turns)
+
+
+def with_system(system: str | None, turns: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The turns with the system text opening the first (user) turn, then a blank line."""
+    if not system or not turns:
+        return turns
+    return [("user", f"{system}\n\n{turns[0][1]}"), *turns[1:]]
 
 
 def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
@@ -97,24 +102,27 @@ def user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def render_conversation(tokenizer: Tokenizer,
-                        turns: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+                        turns: list[tuple[str, str | list[int]]]) -> tuple[list[int], list[bool]]:
     """The conversation's ids, and for each whether SFT learns it: the assistant's text and
-    the <|assistant_end|> that closes it (so the model learns to stop), nothing else."""
+    the <|assistant_end|> that closes it (so the model learns to stop), nothing else. An
+    assistant turn may be given as the ids a model sampled (a chat's history), kept as
+    they are: text encoded again may split into other tokens."""
     s = special_ids(tokenizer)
     ids, mask = [s[BOS]], [False]
-    for role, text in turns:
+    for role, content in turns:
         if role == "user":
-            part = user_turn(tokenizer, text)
+            part = user_turn(tokenizer, content)
             ids += part
             mask += [False] * len(part)
         else:
-            part = [*tokenizer.encode(text), s[ASSISTANT_END]]
+            reply = tokenizer.encode(content) if isinstance(content, str) else content
+            part = [*reply, s[ASSISTANT_END]]
             ids += part
             mask += [True] * len(part)
     return ids, mask
 
 
-def render_prompt(tokenizer: Tokenizer, turns: list[tuple[str, str]]) -> list[int]:
+def render_prompt(tokenizer: Tokenizer, turns: list[tuple[str, str | list[int]]]) -> list[int]:
     """The ids that ask for the next reply: the conversation up to its last user turn, and
     the <|assistant_start|> after it."""
     return render_conversation(tokenizer, turns)[0]

@@ -3,6 +3,7 @@ loss mask, fine-tuned from a real run, and talked to through the real sample.py 
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,31 @@ def test_sft_grows_the_vocabulary_and_learns_from_the_replies(sft_run, trained_r
     assert ckpt["model_args"]["vocab_size"] == base["model_args"]["vocab_size"] + 5
     assert ckpt["iter_num"] == 150 and ckpt["val_loss"] < 1.0  # the replies are easy to learn
     assert list(run.glob("events.out.tfevents.*"))
+
+
+def test_an_sft_run_resumes_from_its_last_checkpoint(sft_run, trained_run, chat_data, tmp_path):
+    run, _ = sft_run
+    copy = tmp_path / "chat_sft"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("*.lock"))
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--resume",
+         "--init-from", str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(tmp_path),
+         "--max-iters", "160", "--batch-size", "16", "--dtype", "float32"],
+        capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "grows" not in result.stdout + result.stderr  # the checkpoint has the chat tokens
+    assert load_checkpoint(copy / "last.pt")["iter_num"] == 160
+
+
+def test_conversations_come_from_parquet_too(tmp_path, char_data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    records = [conversation(random.Random(n)) for n in range(30)]
+    pq.write_table(pa.table({"messages": [r["messages"] for r in records]}), tmp_path / "c.parquet")
+    write_jsonl(tmp_path / "c.jsonl", records)
+    metas = [prepare(list_inputs([tmp_path / name]), str(char_data), tmp_path / name.replace(".", "_"),
+                     "c", chat=True) for name in ("c.parquet", "c.jsonl")]
+    assert metas[0]["documents"] == 30 and metas[0]["shards"][0]["sha256"] == metas[1]["shards"][0]["sha256"]
 
 
 def chat(run: Path, lines: str, *options: str) -> subprocess.CompletedProcess:

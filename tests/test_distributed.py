@@ -67,6 +67,8 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, char_data, optimiz
     assert [name for name in files if name.endswith(".pt")] == ["best.pt", "last.pt"]
     assert sum(name.startswith("events.out.tfevents") for name in files) == 2  # + hparams
     assert len(files) == 5 and ".lock" in files
+    if parallel == "ddp":  # DDP resumes as a plain run does (test_train.py); FSDP's state is sharded
+        return
     # 6 iterations, then 6 more resumed, equal the 12 straight, bit for bit
     resumed = tmp_path / "resumed"
     for more in ("6", "12"):

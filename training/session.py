@@ -24,7 +24,7 @@ from data.prepare import BUILTIN, prepare_builtin
 from data.sources import DataError
 from data.tokenizer import CHAT_SPECIALS, Tokenizer, load_tokenizer, with_specials
 from machine.device import DTYPES, check_compile, resolve_device
-from model import GPT
+from model import GPT, GPTConfig
 from training import distributed
 from training.config import ConfigError, TrainConfig
 from training.memory import check_memory
@@ -55,9 +55,10 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[s
 
 
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
-                dist: distributed.Dist) -> GPT:
+                dist: distributed.Dist, saved: TrainState | None = None) -> GPT:
     """A fresh model of the config's shape on the device, sharded under parallel = fsdp; or
-    a pretrained GPT-2 to fine-tune."""
+    a pretrained model to fine-tune (resumed: of the checkpoint's shape, whose weights
+    replace the base's, which is then not read at all)."""
     if sharded(cfg, dist):
         if cfg.init_from:
             raise ConfigError("init_from loads the whole model in each process; fine-tune with "
@@ -67,6 +68,8 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
                                        param_dtype, cfg.compile)
     if not cfg.init_from:
         return GPT(cfg.model_config(meta["vocab_size"])).to(device)
+    if saved is not None:
+        return GPT(GPTConfig(**saved.model_args)).to(device)
     return pretrained_model(cfg, meta).to(device)
 
 
@@ -268,7 +271,7 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
     saved = (TrainState.from_checkpoint(load_checkpoint(run_dir / "last.pt", device, resume=True))
              if resume else None)
     dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], saved, dist)
-    model = build_model(cfg, meta, device, dtype, dist)
+    model = build_model(cfg, meta, device, dtype, dist, saved)
     fsdp = distributed.is_sharded(model)
     # fp32 weights plus AdamW's two moments
     checkpoint_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
