@@ -40,6 +40,7 @@ import typer
 from benchmarks.train import read_scalars
 from data.prepare import usable_cores
 from data.sources import shakespeare_text
+from machine.device import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -210,13 +211,6 @@ def check_kills(corpus: Path, whole: Path, kills: int, wall: float) -> None:
         print(f"  kill {k + 1} at {moment:.1f} s ({'killed' if code == -9 else 'had finished'}, "
               f"{shards} whole shards): rerun's shards identical by sha256: {same}")
         shutil.rmtree(out)
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), "unknown")
-    return name + (", avx512_bf16" if "avx512_bf16" in info else "")
 
 
 if __name__ == "__main__":

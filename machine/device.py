@@ -43,6 +43,17 @@ def cpu_identity() -> str:
     return f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the flags that decide its speed here (AVX-512, native bf16,
+    AMX), for a figure's label: the machines we measure on differ in exactly these."""
+    cpuinfo = Path("/proc/cpuinfo")
+    info = cpuinfo.read_text() if cpuinfo.exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), platform.machine())
+    shown = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
+    return f"{name} ({', '.join(shown) or 'no avx512'})"
+
+
 def native_bf16(flags: frozenset[str] | set[str]) -> str | None:
     """The flag that shows native bf16 arithmetic among `flags`, or None."""
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
