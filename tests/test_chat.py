@@ -133,6 +133,12 @@ def test_the_system_message_opens_the_first_user_turn():
                                 {"role": "user", "content": "Hi"},
                                 {"role": "assistant", "content": "Hello."}])
     assert turns == [("user", "Be brief.\n\nHi"), ("assistant", "Hello.")]
+    tokenizer = CharTokenizer("\n .BHbefilory", CHAT_SPECIALS)
+    ids, mask = render_conversation(tokenizer, turns)
+    assert tokenizer.decode(ids) == ("<|bos|><|user_start|>Be brief.\n\nHi<|user_end|>"
+                                     "<|assistant_start|>Hello.<|assistant_end|>")
+    assert tokenizer.decode([i for i, learned in zip(ids, mask, strict=True) if learned]) == \
+        "Hello.<|assistant_end|>"
 
 
 def test_a_bad_line_stops_preparation_with_its_number_and_skip_bad_counts_it(tmp_path, char_data):
