@@ -8,12 +8,14 @@ Usage:
             ...
 
 The formats, one row each in FORMATS:
-- `.txt`: the whole file is one document, UTF-8. A large file is read in pieces of about
-  BATCH_BYTES, cut just before a newline that follows an ASCII letter: the split patterns of
-  GPT-2's and GPT-4's BPE always split there (a run of letters never takes a newline, and a
-  run of whitespace depends only on what follows it), so the pieces tokenize as the whole
-  file would. A piece with no such newline in 4 x
-  BATCH_BYTES (a file of one endless line) is cut at a character boundary.
+- `.txt`: the whole file is one document, UTF-8 (a byte-order mark at its start is not
+  text, and is dropped). A large file is read in pieces of about BATCH_BYTES, cut just
+  before a line break (\n or \r) that follows a letter or digit: the split patterns of
+  GPT-2's and GPT-4's BPE always split there (a run of letters or digits never takes
+  whitespace, and a run of whitespace depends only on what follows it), so the pieces
+  tokenize as the whole file would, CRLF line ends included. A piece with no such line
+  break in 4 x BATCH_BYTES (a file of one endless line) is cut before a space that follows
+  a letter or digit, for the same reason, and only failing that at a character boundary.
 - `.jsonl`, `.jsonl.gz`, `.jsonl.zst`: one JSON object per line, the document in its text
   field (`--text-field`, default "text"). Blank lines are skipped.
 - `.parquet`: one document per row of the text column.
@@ -42,9 +44,43 @@ BATCH_BYTES = 1 << 20  # text per unit of work: large enough to amortise the han
 PARQUET_ROWS = 512
 
 
+class ZstdFrames(io.RawIOBase):
+    """The frames of a .zst file, decompressed as they are read. zstandard's own stream
+    reader ends quietly where the file ends, even inside a frame, so a download cut short
+    would read as a whole, shorter file; this raises EOFError there instead, as gzip does."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard
+        self.raw, self.new_frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self.frame, self.inside = self.new_frame(), False
+        self.out, self.at = b"", 0  # decompressed bytes not yet read, from self.at
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        while self.at == len(self.out):
+            data = self.raw.read(1 << 20)
+            if not data:
+                if self.inside:
+                    raise EOFError("the file ends inside a zstd frame: it was cut short, "
+                                   "as a download that stopped")
+                return 0
+            self.out, self.at = b"", 0
+            while data:
+                self.out += self.frame.decompress(data)
+                self.inside = not self.frame.eof
+                data = self.frame.unused_data if self.frame.eof else b""
+                if self.frame.eof:  # the next frame, if any, starts in what was left
+                    self.frame = self.new_frame()
+        n = min(len(buffer), len(self.out) - self.at)
+        buffer[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+
 def open_zstd(raw: BinaryIO) -> BinaryIO:
-    import zstandard
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+    return io.BufferedReader(ZstdFrames(raw))
 
 
 # suffix -> (record kind, opener of the decompressed stream, the module it needs or "")
@@ -152,7 +188,9 @@ def stream_batches(item: Input, kind: str, field: str, batch_bytes: int) -> Iter
                 block = stream.read(batch_bytes)
             except Exception as e:  # gzip, zlib and zstandard each have their own errors
                 raise DataError(f"{item.name} cannot be decompressed ({e}); the file is "
-                                f"damaged or not {item.suffix}") from None
+                                f"damaged or not {item.suffix}: fetch it again") from None
+            if offset == 0 and not carry and block.startswith(BOM):  # a byte-order mark
+                block, offset = block[len(BOM):], len(BOM)  # (Windows tools write one)
             data = carry + block
             if not data:
                 return
@@ -172,17 +210,16 @@ def stream_batches(item: Input, kind: str, field: str, batch_bytes: int) -> Iter
 
 def cut_point(data: bytes, kind: str, force: bool) -> int:
     """Where to end this batch: after the last whole line of JSON, or for text just before
-    the last newline that an ASCII letter precedes (see the module docstring)."""
+    the last line break that a letter or digit precedes (see the module docstring)."""
     if kind == "jsonl":
         return data.rfind(b"\n") + 1
-    end = len(data)
-    while (i := data.rfind(b"\n", 1, end)) > 0:
-        if chr(data[i - 1]).isascii() and chr(data[i - 1]).isalpha():
-            return i
-        end = i
-    if not force:
-        return 0
-    cut = len(data)  # no such newline: cut before the last character that starts here
+    cut = last_cut(data, (b"\n", b"\r"))
+    if cut or not force:
+        return cut
+    cut = last_cut(data, (b" ", b"\t"))
+    if cut:
+        return cut
+    cut = len(data)  # no such place: cut before the last character that starts here
     while cut > 1 and data[cut - 1] & 0xC0 == 0x80:
         cut -= 1
     return max(cut - 1, 1)
@@ -213,6 +250,23 @@ def parquet_batches(item: Input, field: str, chat: bool = False) -> Iterator[Bat
         yield Batch(item.name, "parquet", texts, rows + 1, 0, field=field,
                     read=item.size * (rows + len(texts)) // total)
         rows += len(texts)
+
+
+BOM = "\ufeff".encode()
+
+
+def last_cut(data: bytes, breaks: tuple[bytes, ...]) -> int:
+    """The last position in data of one of `breaks` that a letter or digit precedes (0 if
+    none): a place where BPE's split patterns always split."""
+    end = len(data)
+    while (i := max(data.rfind(b, 1, end) for b in breaks)) > 0:
+        start = i - 1  # the character before: back over UTF-8's continuation bytes
+        while start > 0 and i - start < 4 and data[start] & 0xC0 == 0x80:
+            start -= 1
+        if data[start:i].decode("utf-8", errors="replace").isalnum():
+            return i
+        end = i
+    return 0
 
 
 # UTF-16's halves of a character, which JSON may escape one at a time; alone they are no

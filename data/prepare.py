@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -44,6 +43,17 @@ from data.assets import AssetError, sha256_bytes
 from data.bpe import check_vocab_size, train_bpe
 from data.chat_demo import conversations
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
+from data.folder import (
+    DOCUMENTS,
+    FORMAT,
+    PROGRESS,
+    claim,
+    fingerprint,
+    locked,
+    read_json,
+    remove_dataset,
+    save_progress,
+)
 from data.shards import ShardWriter, token_dtype
 from data.sources import DataError, shakespeare_text
 from data.tokenizer import (
@@ -70,57 +80,6 @@ DEMO_CONVERSATIONS = 5000  # about 200k tokens; the held-out set is drawn with a
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
 BPE_VOCAB = 4096
 TRAIN_CHARS = 1_000_000_000  # a BPE trains on at most this much of the corpus: its head
-PROGRESS, DOCUMENTS = ".prepare.json", ".documents.bin"
-FORMAT = 2  # meta.json's layout: 2 is the sharded stream (data/shards.py)
-
-
-# ---- the folder: claimed for one command, resumed by the same one ----
-
-def fingerprint(inputs: list[Input], tokenizer: dict, text_field: str, val_fraction: float,
-                shard_tokens: int, batch_bytes: int) -> dict:
-    """What decides the bytes: the same fingerprint means the same dataset."""
-    files = [[i.name, i.size, sha256_bytes(i.data) if i.data is not None
-              else os.stat(i.name).st_mtime_ns] for i in inputs]
-    return {"format": FORMAT, "inputs": files, **tokenizer, "text_field": text_field,
-            "val_fraction": val_fraction, "shard_tokens": shard_tokens, "batch_bytes": batch_bytes}
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def claim(out: Path, plan: dict, force: bool) -> tuple[dict | None, dict | None]:
-    """(meta of a finished identical dataset, progress of an unfinished one) in `out`,
-    after refusing, or with force clearing, a dataset that another command made."""
-    meta, progress = read_json(out / "meta.json"), read_json(out / PROGRESS)
-    if meta is not None and meta.get("prepared_with") == plan:
-        return meta, None
-    if progress is not None and progress.get("prepared_with") == plan and meta is None:
-        return None, progress
-    if (meta is not None or progress is not None) and not force:
-        what = "another dataset" if meta is not None else "an unfinished dataset of other inputs"
-        raise DataError(f"{out} holds {what}; choose another --out, or add --force to "
-                        f"replace it")
-    remove_dataset(out)
-    return None, None
-
-
-def remove_dataset(out: Path) -> None:
-    """Delete what prepare writes in `out` (and nothing else)."""
-    if not out.is_dir():
-        return
-    for path in out.iterdir():
-        if path.name in ("meta.json", PROGRESS, DOCUMENTS, "train.bin", "val.bin") or \
-                path.name.startswith(("tokens_", ".tokens_")):
-            path.unlink()
-
-
-def save_progress(out: Path, progress: dict) -> None:
-    write_bytes_atomic(out / PROGRESS, json.dumps(progress).encode())
 
 
 # ---- the pipeline ----
@@ -176,41 +135,33 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
         return with_progress(ordered_map(fn, batches, workers, tokenizer_meta), total, desc,
                              progress)
 
-    out = Path(out_dir)
+    def describe() -> dict:  # the tokenizer, once per dataset (a BPE trains here)
+        described = reused or make_tokenizer(
+            tokenizer, run, lambda: sample_texts(inputs, text_field, tokenizer_train_chars),
+            vocab_size)
+        return with_specials(described, CHAT_SPECIALS if chat else ())
+
     recipe = {"tokenizer": tokenizer} if reused is None else \
         {"tokenizer": sha256_bytes(json.dumps(reused, sort_keys=True).encode())}
     if tokenizer == "bpe":
         recipe.update(vocab_size=vocab_size, tokenizer_train_chars=tokenizer_train_chars)
     recipe.update({"chat": True, "skip_bad": skip_bad} if chat else {})
     plan = fingerprint(inputs, recipe, text_field, val_fraction, shard_tokens, batch_bytes)
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
+    with locked(Path(out_dir)) as out:
         done, state = claim(out, plan, force)
-    except OSError as e:
-        raise DataError(f"cannot write the dataset to {out} ({e.strerror}); choose another "
-                        f"--out") from None
-    if done is not None:
-        return done
-    try:
-        state = state or {"prepared_with": plan, "shards": [], "resume": [0, 0], "max_token": 0}
-        if "tokenizer" not in state:
-            described = reused or make_tokenizer(
-                tokenizer, run, lambda: sample_texts(inputs, text_field, tokenizer_train_chars),
-                vocab_size)
-            state["tokenizer"] = with_specials(described, CHAT_SPECIALS if chat else ())
-            save_progress(out, state)
-        write_stream(out, state, run)
-        return finish(out, state, source, val_fraction)
-    except DataError:  # bad input: no part of this dataset is worth keeping
-        remove_dataset(out)
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    except OSError as e:
-        raise DataError(f"cannot write the dataset to {out} ({e.strerror}); free some space "
-                        f"or choose another --out, then run the same command again: it "
-                        f"resumes after the last whole shard") from None
+        if done is not None:
+            return done
+        try:
+            state = state or {"prepared_with": plan, "shards": [], "resume": [0, 0],
+                              "max_token": 0}
+            if "tokenizer" not in state:
+                state["tokenizer"] = describe()
+                save_progress(out, state)
+            write_stream(out, state, run)
+            return finish(out, state, source, val_fraction)
+        except DataError:  # bad input: no part of this dataset is worth keeping
+            remove_dataset(out)
+            raise
 
 
 def make_tokenizer(kind: str, run: Callable, sample: Callable[[], Iterator[str]],

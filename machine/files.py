@@ -7,6 +7,7 @@ Usage:
     write_bytes_atomic(path, data)
     cache_dir() / "decode_step"            # $GPTLAB_CACHE, default ~/.cache/gptlab
     probe_writable(run_dir)                # OSError now rather than after an hour
+    held = lock_folder(out, ".lock")       # None while another live process holds it
 
 Every file this project writes for later use (checkpoints, prepared bins, exports, fetched
 and built files in the cache) goes through atomic_write: a temporary file in the same
@@ -16,12 +17,14 @@ survives a power cut. A crash at any moment leaves the old file or the new one, 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 
 def cache_dir() -> Path:
@@ -142,3 +145,38 @@ def probe_writable(folder: Path) -> None:
     probe = folder / ".write-test"
     probe.write_bytes(b"ok")
     probe.unlink()
+
+
+@dataclass
+class FolderLock:
+    """A folder whose lock this process holds, and what taking the lock created."""
+    path: Path
+    lock: IO
+    made: list[Path]  # folders and the lock file, in the order they were made
+
+    def release(self, undo: bool = False) -> None:
+        """Drop the lock. With undo, first remove what taking it made: a command that fails
+        before it writes anything leaves nothing behind."""
+        if undo:
+            for path in reversed(self.made):
+                with suppress(OSError):
+                    path.rmdir() if path.is_dir() else path.unlink()
+        self.lock.close()
+
+
+def lock_folder(folder: Path, name: str) -> FolderLock | None:
+    """Make `folder` and take its lock, or None if another live process holds it. The lock
+    is an flock on folder/name: the kernel drops it when its holder exits, however it
+    exits, so a killed process never leaves a stale lock behind. The file stays empty:
+    taking a lock changes nothing else."""
+    made = [f for f in (*reversed(folder.parents), folder) if not f.exists()]
+    if not (folder / name).exists():
+        made.append(folder / name)
+    folder.mkdir(parents=True, exist_ok=True)
+    held = FolderLock(folder, open(folder / name, "a+"), made)
+    try:
+        fcntl.flock(held.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.lock.close()
+        return None
+    return held

@@ -322,3 +322,71 @@ def test_a_lone_surrogate_escape_is_one_line_naming_the_line_and_nothing_is_left
         f"error: {path} line 2 escapes half a character (\\ud83d without its pair), which no "
         f"text holds; fix or remove the line"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "jsonl.gz"])
+def test_a_compressed_file_cut_short_is_refused_not_read_as_whole(tmp_path, fmt):
+    path = write_corpus(tmp_path / "in", make_documents(2000), fmt)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])  # a download that stopped halfway
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert f"error: {path} cannot be decompressed" in result.stderr
+    assert "fetch it again" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_another_tool_is_refused_and_kept(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
+    theirs = tmp_path / "nanogpt"  # nanoGPT's prepare.py writes these, and no meta.json
+    theirs.mkdir()
+    for name in ("train.bin", "val.bin", "notes.txt"):
+        (theirs / name).write_bytes(b"their bytes")
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                             "--out", str(theirs)], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert result.stderr == (f"error: {theirs} holds files that are no dataset of ours "
+                             f"(notes.txt, train.bin, val.bin); choose another --out, or add "
+                             f"--force to replace it\n")
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt", "train.bin", "val.bin"]
+    assert all(p.read_bytes() == b"their bytes" for p in theirs.iterdir())
+
+
+def test_a_second_preparation_into_a_folder_in_use_is_refused(tmp_path):
+    path = write_corpus(tmp_path / "in", make_documents(3000), "jsonl")
+    out = tmp_path / "out"
+    first = run_prepare("shard_tokens=400, batch_bytes=3000", argv=[str(path), str(out)])
+    while not list(out.glob("tokens_*.bin")) and first.poll() is None:
+        time.sleep(0.005)
+    second = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                             "--tokenizer", "gpt2", "--out", str(out), "--force"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first finished too soon; use a longer corpus"
+    assert second.returncode == 1
+    assert second.stderr == (f"error: {out} is being prepared by another command that is "
+                             f"still going; wait for it to end, or choose another --out\n")
+    assert first.wait(timeout=300) == 0
+    whole = tmp_path / "whole"
+    assert run_prepare("shard_tokens=400, batch_bytes=3000", argv=[str(path), str(whole)]).wait() == 0
+    assert files(out) == files(whole)  # the first was not disturbed: no orphan shard
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
+def test_windows_text_tokenizes_as_the_whole_file_in_any_pieces(tmp_path, tokenizer):
+    # CRLF line ends, a byte-order mark, non-ASCII letters before line ends, and lines with
+    # no letter at all: the pieces are cut where the split pattern always splits
+    docs = make_documents(60, seed=3)
+    text = "\r\n".join(d.replace("\n", "\r\n") for d in docs) + "\r\n12 34\r\n... !\r\n"
+    path = tmp_path / "windows.txt"
+    path.write_bytes("\ufeff".encode() + text.encode())
+    whole = prepare(list_inputs([path]), tokenizer, tmp_path / "whole", "w", vocab_size=
+                    300 if tokenizer == "bpe" else None, batch_bytes=1 << 20)
+    cut = prepare(list_inputs([path]), str(tmp_path / "whole"), tmp_path / "cut", "w",
+                  batch_bytes=200)
+    tok = load_tokenizer(whole["tokenizer"])
+    assert stream(tmp_path / "whole").tolist() == tok.encode(text)  # no U+FEFF in the data
+    assert stream(tmp_path / "cut").tolist() == tok.encode(text)
+    assert cut["documents"] == 1

@@ -12,17 +12,14 @@ Usage:
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
 
-from machine.files import probe_writable
+from machine.files import FolderLock, lock_folder, probe_writable
 from model import GPT
 from training.config import ConfigError, TrainConfig
 from weights.checkpoint import TrainState
@@ -40,39 +37,13 @@ def saved_nothing(run_dir: Path) -> bool:
                                for f in files)
 
 
-@dataclass
-class RunFolder:
-    """A run folder whose lock this process holds, and what taking the lock created."""
-    path: Path
-    lock: IO
-    made: list[Path]  # folders and the lock file, in the order they were made
-
-    def release(self, undo: bool = False) -> None:
-        """Drop the lock. With undo, first remove what taking it made: a run that fails
-        before it writes anything leaves nothing behind."""
-        if undo:
-            for path in reversed(self.made):
-                with suppress(OSError):
-                    path.rmdir() if path.is_dir() else path.unlink()
-        self.lock.close()
+RunFolder = FolderLock  # a run folder whose lock this process holds
 
 
 def lock_run_dir(run_dir: Path) -> RunFolder | None:
-    """Make run_dir and take its lock, or None if another live process holds it. The lock
-    is an flock on run_dir/.lock: the kernel drops it when its holder exits, however it
-    exits, so a killed run never leaves a stale lock behind. Hold it for as long as the
-    run writes to the folder. The file stays empty: taking a lock changes nothing else."""
-    made = [folder for folder in (*reversed(run_dir.parents), run_dir) if not folder.exists()]
-    if not (run_dir / LOCK).exists():
-        made.append(run_dir / LOCK)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    folder = RunFolder(run_dir, open(run_dir / LOCK, "a+"), made)
-    try:
-        fcntl.flock(folder.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        folder.lock.close()
-        return None
-    return folder
+    """Make run_dir and take its lock (machine.files.lock_folder), or None if another live
+    run holds it. Hold it for as long as the run writes to the folder."""
+    return lock_folder(run_dir, LOCK)
 
 
 def choose_run_dir(cfg: TrainConfig, resume: bool) -> RunFolder:
