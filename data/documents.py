@@ -245,7 +245,17 @@ def parquet_batches(item: Input, field: str, chat: bool = False) -> Iterator[Bat
         raise DataError(f"{item.name}: column {field!r} holds {column}, not text; name the "
                         f"text column with --text-field")
     rows, total = 0, max(parquet.metadata.num_rows, 1)
-    for record_batch in parquet.iter_batches(batch_size=PARQUET_ROWS, columns=[field]):
+    batches = parquet.iter_batches(batch_size=PARQUET_ROWS, columns=[field])
+    while True:
+        try:
+            record_batch = next(batches, None)
+        # a damaged page is an error of this input (pyarrow raises OSError), which must not
+        # read as a disk that cannot be written
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"{item.name} is damaged after row {rows} ({e}); fetch or write "
+                            f"the file again") from None
+        if record_batch is None:
+            return
         texts = record_batch.column(0).to_pylist()
         yield Batch(item.name, "parquet", texts, rows + 1, 0, field=field,
                     read=item.size * (rows + len(texts)) // total)

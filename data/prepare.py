@@ -65,7 +65,15 @@ from data.tokenizer import (
     load_tokenizer,
     with_specials,
 )
-from data.workers import CHAR_SEPARATOR, alphabet_of, ordered_map, separator_ids, tokenize_batch, usable_cores
+from data.workers import (
+    CHAR_SEPARATOR,
+    WorkerDied,
+    alphabet_of,
+    ordered_map,
+    separator_ids,
+    tokenize_batch,
+    usable_cores,
+)
 from machine.errors import reported, run_command
 from machine.files import write_bytes_atomic
 
@@ -396,7 +404,8 @@ def main(
     for signum in (signal.SIGTERM, signal.SIGHUP):  # answered as Ctrl-C is
         signal.signal(signum, stop)
     try:
-        with reported(DataError, AssetError, OSError):  # OSError: a path the file system refuses
+        # OSError: a path the file system refuses; WorkerDied: a process killed, resumable
+        with reported(DataError, AssetError, OSError, WorkerDied):
             inputs, source, out = corpus(input, tokenizer, vocab_size, out, chat)
             if skip_bad and not chat:
                 raise DataError("--skip-bad leaves out bad conversations: add --chat")

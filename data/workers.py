@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from typing import Any
 
@@ -30,6 +31,11 @@ from data.tokenizer import load_tokenizer
 CHAR_SEPARATOR = "\n\n"  # between two documents, for the char tokenizer (GPT-2's: <|endoftext|>)
 
 worker: dict[str, Any] = {}
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer process ended without giving its result back (killed: most often by the
+    kernel's out-of-memory killer). Nothing written is lost: the run resumes."""
 
 
 def init_worker(tokenizer_meta: dict | None, in_process: bool = False) -> None:
@@ -161,5 +167,10 @@ def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: i
         while pending:
             done, future = pending.popleft()
             yield done, future.result()
+    except BrokenProcessPool:
+        raise WorkerDied(f"a tokenizer process died (killed; the out-of-memory killer is the "
+                         f"usual cause); run the same command again to resume after the "
+                         f"last whole shard, with fewer --workers than {workers} if memory "
+                         f"is short") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -4,6 +4,7 @@ validation holds whole documents, old datasets load, and bad input is one line."
 
 import gzip
 import json
+import os
 import random
 import resource
 import signal
@@ -390,3 +391,48 @@ def test_windows_text_tokenizes_as_the_whole_file_in_any_pieces(tmp_path, tokeni
     assert stream(tmp_path / "whole").tolist() == tok.encode(text)  # no U+FEFF in the data
     assert stream(tmp_path / "cut").tolist() == tok.encode(text)
     assert cut["documents"] == 1
+
+
+def test_a_damaged_parquet_page_is_named_as_such_and_nothing_is_written(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": [f"document {i} with words" * 3 for i in range(5000)]}),
+                   path, row_group_size=1000, compression="snappy")
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 200] = bytes(b ^ 0xFF for b in data[middle:middle + 200])
+    path.write_bytes(bytes(data))
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {path} is damaged after row ")
+    assert "fetch or write the file again" in result.stderr and "space" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_worker_is_one_line_and_the_same_command_resumes_whole(tmp_path):
+    path = tmp_path / "big.jsonl"  # 16 batches of a megabyte: work left when one dies
+    docs = make_documents(400)
+    with path.open("w") as f:
+        for i in range(160_000):
+            f.write(json.dumps({"text": docs[i % len(docs)]}) + "\n")
+    command = [sys.executable, "-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2",
+               "--workers", "2", "--shard-tokens", "50000"]
+    proc = subprocess.Popen([*command, "--out", str(tmp_path / "cut")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not list((tmp_path / "cut").glob("tokens_*.bin")) and proc.poll() is None:
+        time.sleep(0.01)
+    children = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+    os.kill(int(children[0]), signal.SIGKILL)  # as the out-of-memory killer does
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr
+    assert stderr.startswith("error: a tokenizer process died") and stderr.count("\n") == 1
+    assert "run the same command again to resume" in stderr
+    assert not (tmp_path / "cut" / "meta.json").exists()
+    for out in ("cut", "whole"):
+        subprocess.run([*command, "--out", str(tmp_path / out)], cwd=REPO, check=True,
+                       capture_output=True, timeout=300)
+    assert files(tmp_path / "cut") == files(tmp_path / "whole")
