@@ -6,6 +6,7 @@ Usage:
     peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and whence
     reset_peak_memory(device); ...; now, peak = memory_mb(device)   # MB, peak of "..."
     available_memory(device)                                         # bytes free, or None
+    memory_room(device)              # (bytes, "free" or the ulimit -v that bounds them), or None
 """
 
 from __future__ import annotations
@@ -101,11 +102,26 @@ def memory_mb(device: torch.device) -> tuple[float, float] | None:
 def available_memory(device: torch.device) -> int | None:
     """Bytes the device can still give: free GPU memory on CUDA, the kernel's MemAvailable
     on a Linux CPU (RAM that needs no swapping); None where unknown."""
+    room = memory_room(device)
+    return room[0] if room else None
+
+
+def memory_room(device: torch.device) -> tuple[int, str] | None:
+    """available_memory, and what bounds it, in words: "free" memory, or on a CPU the
+    process's own limit (ulimit -v, as shared login nodes set it) when that is lower: the
+    address space it still may map. None where unknown."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu" and sys.platform == "linux":
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    return None
+        return torch.cuda.mem_get_info(device)[0], "free"
+    if device.type != "cpu" or sys.platform != "linux":
+        return None
+    import resource
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return free, "free"
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    left = max(limit - mapped, 0)
+    return (left, f"left under this process's limit of {limit / 1e9:,.1f} GB (ulimit -v)") \
+        if left < free else (free, "free")

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -444,3 +445,25 @@ def test_output_to_a_full_disk_is_one_line_and_what_was_written_is_kept(tmp_path
         assert "Traceback" not in result.stderr, name
     assert json.loads((tmp_path / "scores.json").read_text())["tokens"] > 0
     assert (tmp_path / "data" / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("batch_size, message", [
+    # the check sees the limit, not only the machine's free memory
+    (60_000, r"error: this run needs at least [\d.]+ GB \(.* batch_size 60000 x block_size 32\), "
+             r"but cpu has [\d.]+ GB left under this process's limit of 2\.0 GB \(ulimit -v\)"),
+    # the check's lower bound passes, and the allocator fails in the step
+    (12_000, r"error: a step of batch_size 12000 x block_size 32 ran out of memory on cpu, "
+             r"with [\d.]+ GB left under this process's limit of 2\.0 GB \(ulimit -v\); "
+             r"lower batch_size"),
+])
+def test_a_process_memory_limit_is_one_line_naming_the_batch_and_the_limit(tmp_path, char_data,
+                                                                          batch_size, message):
+    def limited():  # ulimit -v 2000000, as a shared login node sets it
+        resource.setrlimit(resource.RLIMIT_AS, (2_000_000 * 1024, 2_000_000 * 1024))
+    result = subprocess.run([*TRAIN, "--data-dir", str(char_data), "--out-dir", str(tmp_path),
+                             "--batch-size", str(batch_size), "--max-iters", "2",
+                             "--eval-interval", "100", "--eval-iters", "1", "--sample-tokens", "0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            preexec_fn=limited)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.splitlines()) == 1 and re.match(message, result.stderr), result.stderr

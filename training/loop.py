@@ -29,6 +29,7 @@ from machine.device import resolve_device
 from machine.files import quiet_writer_threads
 from machine.perf import peak_flops
 from training import distributed
+from training.memory import steps_in_memory
 from training.config import TrainConfig
 from training.optimizer import lr_multiplier, set_lr
 from training.runs import stop_signals
@@ -233,7 +234,7 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
     the signal that asks it to save and leave (see training/runs.stop_signals)."""
     s = setup(cfg, resume, dist)
     try:
-        with quiet_writer_threads():
+        with quiet_writer_threads(), steps_in_memory(cfg, s.device):
             return loop(s, t_start, stop)
     except OSError as e:  # TensorBoard's events or pictures; a checkpoint's is a TrainingError
         raise TrainingError(f"could not write to {s.run_dir} ({e.strerror}) at iter "
