@@ -29,8 +29,8 @@ from machine.device import resolve_device
 from machine.files import quiet_writer_threads
 from machine.perf import peak_flops
 from training import distributed
-from training.memory import steps_in_memory
 from training.config import TrainConfig
+from training.memory import steps_in_memory
 from training.optimizer import lr_multiplier, set_lr
 from training.runs import stop_signals
 from training.session import Session, setup, text_block
