@@ -1,8 +1,9 @@
 """Train a byte-level BPE on your corpus, with rustbpe; tiktoken then encodes with it.
 
 Usage:
-    from data.bpe import train_bpe
+    from data.bpe import train_bpe, train_bpe_apart
     tokenizer = train_bpe(texts, vocab_size=4096)   # texts: an iterable of str; a BPETokenizer
+    meta = train_bpe_apart(make_texts, 4096)        # in a process of its own: Ctrl-C stops it
     python -m data.prepare --input corpus/ --tokenizer bpe --vocab-size 4096
 
 The vocabulary is the 256 bytes, vocab_size - 257 merges, and <|endoftext|>, which separates
@@ -17,10 +18,14 @@ encoder is tiktoken, the same fast path as GPT-2's (figures: docs/quality.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import signal
+from collections.abc import Callable, Iterable
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
 
 from data.sources import DataError
 from data.tokenizer import BPETokenizer
+from data.workers import WorkerDied, exit_with_parent_thread
 
 # GPT-4's split pattern (tiktoken's cl100k_base, as rustbpe has it by default)
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
@@ -48,3 +53,41 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
                         f"it gives {len(ranks) - 256:,}; lower --vocab-size to at most "
                         f"{len(ranks) + 1:,} or use more text")
     return BPETokenizer([token for token, _ in ranks], SPLIT_PATTERN)
+
+
+def train_bpe_apart(texts: Callable[[], Iterable[str]], vocab_size: int) -> dict:
+    """train_bpe's tokenizer description, trained in a process of its own. rustbpe's merges
+    run in Rust and hold the interpreter for minutes on a large corpus, so in this process
+    Ctrl-C or SIGTERM would wait for the training to end; here the process waits on a pipe,
+    answers a signal within a tenth of a second, and ends the trainer. texts must pickle (a
+    module's function, or a functools.partial of one): the child reads the corpus itself."""
+    context = get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    trainer = context.Process(target=train_in_child, args=(texts, vocab_size, send), daemon=True)
+    trainer.start()
+    send.close()
+    try:
+        while not receive.poll(0.1):
+            if not trainer.is_alive():
+                break
+        kind, value = receive.recv()
+    except EOFError:  # it ended without a word: killed
+        raise WorkerDied("the BPE trainer process died (killed; the out-of-memory killer is "
+                         "the usual cause); run the same command again, with a smaller "
+                         "--tokenizer-train-chars if memory is short") from None
+    finally:
+        if trainer.is_alive():
+            trainer.terminate()
+        trainer.join()
+    if kind == "error":
+        raise DataError(value)
+    return value
+
+
+def train_in_child(texts: Callable[[], Iterable[str]], vocab_size: int, send: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C, and ends this
+    exit_with_parent_thread()
+    try:
+        send.send(("done", train_bpe(texts(), vocab_size).to_meta()))
+    except DataError as e:
+        send.send(("error", str(e)))

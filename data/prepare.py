@@ -31,6 +31,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,7 +41,7 @@ import typer
 from tqdm import tqdm
 
 from data.assets import AssetError, sha256_bytes
-from data.bpe import check_vocab_size, train_bpe
+from data.bpe import check_vocab_size, train_bpe_apart
 from data.chat_demo import conversations
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.folder import (
@@ -145,7 +146,7 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
 
     def describe() -> dict:  # the tokenizer, once per dataset (a BPE trains here)
         described = reused or make_tokenizer(
-            tokenizer, run, lambda: sample_texts(inputs, text_field, tokenizer_train_chars),
+            tokenizer, run, partial(sample_texts, inputs, text_field, tokenizer_train_chars),
             vocab_size)
         return with_specials(described, CHAT_SPECIALS if chat else ())
 
@@ -182,7 +183,7 @@ def make_tokenizer(kind: str, run: Callable, sample: Callable[[], Iterator[str]]
             chars.update(alphabet)
         return CharTokenizer("".join(sorted(chars))).to_meta()
     if kind == "bpe":
-        return train_bpe(sample(), vocab_size).to_meta()
+        return train_bpe_apart(sample, vocab_size)
     return GPT2Tokenizer().to_meta()
 
 

@@ -41,11 +41,15 @@ class WorkerDied(RuntimeError):
 def init_worker(tokenizer_meta: dict | None, in_process: bool = False) -> None:
     if not in_process:  # Ctrl-C is the main process's to handle, and it stops the workers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+        exit_with_parent_thread()
     if tokenizer_meta is not None:
         tokenizer = load_tokenizer(tokenizer_meta)
         worker["tokenizer"] = tokenizer
         worker["separator"] = np.array(separator_ids(tokenizer), dtype=np.uint32)
+
+
+def exit_with_parent_thread() -> None:
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
 def exit_with_parent(parent: int) -> None:

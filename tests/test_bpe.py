@@ -3,9 +3,14 @@ checkpoint, so sampling and evaluation need neither the dataset nor the network;
 reused on another corpus; bad settings and damaged tokenizers are one line each."""
 
 import json
+import os
+import random
 import shutil
+import signal
+import string
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +138,28 @@ def test_the_builtin_bpe_dataset_is_the_same_every_time(tmp_path):
     again = prepare_builtin("shakespeare_bpe2048", tmp_path / "b")
     assert first["tokenizer"]["kind"] == "bpe" and first["vocab_size"] == 2048
     assert first["tokenizer"] == again["tokenizer"] and first["shards"] == again["shards"]
+
+
+def test_ctrl_c_while_a_bpe_trains_is_answered_at_once(tmp_path):
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 12)))
+             for _ in range(400_000)]
+    corpus = tmp_path / "words.txt"  # merges that take rustbpe seconds, in Rust
+    corpus.write_text(" ".join(rng.choice(words) for _ in range(1_000_000)))
+    proc = subprocess.Popen([sys.executable, "-m", "data.prepare", "--input", str(corpus),
+                             "--tokenizer", "bpe", "--vocab-size", "60000", "--out",
+                             str(tmp_path / "out")], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    trainer = []
+    while not trainer and proc.poll() is None:
+        trainer = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],
+                                 capture_output=True, text=True).stdout.split()
+        time.sleep(0.02)
+    time.sleep(1.0)  # into the training
+    os.kill(int(trainer[0]), 0)  # still training: raises if it has ended
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - asked < 3, "Ctrl-C waited for the training to end"
+    assert proc.returncode == 130 and stderr.startswith("interrupted: run the same command")
+    with pytest.raises(ProcessLookupError):  # the trainer ended with it
+        os.kill(int(trainer[0]), 0)
