@@ -3,4 +3,24 @@
 Usage:
     python -m benchmarks.train --time-to-loss 1.95 --input FILE
     python -m benchmarks.decode --preset baby_gpt --lengths 248
+    from benchmarks import check_paths; check_paths(input, json_path)   # before the work
+
+Each runs under machine.errors: a bad input, path or option is one line and exit 1.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data.sources import read_text
+from machine.files import check_output_file
+
+
+def check_paths(input: Path | None = None, json_path: Path | None = None) -> None:
+    """A benchmark's paths, checked before its work, as the commands check theirs: the
+    input reads as text, and the --json file can be written (figures measured for minutes
+    must not be lost to a folder that is not there)."""
+    if input is not None:
+        read_text(input)
+    if json_path is not None:
+        check_output_file(json_path, "--json")

@@ -26,10 +26,13 @@ from typing import Annotated
 import torch
 import typer
 
+from benchmarks import check_paths
 from data.loader import load_split
 from data.sources import read_text
 from data.tokenizer import load_tokenizer
 from generate import decode_step
+from machine.errors import reported, run_command
+from machine.files import write_bytes_atomic
 from measure.decoding import PROMPT_LEN, measure, ours
 from measure.scores import evaluate
 from model import GPT, GPTConfig
@@ -67,12 +70,20 @@ def training_forward_speed(model: GPT, batch_size: int, steps: int = 10) -> floa
     return batch_size * block / statistics.median(times[1:])
 
 
-def main(run: str = "runs/quickstart", input: Path | None = None, new_tokens: int = 64,
-         repeats: int = 5,
+def main(run: str = "runs/quickstart", input: Path | None = None,
+         new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+         repeats: Annotated[int, typer.Option(min=1)] = 5,
          json_path: Annotated[Path | None, typer.Option("--json")] = None) -> None:
     """Weight MB, decode tokens/s and loss for each weight dtype (see the module docstring)."""
-    path = resolve_checkpoint(run, None)
-    ckpt = load_checkpoint(path)
+    with reported(ValueError, OSError):  # a bad path or run, before the work
+        check_paths(input, json_path)
+        path = resolve_checkpoint(run, None)
+        ckpt = load_checkpoint(path)
+    measure_dtypes(path, ckpt, input, new_tokens, repeats, json_path)
+
+
+def measure_dtypes(path: Path, ckpt: dict, input: Path | None, new_tokens: int, repeats: int,
+                   json_path: Path | None) -> None:
     tokenizer = load_tokenizer(ckpt["tokenizer"])
     if input is not None:  # read as evaluate.py reads it, so the figures match its own
         text, source = read_text(input), str(input)
@@ -115,10 +126,10 @@ def main(run: str = "runs/quickstart", input: Path | None = None, new_tokens: in
           f"pass at batch {ckpt['config']['batch_size']}: "
           f"{fp32['train_forward_tokens_per_s']:,.0f} tokens/s")
     if json_path:
-        json_path.write_text(json.dumps({"checkpoint": str(path), "text": source,
-                                         "threads": torch.get_num_threads(),
-                                         "torch": torch.__version__, "rows": rows}, indent=2))
+        record = {"checkpoint": str(path), "text": source, "threads": torch.get_num_threads(),
+                  "torch": torch.__version__, "rows": rows}
+        write_bytes_atomic(json_path, (json.dumps(record, indent=2) + "\n").encode())
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_command(lambda: typer.run(main))

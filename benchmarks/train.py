@@ -38,9 +38,12 @@ import torch
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks import check_paths
 from data.prepare import prepare_text
 from data.sources import read_text
 from machine.device import cpu_flags, native_bf16, resolve_device
+from machine.errors import reported, run_command
+from machine.files import write_bytes_atomic
 from machine.perf import memory_mb, reset_peak_memory
 from training.config import load_config
 from training.loop import train
@@ -245,18 +248,21 @@ def main(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
     """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
-    if time_to_loss_target is not None:
-        if input is None:
-            raise typer.BadParameter("--time-to-loss needs --input FILE", param_hint="--input")
-        race(input, ablation_recipes() if ablate else RECIPES, time_to_loss_target, repeats,
-             max_iters, json_path)
-        return
-    overrides = {"max_iters": max_iters, "dtype": dtype, "device": device, "compile": compile}
-    figures = train_figures(config, input, {k: v for k, v in overrides.items() if v is not None})
-    for key, value in figures.items():
-        print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
-    if json_path:
-        json_path.write_text(json.dumps(figures, indent=2) + "\n")
+    with reported(ValueError, OSError):  # a bad path or setting, before the work
+        check_paths(input, json_path)
+        if time_to_loss_target is not None:
+            if input is None:
+                raise ValueError("--time-to-loss races on a text: add --input FILE")
+            return race(input, ablation_recipes() if ablate else RECIPES, time_to_loss_target,
+                        repeats, max_iters, json_path)
+        overrides = {"max_iters": max_iters, "dtype": dtype, "device": device, "compile": compile}
+        figures = train_figures(config, input, {k: v for k, v in overrides.items()
+                                                if v is not None})
+        for key, value in figures.items():
+            print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
+        if json_path:
+            write_bytes_atomic(json_path, (json.dumps(figures, indent=2) + "\n").encode())
+
 
 if __name__ == "__main__":
-    typer.run(main)
+    run_command(lambda: typer.run(main))

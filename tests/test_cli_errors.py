@@ -439,3 +439,28 @@ def test_torch_compile_without_a_working_compiler_is_one_line(argv, instead, tmp
     assert result.stderr.endswith(f"; {instead}, or install a C++ compiler (g++, or set CXX)\n")
     assert len(result.stderr.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, code, error", [
+    (["benchmarks.train", "--input", "{tmp}/missing.txt"], 1,
+     "error: input {tmp}/missing.txt does not exist"),
+    (["benchmarks.train", "--time-to-loss", "1.9"], 1,
+     "error: --time-to-loss races on a text: add --input FILE"),
+    (["benchmarks.train", "--json", "{tmp}/no/such/folder/figures.json"], 1,
+     "error: --json {tmp}/no/such/folder/figures.json: {tmp}/no/such/folder is not a folder"),
+    (["benchmarks.decode", "--json", "{tmp}/no/figures.json", "--lengths", "8"], 1,
+     "error: --json {tmp}/no/figures.json: {tmp}/no is not a folder"),
+    (["benchmarks.decode", "--lengths", "0"], 1, "error: "),
+    (["benchmarks.decode", "--repeats", "0"], 2, ""),
+    (["benchmarks.dtypes", "--run", "{tmp}"], 1, "error: no checkpoint (best.pt or last.pt) in {tmp}"),
+    (["benchmarks.dtypes", "--repeats", "0"], 2, ""),
+])
+def test_the_benchmarks_check_their_input_before_the_work(tmp_path, args, code, error):
+    args = [a.format(tmp=tmp_path) for a in args]
+    result = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
+    if code == 1:  # one line; 2 is the parser's own report of a value out of its range
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(error.format(tmp=tmp_path)), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
