@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from data.sources import DataError, decode_text
+from data.sources import DataError, decode_text, refuse_binary
 
 BATCH_BYTES = 1 << 20  # text per unit of work: large enough to amortise the hand-off
 PARQUET_ROWS = 512
@@ -191,6 +191,8 @@ def stream_batches(item: Input, kind: str, field: str, batch_bytes: int) -> Iter
                                 f"damaged or not {item.suffix}: fetch it again") from None
             if offset == 0 and not carry and block.startswith(BOM):  # a byte-order mark
                 block, offset = block[len(BOM):], len(BOM)  # (Windows tools write one)
+            if kind == "text":  # before a cut: a binary file's NUL may come after the first
+                refuse_binary(block, item.name, offset + len(carry))
             data = carry + block
             if not data:
                 return

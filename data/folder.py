@@ -93,6 +93,7 @@ def locked(out: Path) -> Iterator[Path]:
     is refused while this one runs). A command that stops
     leaves no lock file or folder of its own making behind, unless it wrote something; a
     file system error is a DataError that says where, and that the same command resumes."""
+    out.exists()  # a name the file system refuses (too long) is reported as such, not here
     try:
         held = lock_folder(out, LOCK)
     except OSError as e:

@@ -37,16 +37,22 @@ def shakespeare_text() -> str:
 def decode_text(data: bytes, where: str, offset: int = 0, line: int = 1) -> str:
     """Strict UTF-8 decoding with an error that points at the offending byte; `data` starts
     at byte `offset` and line `line` of the file `where`."""
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise DataError(f"{where} is not text (NUL byte at offset {offset + nul}); give a UTF-8 "
-                        f"text file")
+    refuse_binary(data, where, offset)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line += data.count(b"\n", 0, e.start)
         raise DataError(f"{where} is not valid UTF-8 (byte offset {offset + e.start}, line "
                         f"{line}); convert it to UTF-8 first") from None
+
+
+def refuse_binary(data: bytes, where: str, offset: int = 0) -> None:
+    """A NUL byte means a binary file (an image, an archive): say so, rather than where its
+    bytes first fail as UTF-8."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{where} is not text (NUL byte at offset {offset + nul}); give a UTF-8 "
+                        f"text file")
 
 
 def read_text(path: str | Path) -> str:

@@ -21,6 +21,7 @@ from data.documents import list_inputs
 from data.loader import load_meta
 from data.prepare import prepare
 from data.tokenizer import BPETokenizer, load_tokenizer
+from tests.signals import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "config" / "tiny.toml")
@@ -148,7 +149,8 @@ def test_ctrl_c_while_a_bpe_trains_is_answered_at_once(tmp_path):
     corpus.write_text(" ".join(rng.choice(words) for _ in range(1_000_000)))
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", "--input", str(corpus),
                              "--tokenizer", "bpe", "--vocab-size", "60000", "--out",
-                             str(tmp_path / "out")], cwd=REPO, stderr=subprocess.PIPE, text=True)
+                             str(tmp_path / "out")], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_from_a_terminal)
     trainer = []
     while not trainer and proc.poll() is None:
         trainer = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],

@@ -22,6 +22,7 @@ from data.loader import get_batch, load_meta, load_split
 from data.prepare import CHAR_SEPARATOR, prepare
 from data.sources import DataError
 from data.tokenizer import GPT2Tokenizer, load_tokenizer
+from tests.signals import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,14 +185,6 @@ def test_a_killed_preparation_resumes_to_the_same_bytes(tmp_path):
         assert not (cut / "meta.json").exists(), "finished before the kill; use a longer corpus"
     assert run_prepare(options, argv=[str(path), str(cut)]).wait(timeout=300) == 0
     assert files(cut) == files(whole)
-
-
-def as_from_a_terminal() -> None:
-    """A preexec_fn: Ctrl-C reaches the command as it does from a shell's prompt, whatever
-    the test process inherited (a test worker may run with SIGINT ignored or blocked, and a
-    child inherits both)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
