@@ -1,5 +1,6 @@
 """Shared fixtures: a small real corpus on disk, prepared into char-level bins."""
 
+import os
 import random
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 from data.prepare import prepare_text
 from model import GPT, GPTConfig
+from tests.shared import built_once
 from training.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,27 +28,36 @@ def make_corpus(n_lines: int = 3000, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
-def corpus_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
-    path.write_text(make_corpus())
-    return path
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder that every xdist worker of this session sees (the session's own, without
+    xdist): what is built there once serves them all."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
-def char_data(tmp_path_factory, corpus_file) -> Path:
-    out = tmp_path_factory.mktemp("data") / "plays_char"
-    prepare_text(corpus_file.read_text(), "char", out, source=str(corpus_file), shard_tokens=5000)
-    return out
+def corpus_file(shared_dir) -> Path:
+    def build(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "plays.txt").write_text(make_corpus())
+    return built_once(shared_dir / "corpus", build) / "plays.txt"
 
 
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory, char_data) -> Path:
+def char_data(shared_dir, corpus_file) -> Path:
+    return built_once(shared_dir / "plays_char", lambda out: prepare_text(
+        corpus_file.read_text(), "char", out, source=str(corpus_file), shard_tokens=5000))
+
+
+@pytest.fixture(scope="session")
+def trained_run(shared_dir, char_data) -> Path:
     """A tiny model trained for 20 iterations by the real train.py: runs/tiny with best.pt."""
-    out = tmp_path_factory.mktemp("runs")
-    subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml"),
-                    "--data-dir", str(char_data), "--out-dir", str(out), "--max-iters", "20"],
-                   check=True, capture_output=True, cwd=REPO)
-    return out / "tiny"
+    def build(out: Path) -> None:
+        subprocess.run([sys.executable, str(REPO / "train.py"), "--config",
+                        str(REPO / "config" / "tiny.toml"), "--data-dir", str(char_data),
+                        "--out-dir", str(out), "--max-iters", "20"],
+                       check=True, capture_output=True, cwd=REPO)
+    return built_once(shared_dir / "runs", build) / "tiny"
 
 
 @pytest.fixture

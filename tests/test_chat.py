@@ -36,6 +36,7 @@ from data.tokenizer import (
 from data.tokenizer_json import tokenizer_files
 from generate import Chat, generate
 from model import GPT, GPTConfig
+from tests.shared import built_once
 from weights.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,31 +59,33 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 @pytest.fixture(scope="session")
-def chat_data(tmp_path_factory, char_data) -> Path:
-    folder = tmp_path_factory.mktemp("chat")
-    rng = random.Random(0)
-    path = write_jsonl(folder / "chats.jsonl", [conversation(rng) for _ in range(600)])
-    out = folder / "data"
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path), "--chat",
-                             "--tokenizer", str(char_data), "--out", str(out)],
-                            capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    assert "600 conversations" in result.stdout
-    return out
+def chat_data(shared_dir, char_data) -> Path:
+    def build(folder: Path) -> None:
+        folder.mkdir()
+        rng = random.Random(0)
+        path = write_jsonl(folder / "chats.jsonl", [conversation(rng) for _ in range(600)])
+        result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                                 "--chat", "--tokenizer", str(char_data), "--out",
+                                 str(folder / "data")], capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        assert "600 conversations" in result.stdout
+    return built_once(shared_dir / "chat", build) / "data"
 
 
 @pytest.fixture(scope="session")
-def sft_run(tmp_path_factory, trained_run, chat_data) -> tuple[Path, str]:
-    """The tiny run fine-tuned on the chat data by the real train.py."""
-    out = tmp_path_factory.mktemp("sft")
-    result = subprocess.run(
-        [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--init-from",
-         str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(out),
-         "--max-iters", "150", "--eval-interval", "75", "--batch-size", "16", "--dtype", "float32",
-         "--muon-lr", "0.03", "--learning-rate", "3e-3", "--embedding-lr", "0.05"],
-        capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    return out / "chat_sft", result.stdout + result.stderr
+def sft_run(shared_dir, trained_run, chat_data) -> tuple[Path, str]:
+    """The tiny run fine-tuned on the chat data by the real train.py, and what it said."""
+    def build(out: Path) -> None:
+        result = subprocess.run(
+            [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--init-from",
+             str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(out),
+             "--max-iters", "150", "--eval-interval", "75", "--batch-size", "16", "--dtype",
+             "float32", "--muon-lr", "0.03", "--learning-rate", "3e-3", "--embedding-lr", "0.05"],
+            capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        (out / "output.txt").write_text(result.stdout + result.stderr)
+    out = built_once(shared_dir / "sft", build)
+    return out / "chat_sft", (out / "output.txt").read_text()
 
 
 def chat_tokenizers() -> list:
