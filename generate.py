@@ -339,17 +339,18 @@ class Chat:
     def add_user(self, text: str) -> int:
         """Add a user turn; the number of oldest turns dropped to make room for it and at
         least one token of reply. ValueError if it cannot fit even alone."""
-        block_size, dropped = self.model.config.block_size, 0
-        ids = self.rendered(self.turns, text)
-        while len(ids) >= block_size and self.turns:
-            self.turns, dropped = self.turns[1:], dropped + 1
-            ids = self.rendered(self.turns, text)
-        if len(ids) >= block_size:
+        block_size, kept = self.model.config.block_size, self.turns
+        ids = self.rendered(kept, text)
+        while len(ids) >= block_size and kept:
+            kept = kept[1:]
+            ids = self.rendered(kept, text)
+        if len(ids) >= block_size:  # the conversation is left as it was
             raise ValueError(f"this message takes {len(ids)} tokens with the chat tokens, "
                              f"and the model's context holds {block_size}; write a shorter one")
         same = next((i for i, (a, b) in enumerate(zip(self.ids, ids, strict=False)) if a != b),
                     min(len(self.ids), len(ids)))
         self.cached = min(self.cached, same)  # what follows `same` in the cache is stale
+        dropped, self.turns = len(self.turns) - len(kept), kept
         self.ids, self.pending = ids, text
         return dropped
 

@@ -170,8 +170,13 @@ class Conversations:
         keep = [self.learns_within(s, e, learned) for s, e in zip(starts, ends, strict=True)]
         self.spans = [(int(s), int(min(e, s + block_size + 1)))
                       for s, e, k in zip(starts, ends, keep, strict=True) if k]
-        self.cut = int(sum(1 for s, e in zip(starts, ends, strict=True) if e - s > block_size + 1))
-        self.dropped = len(starts) - len(self.spans)
+        cut = sum(1 for s, e in zip(starts, ends, strict=True) if e - s > block_size + 1)
+        left_out = len(starts) - len(self.spans)
+        # what the cut costs, for the run to say: None when every conversation fits
+        self.note = (f"note: {cut:,} of {len(starts):,} conversations in {data.where} are "
+                     f"longer than block_size + 1 ({block_size + 1}) tokens and are cut, "
+                     f"{left_out:,} of them before any reply, which leaves them out"
+                     if cut else None)
         if not self.spans:
             raise DataError(f"{data.where} has no conversation with an assistant turn within "
                             f"block_size ({block_size}) tokens; raise block_size")
@@ -191,12 +196,15 @@ class Conversations:
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int) -> Sampler:
+def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
+                  say: Callable[[str], None] | None = None) -> Sampler:
     """How this split's batches are drawn: random windows of a corpus, or whole
-    conversations of a chat dataset."""
+    conversations of a chat dataset (`say` is told which are cut to fit block_size)."""
     if not meta.get("chat"):
         return lambda generator: get_batch(data, block_size, batch_size, generator)
     conversations = Conversations(data, load_tokenizer(meta["tokenizer"]).specials, block_size)
+    if conversations.note and say is not None:
+        say(conversations.note)
     return lambda generator: conversations.batch(batch_size, generator)
 
 

@@ -186,6 +186,16 @@ def test_batches_hold_whole_conversations_and_learn_the_replies_only(chat_data, 
         assert learned == f"{name.title()} loves.<|assistant_end|>{name}<|assistant_end|>"
 
 
+def test_conversations_longer_than_the_context_are_cut_and_said(chat_data):
+    meta = load_meta(chat_data)
+    tokenizer = load_tokenizer(meta["tokenizer"])
+    whole = Conversations(load_split(chat_data, "val", meta), tokenizer.specials, 64)
+    cut = Conversations(load_split(chat_data, "val", meta), tokenizer.specials, 12)
+    assert whole.note is None and len(cut.spans) == len(whole.spans)
+    assert "are longer than block_size + 1 (13) tokens and are cut, 0 of them before" in cut.note
+    assert max(end - start for start, end in cut.spans) == 13
+
+
 def test_sft_grows_the_vocabulary_and_learns_from_the_replies(sft_run, trained_run):
     run, output = sft_run
     assert "the vocabulary grows from" in output and "<|bos|>" in output
@@ -279,5 +289,9 @@ def test_replies_with_the_cache_kept_equal_a_fresh_prefill_of_the_history():
     dropped = [reply_matches_a_fresh_prefill(model, conversation, "abcdefgh" * 2)
                for _ in range(4)]
     assert sum(dropped) > 0 and len(conversation.ids) <= 97
+    turns, ids = list(conversation.turns), list(conversation.ids)
+    with pytest.raises(ValueError, match="the model's context holds 96; write a shorter one"):
+        conversation.add_user("abc" * 40)
+    assert conversation.turns == turns and conversation.ids == ids  # nothing lost
     assert conversation.ids[:3] == [tokenizer.specials["<|bos|>"], tokenizer.specials["<|user_start|>"],
                                     *tokenizer.encode("b")]  # the system text opens the first turn

@@ -277,7 +277,8 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
     checkpoint_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())
     distributed.from_main(lambda: check_writable(run_dir, checkpoint_bytes), dist)
     # the model's block_size: a base model (init_from) may have cropped the config's
-    samplers = {split: batch_sampler(data, meta, model.config.block_size, cfg.batch_size)
+    samplers = {split: batch_sampler(data, meta, model.config.block_size, cfg.batch_size,
+                                     tqdm.write if dist.is_main else None)
                 for split, data in splits.items()}
     s = Session(
         cfg=cfg, dist=dist, device=device, dtype=dtype, dtype_reason=dtype_reason,
