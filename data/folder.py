@@ -90,9 +90,9 @@ def save_progress(out: Path, progress: dict) -> None:
 @contextmanager
 def locked(out: Path) -> Iterator[Path]:
     """The output folder, made if missing and locked for this command (a second one into it
-    is refused while this one runs). A command that stops
-    leaves no lock file or folder of its own making behind, unless it wrote something; a
-    file system error is a DataError that says where, and that the same command resumes."""
+    is refused while this one runs). A command that stops leaves no lock file or folder of
+    its own making behind, unless it wrote something; a file system error is a DataError
+    that says where, and that the same command resumes."""
     out.exists()  # a name the file system refuses (too long) is reported as such, not here
     try:
         held = lock_folder(out, LOCK)
