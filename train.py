@@ -66,7 +66,8 @@ def build_cli() -> typer.Typer:
             typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
                        f"best val loss {result.best_val_loss:.4f}\n"
                        f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"
-                       f"next: python sample.py --run {result.run_dir}   |   "
+                       f"next: python sample.py --run {result.run_dir}"
+                       f"{' --chat' if result.chat else ''}   |   "
                        f"tensorboard --logdir {result.run_dir.parent}")
 
     params = [

@@ -36,6 +36,24 @@ BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS
 ROLES = ("system", "user", "assistant")
 
 
+# render_conversation's format as a Jinja chat template, for transformers' apply_chat_template
+# on an exported folder (a test holds the two equal). It renders text, whose special tokens
+# the tokenizer then recognises: fine for a template's user, who writes the messages; this
+# project itself renders ids, so that a message can never spell one.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{{- '<|bos|>' -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] + '\\n\\n' -%}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{- '<|user_start|>' + ns.system + message['content'] + '<|user_end|><|assistant_start|>' -}}"
+    "{%- set ns.system = '' -%}"
+    "{%- else -%}{{- message['content'] + '<|assistant_end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}\n"
+)
+
+
 class ConversationError(ValueError):
     """A conversation that cannot be rendered; the message says what is wrong with it."""
 

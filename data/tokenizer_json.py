@@ -3,7 +3,8 @@ an exported folder carries, so that AutoTokenizer gives the ids the project's ow
 
 Usage:
     from data.tokenizer_json import tokenizer_files
-    files = tokenizer_files(tokenizer)   # {"tokenizer.json": b"...", "tokenizer_config.json": ...}
+    files = tokenizer_files(tokenizer)   # {"tokenizer.json": b"...", "tokenizer_config.json": ...,
+                                         #  and a chat model's "chat_template.jinja"}
 
 A BPE of ours (GPT-2's, or one trained here) is tiktoken's: a rank for every token's bytes.
 tokenizer.json spells the same BPE as merges: each token of two bytes or more is made of
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import json
 
+from data.chat import CHAT_TEMPLATE
 from data.tokenizer import (
+    CHAT_SPECIALS,
     END_OF_TEXT,
     CharTokenizer,
     HFTokenizer,
@@ -104,5 +107,8 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
         found = next((name for name in names if name in special), None)
         if found:
             config[role] = found
-    return {"tokenizer.json": (json.dumps(spec, ensure_ascii=False) + "\n").encode(),
-            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+    files = {"tokenizer.json": (json.dumps(spec, ensure_ascii=False) + "\n").encode(),
+             "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+    if all(token in special for token in CHAT_SPECIALS):  # a chat model's: its format too
+        files["chat_template.jinja"] = CHAT_TEMPLATE.encode()
+    return files

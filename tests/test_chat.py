@@ -19,6 +19,7 @@ from data.chat import (
     assistant_mask,
     check_conversation,
     render_conversation,
+    render_prompt,
     special_ids,
 )
 from data.documents import list_inputs
@@ -199,6 +200,7 @@ def test_conversations_longer_than_the_context_are_cut_and_said(chat_data):
 def test_sft_grows_the_vocabulary_and_learns_from_the_replies(sft_run, trained_run):
     run, output = sft_run
     assert "the vocabulary grows from" in output and "<|bos|>" in output
+    assert f"next: python sample.py --run {run} --chat" in output
     ckpt = load_checkpoint(run / "last.pt")
     base = load_checkpoint(trained_run / "best.pt")
     assert ckpt["model_args"]["vocab_size"] == base["model_args"]["vocab_size"] + 5
@@ -295,3 +297,20 @@ def test_replies_with_the_cache_kept_equal_a_fresh_prefill_of_the_history():
     assert conversation.turns == turns and conversation.ids == ids  # nothing lost
     assert conversation.ids[:3] == [tokenizer.specials["<|bos|>"], tokenizer.specials["<|user_start|>"],
                                     *tokenizer.encode("b")]  # the system text opens the first turn
+
+
+def test_an_exported_chat_model_renders_conversations_as_sft_did_in_transformers(sft_run, tmp_path):
+    import transformers
+    run, _ = sft_run
+    result = subprocess.run([sys.executable, "export.py", str(run), str(tmp_path / "hf")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "chat_template.jinja" in result.stdout
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tokenizer = load_tokenizer(load_checkpoint(run / "best.pt")["tokenizer"])
+    messages = [{"role": "system", "content": "TYBALT"}, *conversation(random.Random(5))["messages"]]
+    turns = check_conversation(messages)
+    def ids(messages: list[dict]) -> list[int]:
+        return auto.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ids(messages) == render_conversation(tokenizer, turns)[0]
+    assert ids(messages[:-1]) == render_prompt(tokenizer, turns[:-1])

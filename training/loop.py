@@ -61,6 +61,7 @@ class TrainResult:
     best_val_loss: float
     final_losses: dict[str, float]
     wall_time: float
+    chat: bool = False  # trained on conversations: a model to talk to (sample.py --chat)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -358,5 +359,6 @@ def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
             s.writer.close()  # its last writes can fail too: here, where they are reported
     finally:
         bar.close()
-    return TrainResult(s.run_dir, s.iter_num, s.best_val_loss, losses, time.time() - t_start)
+    return TrainResult(s.run_dir, s.iter_num, s.best_val_loss, losses, time.time() - t_start,
+                       bool(s.meta.get("chat")))
 
