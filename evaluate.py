@@ -67,7 +67,10 @@ def main(
             check_output_file(json_path, "--json")
         device = str(resolve_device(device))
         if answers is not None:
-            return score_answers(answers, run, checkpoint, init_from, device, dtype)
+            if stride is not None or batch_size is not None:
+                raise ValueError("--stride and --batch-size are for scoring a text; drop them "
+                                 "with --answers")
+            return score_answers(answers, run, checkpoint, init_from, device, dtype, json_path)
         text = read_text(input)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
         stride = check_stride(stride, model.config.block_size)
@@ -97,10 +100,13 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def score_answers(answers: str, run: str | None, checkpoint: str | None, init_from: str | None,
-                  device: str, dtype: str) -> None:
+                  device: str, dtype: str, json_path: Path | None) -> None:
     records = demo_conversations() if answers == "demo" else read_conversations(Path(answers))
     model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
     right, total = answer_score(model, tokenizer, records)
+    if json_path is not None:
+        write_json(json_path, {"right": right, "total": total, "answers": answers,
+                               "model": source, "dtype": dtype})
     print(f"{source} ({dtype}): {right} of {total} last replies right "
           f"({100 * right / max(total, 1):.1f}%) on {answers}")
 

@@ -314,3 +314,20 @@ def test_an_exported_chat_model_renders_conversations_as_sft_did_in_transformers
         return auto.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     assert ids(messages) == render_conversation(tokenizer, turns)[0]
     assert ids(messages[:-1]) == render_prompt(tokenizer, turns[:-1])
+
+
+def test_evaluate_counts_the_right_last_replies_before_and_after_sft(sft_run, trained_run,
+                                                                     tmp_path):
+    run, _ = sft_run
+    rng = random.Random(7)
+    first_turns = [{"messages": conversation(rng)["messages"][:2]} for _ in range(20)]
+    path = write_jsonl(tmp_path / "held_out.jsonl", first_turns)
+    scores = {}
+    for name, folder in (("base", trained_run), ("sft", run)):
+        result = subprocess.run([sys.executable, "evaluate.py", "--run", str(folder), "--answers",
+                                 str(path), "--json", str(tmp_path / f"{name}.json")],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert f"{scores[name]['right']} of 20 last replies right" in result.stdout
+    assert scores["base"]["right"] == 0 and scores["sft"]["right"] >= 15
