@@ -67,10 +67,8 @@ def main(
             check_output_file(json_path, "--json")
         device = str(resolve_device(device))
         if answers is not None:
-            if stride is not None or batch_size is not None:
-                raise ValueError("--stride and --batch-size are for scoring a text; drop them "
-                                 "with --answers")
-            return score_answers(answers, run, checkpoint, init_from, device, dtype, json_path)
+            return score_answers(answers, run, checkpoint, init_from, device, dtype, json_path,
+                                 text_options=stride is not None or batch_size is not None)
         text = read_text(input)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
         stride = check_stride(stride, model.config.block_size)
@@ -100,7 +98,11 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def score_answers(answers: str, run: str | None, checkpoint: str | None, init_from: str | None,
-                  device: str, dtype: str, json_path: Path | None) -> None:
+                  device: str, dtype: str, json_path: Path | None, text_options: bool) -> None:
+    """--answers: a chat model's right last replies (measure/answers.py)."""
+    if text_options:
+        raise ValueError("--stride and --batch-size are for scoring a text; drop them with "
+                         "--answers")
     records = demo_conversations() if answers == "demo" else read_conversations(Path(answers))
     model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
     right, total = answer_score(model, tokenizer, records)
