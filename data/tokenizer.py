@@ -56,7 +56,8 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.added = tuple(specials)
         self.specials = {token: len(chars) + i for i, token in enumerate(specials)}
-        self.vocab_size = len(chars) + len(specials)
+        self.itos = [*chars, *specials]  # id -> its text
+        self.vocab_size = len(self.itos)
         # code point -> id (-1: not in the table), for encoding whole corpora at numpy speed
         self.table = np.full(max(map(ord, chars), default=0) + 2, -1, dtype=np.int32)
         self.table[[ord(c) for c in chars]] = np.arange(len(chars))
@@ -87,8 +88,7 @@ class CharTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        n, names = len(self.chars), list(self.specials)
-        return "".join(self.chars[i] if i < n else names[i - n] for i in ids)
+        return "".join(self.itos[i] for i in ids)
 
     def to_meta(self) -> dict:
         return {"kind": "char", "vocab_size": self.vocab_size, "chars": self.chars,
