@@ -16,6 +16,7 @@ RMSNorm, QK-norm, ReLU^2, an output layer of its own and grouped-query attention
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -146,13 +147,26 @@ class KVCache:
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store (B, n_kv_head, T, head_dim) keys/values at input_pos (T,). Return all keys
-        and values, (B, n_kv_head, max_len, head_dim), and the (T, max_len) mask of what
-        each query may see."""
-        self.k[layer][:, :, input_pos] = k
-        self.v[layer][:, :, input_pos] = v
-        mask = input_pos[:, None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
-        return self.k[layer], self.v[layer], mask
+        """Store (B, n_kv_head, T, head_dim) keys/values at input_pos: (T,), the same for
+        every row, or (B, T), each row at its own (a server's batch of sequences). Return all
+        keys and values, (B, n_kv_head, max_len, head_dim), and the (T, max_len) or
+        (B, 1, T, max_len) mask of what each query may see."""
+        if input_pos.dim() == 1:
+            self.k[layer][:, :, input_pos] = k
+            self.v[layer][:, :, input_pos] = v
+        else:  # indexing rows and positions together puts their dims first: (B, T, heads, hd)
+            rows = torch.arange(k.size(0), device=k.device)[:, None]
+            self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
+            self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
+        mask = input_pos[..., None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
+        return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """The cache of rows start..stop-1, sharing this one's memory: a server fills one
+        sequence's row with a prefill of its own."""
+        view = copy.copy(self)
+        view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
+        return view
 
 
 class CausalSelfAttention(nn.Module):
@@ -257,8 +271,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention; mask is a (T_q, T_k) bool of allowed pairs, None for causal. Keys
-    and values may have fewer heads than the queries (GQA): each serves a group of them."""
+    """Fused attention; mask is a bool of allowed pairs, (T_q, T_k) or a row's own (B, 1,
+    T_q, T_k), None for causal. Keys and values may have fewer heads than the queries
+    (GQA): each serves a group of them."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
         # torch's CPU kernel is 1.3-2x slower in bf16 than fp32 on sequences this short (its
         # backward, docs/performance.md); autocast would cast the inputs straight back
@@ -411,8 +426,8 @@ class GPT(nn.Module):
         """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
 
         kv_cache: write this pass's keys/values into the cache and attend over all it holds.
-        input_pos: (T,) positions of idx's tokens in the window, 0.. by default; with a
-            cache, the caller advances them and keeps them below block_size.
+        input_pos: (T,) positions of idx's tokens in the window, 0.. by default, or (B, T),
+            a row's own; with a cache, the caller advances them, below block_size.
         attn_weights: a list, to run the explicit attention path and receive each layer's
             (B, n_head, T, T_k) weights in it.
         logits_from: without targets, logits for positions logits_from: only (-1: the last,
@@ -431,7 +446,7 @@ class GPT(nn.Module):
             x = rms_norm(x, self.config.norm_eps)
         # without positions, the causal mask alone carries order
         rope = None
-        if self.config.pos_embedding == "rope":  # (T, 1, hd) each: every head alike
+        if self.config.pos_embedding == "rope":  # (T, 1, hd) or (B, T, 1, hd): heads alike
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         x = self.transformer.drop(x)
         for block in self.transformer.h:

@@ -89,10 +89,10 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
         print(f"note: {cc} built the C decode step {note.read_text()}, so it runs slower "
               f"than it could", file=sys.stderr)
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
-    # the C signature: logits, tokens, pos, T, wte, wte_scales, wpe, rope_cos, rope_sin,
+    # the C signature: logits, tokens, pos, rows, T, wte, wte_scales, wpe, rope_cos, rope_sin,
     # blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B, n_layer,
     # n_head, n_embd, vocab_size, max_len, layout, n_threads
-    lib.decode_step.argtypes = [ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, ptrs, ptr, ptr,
+    lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptrs, ptr, ptr,
                                 ptr, ptr, ptrs, ptrs, ptr, *[i32] * 6, ctypes.POINTER(Layout), i32]
     lib.decode_step.restype = None
     return lib
@@ -157,8 +157,8 @@ def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
 
 
 class CDecodeStep:
-    """generate.py's DecodeStep in C: (B, 1) tokens, a KVCache and a one-element input_pos
-    in; (B, 1, vocab_size) logits out.
+    """generate.py's DecodeStep in C: (B, 1) tokens, a KVCache and input_pos, (1,) or a
+    position per sequence (B, 1), in; (B, 1, vocab_size) logits out.
 
     It also prefills: (B, T) tokens at consecutive positions input_pos (T,) in one call,
     with the logits of the last. Each weight is then read once for all B * T tokens, so a
@@ -220,28 +220,37 @@ class CDecodeStep:
         self.blocks = pointers(self.block_params)
         self.work = torch.empty(0)  # scratch, sized for the cache in use (see __call__)
 
-    def __call__(self, idx: torch.Tensor, kv_cache: KVCache,
-                 input_pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_pos: (T,), the same for every sequence, or (B, T), each its own; rows: the
+        cache row of each of the B sequences (default: row b), for a server's batch, whose
+        cache has a row per slot and steps only the slots at work."""
         cfg = self.config
         B, T = idx.size()
-        positions = input_pos.tolist()
-        pos, end = positions[0], positions[0] + T
-        max_len = kv_cache.k[0].size(2)
+        cache_rows, max_len = kv_cache.k[0].size(0), kv_cache.k[0].size(2)
+        positions = input_pos.expand(B, T).to(torch.int64).contiguous()
+        rows = torch.arange(B) if rows is None else rows.to(torch.int64).contiguous()
+        start = positions[:, :1]
+        starts = start.flatten().contiguous()  # held: C reads it during the call
         # C does not check bounds: refuse here what would read or write outside a tensor
         tokens = idx.to(torch.int64).contiguous()
-        ids = tokens.flatten().tolist()
-        if not (0 <= pos and end <= max_len and positions == list(range(pos, end))
-                and 0 <= min(ids) and max(ids) < cfg.vocab_size):
-            raise IndexError(f"positions {pos}..{end - 1} or a token of {ids} is out of range")
-        if kv_cache.k[0].dtype != self.dtype or kv_cache.k[0].size(0) != B:
-            raise ValueError("the cache's dtype or batch size differs from the step's")
+        if not (0 <= int(start.min()) and int(positions.max()) < max_len
+                and torch.equal(positions, start + torch.arange(T))
+                and 0 <= int(tokens.min()) and int(tokens.max()) < cfg.vocab_size
+                and rows.shape == (B,) and 0 <= int(rows.min()) and int(rows.max()) < cache_rows
+                and len(set(rows.tolist())) == B):
+            raise IndexError(f"positions {positions.tolist()}, rows {rows.tolist()} or a token of "
+                             f"{tokens.tolist()} is out of range")
+        if kv_cache.k[0].dtype != self.dtype:
+            raise ValueError("the cache's dtype differs from the step's")
         work_size = B * T * (5 * cfg.n_embd + max(cfg.n_embd, cfg.mlp_hidden)
                              + cfg.n_head * max_len)
         if self.work.numel() < work_size:  # a longer prefill or cache: grow once for it
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         self.lib.decode_step(
-            address(logits), address(tokens), pos, T, address(self.wte),
+            address(logits), address(tokens), address(starts),
+            address(rows), T, address(self.wte),
             address(self.wte_scales), address(self.wpe), address(self.rope_cos),
             address(self.rope_sin), self.blocks, address(self.ln_f_w), address(self.ln_f_b),
             address(self.lm_head), address(self.lm_head_scales),

@@ -292,8 +292,9 @@ static inline void place_head(float *x, int qk_norm, float eps, const param_t *r
     }
 }
 
-/* Store the keys and values of T new tokens per sequence at slots pos..pos+T-1, then let
- * each attend over the slots up to its own: a decode step has T = 1, a prefill T > 1.
+/* Store the keys and values of T new tokens per sequence at slots pos[b]..pos[b]+T-1 of
+ * its cache row rows[b], then let each attend over the slots up to its own: a decode step
+ * has T = 1, a prefill T > 1. Each sequence has its own position, as in a server's batch.
  * qkv: (B*T, C + 2 KV) as c_attn makes it, KV = n_kv_head * head_dim (GQA: query head h
  * reads key/value head h / (n_head / n_kv_head), as SDPA's enable_gqa does); its queries
  * and keys are normalized and rotated in place. y: (B*T, C), heads side by side. */
@@ -301,7 +302,7 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
                       param_t *restrict v_cache, float *restrict scores, int qk_norm,
                       float eps, const param_t *rope_cos, const param_t *rope_sin,
                       int B, int T, int n_head, int n_kv_head, int head_dim, int max_len,
-                      int pos) {
+                      const int64_t *pos, const int64_t *rows) {
     int C = n_head * head_dim, KV = n_kv_head * head_dim, group = n_head / n_kv_head;
     size_t row = (size_t)C + 2 * KV;
     float scale = 1.0f / sqrtf((float)head_dim);
@@ -310,7 +311,7 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
         for (int i = 0; i < B * n_head * T; i++) {
             int t = i % T, b = i / T / n_head, h = i / T % n_head;
             place_head(qkv + (b * T + t) * row + h * head_dim, qk_norm, eps, rope_cos,
-                       rope_sin, pos + t, head_dim);
+                       rope_sin, pos[b] + t, head_dim);
         }
     }
     #pragma omp for
@@ -318,8 +319,8 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
         int bh = i / T, t = i % T, b = bh / n_kv_head, h = bh % n_kv_head;
         float *k = qkv + (b * T + t) * row + C + h * head_dim;
         const float *v = k + KV;
-        place_head(k, qk_norm, eps, rope_cos, rope_sin, pos + t, head_dim);
-        size_t slot = ((size_t)bh * max_len + pos + t) * head_dim;
+        place_head(k, qk_norm, eps, rope_cos, rope_sin, pos[b] + t, head_dim);
+        size_t slot = (((size_t)rows[b] * n_kv_head + h) * max_len + pos[b] + t) * head_dim;
         for (int d = 0; d < head_dim; d++) {
             store(k_cache, slot + d, k[d]);
             store(v_cache, slot + d, v[d]);
@@ -327,9 +328,9 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
     }  /* the loop's barrier: every key is stored before any query reads it */
     #pragma omp for
     for (int i = 0; i < B * n_head * T; i++) {
-        int t = i % T, b = i / T / n_head, h = i / T % n_head, last = pos + t;
+        int t = i % T, b = i / T / n_head, h = i / T % n_head, last = pos[b] + t;
         const float *q = qkv + (b * T + t) * row + h * head_dim;
-        size_t kv_head = (size_t)b * n_kv_head + h / group;
+        size_t kv_head = (size_t)rows[b] * n_kv_head + h / group;
         const param_t *k = k_cache + kv_head * max_len * head_dim;  /* (max_len, head_dim) */
         const param_t *v = v_cache + kv_head * max_len * head_dim;
         float *att = scores + (size_t)i * max_len;
@@ -361,15 +362,16 @@ typedef struct {
     float norm_eps, logit_softcap;  /* logit_softcap 0: off */
 } layout_t;
 
-/* Logits (B, vocab_size) of the last of T new tokens per sequence, the tokens at window
- * positions pos..pos+T-1: a decode step (T = 1) or a prefill (T > 1), which reads each
- * weight once for all B*T tokens.
- * tokens: (B, T); blocks: n_layer * N_BLOCK_PARAMS pointers; k_cache, v_cache: one pointer
+/* Logits (B, vocab_size) of the last of T new tokens per sequence, sequence b's tokens at
+ * window positions pos[b]..pos[b]+T-1 of cache row rows[b]: a decode step (T = 1) or a
+ * prefill (T > 1), which reads each weight once for all B*T tokens.
+ * tokens: (B, T); pos, rows: (B,), rows distinct; blocks: n_layer * N_BLOCK_PARAMS pointers; k_cache, v_cache: one pointer
  * per layer. wte_scales: the int8 token table's row scales, NULL for a float one. wpe: the
  * learned position table, or NULL; rope_cos, rope_sin: model.py's rope tables, or NULL.
  * lm_head (and its scales): an untied output layer, or NULL for wte's.
  * work: scratch of B * T * (5 * n_embd + max(n_embd, hidden) + n_head * max_len) floats. */
-void decode_step(float *logits, const int64_t *tokens, int pos, int T,
+void decode_step(float *logits, const int64_t *tokens, const int64_t *pos,
+                 const int64_t *rows, int T,
                  const weight_t *wte, const float *wte_scales, const param_t *wpe,
                  const param_t *rope_cos, const param_t *rope_sin,
                  const void *const *blocks, const param_t *ln_f_w, const param_t *ln_f_b,
@@ -392,7 +394,7 @@ void decode_step(float *logits, const int64_t *tokens, int pos, int T,
             const weight_t *tok_emb = wte + (size_t)tokens[r] * C;
             float scale = wte_scales ? wte_scales[tokens[r]] : 1.0f;
             for (int i = 0; i < C; i++) {
-                float p = wpe ? load(wpe, (size_t)(pos + r % T) * C + i) : 0.0f;
+                float p = wpe ? load(wpe, (size_t)(pos[r / T] + r % T) * C + i) : 0.0f;
                 x[(size_t)r * C + i] = load_weight(tok_emb, i) * scale + p;
             }
             if (layout->embed_norm) rms_norm(x + (size_t)r * C, C, eps);
@@ -402,7 +404,8 @@ void decode_step(float *logits, const int64_t *tokens, int pos, int T,
             layer_norm(h, x, p[LN1_W], p[LN1_B], R, C, rms, eps);
             matvec(qkv, h, p[ATTN_W], p[ATTN_S], p[ATTN_B], R, C, C + 2 * KV, SET);
             attention(y, qkv, k_cache[l], v_cache[l], scores, layout->qk_norm, eps, rope_cos,
-                      rope_sin, B, T, n_head, layout->n_kv_head, C / n_head, max_len, pos);
+                      rope_sin, B, T, n_head, layout->n_kv_head, C / n_head, max_len, pos,
+                      rows);
             matvec(x, y, p[ATTN_PROJ_W], p[ATTN_PROJ_S], p[ATTN_PROJ_B], R, C, C, ADD);
             layer_norm(h, x, p[LN2_W], p[LN2_B], R, C, rms, eps);
             matvec(y, h, p[FC_W], p[FC_S], p[FC_B], R, C, H, SET);

@@ -103,6 +103,37 @@ def test_c_step_greedy_tokens_equal_eager_for_a_batch():
 
 
 @pytest.mark.parametrize("layout", ["gpt2", "modern"])
+@pytest.mark.parametrize("backend", ["eager", "c"])
+def test_sequences_at_their_own_positions_step_as_each_would_alone(backend, layout):
+    """A server's batch: sequences of different lengths, each prefilled into its own row of
+    one cache, then stepped together, each at its own position; the C step steps only the
+    rows it is given (here rows 2 and 0 of 3), the model every row."""
+    model = small_gpt(**LAYOUTS[layout])
+    lengths, rows = [5, 9], torch.tensor([2, 0])
+    prompts = [torch.randint(0, 40, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in lengths]
+    alone = [decode_logits(model, p, 5) for p in prompts]  # 4 steps each, a cache its own
+    step = decode_step(model, backend)
+    cache = model.new_kv_cache(3, 16)
+    with torch.inference_mode():
+        tokens = [model(p, kv_cache=cache.rows(r, r + 1), logits_from=-1)[0][:, -1].argmax(-1)
+                  for p, r in zip(prompts, rows.tolist(), strict=True)]
+        for i in range(4):
+            idx = torch.stack(tokens)  # (2, 1)
+            positions = torch.tensor(lengths)[:, None] + i
+            if backend == "c":
+                logits = step(idx, cache, positions, rows=rows)[:, -1]
+            else:  # every row of the cache steps; the idle row 1 at position 0
+                idx = torch.cat([idx[1:], torch.zeros(1, 1, dtype=idx.dtype), idx[:1]])
+                positions = torch.cat([positions[1:], torch.zeros(1, 1, dtype=torch.int64),
+                                       positions[:1]])
+                logits = step(idx, cache, positions)[[2, 0], -1]
+            for b in range(2):
+                torch.testing.assert_close(logits[b], alone[b][i][0], rtol=0, atol=1e-5)
+            tokens = list(logits.argmax(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "modern"])
 @pytest.mark.parametrize("march", MARCHES)
 def test_c_step_bf16_matches_eager_to_bf16_rounding(march, layout):
     # eager rounds every activation to bf16; the C step keeps activations in float32
@@ -137,10 +168,15 @@ def test_c_step_refuses_what_it_cannot_run():
     model = small_gpt()
     step = CDecodeStep(model)
     cache = model.new_kv_cache(1, 8)
-    with pytest.raises(IndexError, match=r"positions 8\.\.8 or a token"):  # past the cache's 8 slots
+    with pytest.raises(IndexError, match=r"positions \[\[8\]\]"):  # past the cache's 8 slots
         step(torch.tensor([[1]]), cache, torch.tensor([8]))
-    with pytest.raises(IndexError, match=r"a token of \[40\]"):  # outside the vocabulary
+    with pytest.raises(IndexError, match=r"a token of \[\[40\]\]"):  # outside the vocabulary
         step(torch.tensor([[40]]), cache, torch.tensor([0]))
+    with pytest.raises(IndexError, match=r"rows \[1\]"):  # the cache has one row
+        step(torch.tensor([[1]]), cache, torch.tensor([0]), rows=torch.tensor([1]))
+    with pytest.raises(IndexError, match=r"rows \[0, 0\]"):  # one row written twice
+        step(torch.tensor([[1], [2]]), model.new_kv_cache(2, 8), torch.tensor([[0], [0]]),
+             rows=torch.tensor([0, 0]))
 
 
 def test_the_block_parameter_list_comes_from_the_c_source():
