@@ -268,37 +268,71 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
     return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
 
 
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
+    (GPT-2's end-of-text token, or a newline for a character vocabulary). ValueError for
+    text the tokenizer cannot encode."""
+    if prompt:
+        return tokenizer.encode(prompt)
+    if tokenizer.eot_token is not None:
+        return [tokenizer.eot_token]
+    try:
+        return tokenizer.encode("\n")
+    except ValueError:  # a character vocabulary without newlines
+        return [0]
+
+
+class StopText:
+    """New tokens in, text out, cut before the first stop string. A stop string split
+    across tokens is still found: text is released only once no stop string can begin
+    inside it. `stopped` says when one was met."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        if any(not s for s in stop):
+            raise ValueError("a stop string is empty, which would end every sample at once; "
+                             "drop it or give some text")
+        self.text, self.stop, self.stopped = TextStream(tokenizer), stop, False
+        self.held = ""  # decoded text not yet released
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, token_id: int) -> str:
+        """The text that token_id releases, maybe none."""
+        self.held += self.text.push([token_id])
+        cut = first_stop(self.held, self.stop)
+        if cut is not None:
+            self.stopped = True
+            released, self.held = self.held[:cut], ""
+            return released
+        keep = len(self.held) - self.hold
+        released, self.held = self.held[:max(keep, 0)], self.held[max(keep, 0):]
+        return released
+
+    def flush(self) -> str:
+        """What is left once the tokens end."""
+        held, self.held = self.held + self.text.flush(), ""
+        return held[:first_stop(held, self.stop)]
+
+
 def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   use_kv_cache: bool = True, generator: torch.Generator | None = None,
                   stop: tuple[str, ...] = (),
                   decode: str | DecodeStep = "auto") -> Iterator[str]:
     """Yield the continuation of `ids` as text, piece by piece, ending before the
-    end-of-text token or the first stop string. A stop string split across tokens is
-    still found: text is only released once no stop string can begin inside it."""
-    if any(not s for s in stop):
-        raise ValueError("a stop string is empty, which would end every sample at once; "
-                         "drop it or give some text")
+    end-of-text token or the first stop string (see StopText)."""
+    text = StopText(tokenizer, stop)
     device = model.lm_head.weight.device
-    text_stream = TextStream(tokenizer)
-    held = ""  # decoded text not yet released
-    hold = max((len(s) for s in stop), default=1) - 1
     tokens = stream(model, torch.tensor([ids], device=device), max_new_tokens, temperature,
                     top_k, top_p, use_kv_cache, generator, decode)
     for token in tokens:
         token_id = token.item()
         if token_id == tokenizer.eot_token:
             break
-        held += text_stream.push([token_id])
-        cut = first_stop(held, stop)
-        if cut is not None:
-            yield held[:cut]
+        if piece := text.push(token_id):
+            yield piece
+        if text.stopped:
             return
-        if len(held) > hold:
-            yield held[:len(held) - hold]
-            held = held[len(held) - hold:]
-    held += text_stream.flush()
-    yield held[:first_stop(held, stop)]
+    yield text.flush()
 
 
 # --- chat --------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import typer
 from cdecode import BuildError
 from data.sources import decode_text
 from data.tokenizer import Tokenizer
-from generate import DECODE_BACKENDS, Chat, check_sampling, decode_step, generate_text
+from generate import DECODE_BACKENDS, Chat, check_sampling, decode_step, generate_text, prompt_ids
 from machine.device import resolve_device
 from machine.errors import reported, run_command
 from machine.files import check_output_file, probe_writable
@@ -46,22 +46,6 @@ def prompt_text(prompt: str, prompt_file: Path | None) -> str:
     if prompt_file:
         return decode_text(prompt_file.read_bytes(), str(prompt_file))
     return decode_text(os.fsencode(prompt), "--prompt")
-
-
-def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
-    (GPT-2's end-of-text token, or a newline for a character vocabulary)."""
-    if prompt:
-        try:
-            return tokenizer.encode(prompt)
-        except ValueError as e:
-            raise SampleError(f"prompt: {e}") from None
-    if tokenizer.eot_token is not None:
-        return [tokenizer.eot_token]
-    try:
-        return tokenizer.encode("\n")
-    except ValueError:  # a character vocabulary without newlines
-        return [0]
 
 
 def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: float | None,
@@ -324,7 +308,10 @@ def main(
         # checked before sampling, after loading: a failed load leaves no folder behind
         attention_path = attention_target(attention) if attention is not None else None
         text = prompt_text(prompt, prompt_file)
-        ids = prompt_ids(tokenizer, text)
+        try:
+            ids = prompt_ids(tokenizer, text)
+        except ValueError as e:
+            raise SampleError(f"prompt: {e}") from None
         step = decode_step(model, decode) if kv_cache else None
     first_sample = print_samples(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
