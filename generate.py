@@ -273,7 +273,10 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     (GPT-2's end-of-text token, or a newline for a character vocabulary). ValueError for
     text the tokenizer cannot encode."""
     if prompt:
-        return tokenizer.encode(prompt)
+        try:
+            return tokenizer.encode(prompt)
+        except ValueError as e:
+            raise ValueError(f"prompt: {e}") from None
     if tokenizer.eot_token is not None:
         return [tokenizer.eot_token]
     try:

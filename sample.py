@@ -308,10 +308,7 @@ def main(
         # checked before sampling, after loading: a failed load leaves no folder behind
         attention_path = attention_target(attention) if attention is not None else None
         text = prompt_text(prompt, prompt_file)
-        try:
-            ids = prompt_ids(tokenizer, text)
-        except ValueError as e:
-            raise SampleError(f"prompt: {e}") from None
+        ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
     first_sample = print_samples(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
