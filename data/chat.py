@@ -75,7 +75,9 @@ def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tupl
         if not isinstance(content, str):
             raise ConversationError(f"message {n}'s content is a {type(content).__name__}, "
                                     f"not a string")
-        if not content.strip():
+        # a reply may be empty in a prompt (a model can end its turn at once), never in
+        # what a model is trained to say
+        if not content.strip() and not (role == "assistant" and ends_with == "user"):
             raise ConversationError(f"message {n} ({role}) has empty content")
         if any("\ud800" <= c <= "\udfff" for c in content):  # JSON's "\ud83d" alone
             raise ConversationError(f"message {n}'s content escapes half a character (a "

@@ -1,5 +1,7 @@
-"""Shared fixtures: a small real corpus on disk, prepared into char-level bins."""
+"""Shared fixtures: a small real corpus on disk, prepared into char-level bins, a tiny run
+trained on it, and that run fine-tuned on conversations."""
 
+import json
 import os
 import random
 import subprocess
@@ -11,7 +13,7 @@ import torch
 
 from data.prepare import prepare_text
 from model import GPT, GPTConfig
-from tests.shared import built_once
+from tests.shared import built_once, conversation
 from training.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,3 +84,34 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def chat_data(shared_dir, char_data) -> Path:
+    def build(folder: Path) -> None:
+        folder.mkdir()
+        rng = random.Random(0)
+        path = folder / "chats.jsonl"
+        path.write_text("".join(json.dumps(conversation(rng)) + "\n" for _ in range(600)))
+        result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
+                                 "--chat", "--tokenizer", str(char_data), "--out",
+                                 str(folder / "data")], capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        assert "600 conversations" in result.stdout
+    return built_once(shared_dir / "chat", build) / "data"
+
+
+@pytest.fixture(scope="session")
+def sft_run(shared_dir, trained_run, chat_data) -> tuple[Path, str]:
+    """The tiny run fine-tuned on the chat data by the real train.py, and what it said."""
+    def build(out: Path) -> None:
+        result = subprocess.run(
+            [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--init-from",
+             str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(out),
+             "--max-iters", "150", "--eval-interval", "75", "--batch-size", "16", "--dtype",
+             "float32", "--muon-lr", "0.03", "--learning-rate", "3e-3", "--embedding-lr", "0.05"],
+            capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        (out / "output.txt").write_text(result.stdout + result.stderr)
+    out = built_once(shared_dir / "sft", build)
+    return out / "chat_sft", (out / "output.txt").read_text()

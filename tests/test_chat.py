@@ -37,56 +37,15 @@ from data.tokenizer import (
 from data.tokenizer_json import tokenizer_files
 from generate import Chat, generate
 from model import GPT, GPTConfig
-from tests.shared import built_once
+from tests.shared import conversation
 from weights.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
-NAMES = ["ROMEO", "JULIET", "NURSE", "TYBALT"]
-
-
-def conversation(rng: random.Random) -> dict:
-    """Two turns in the test corpus's characters, the second answer naming the first
-    question's name: the reply depends on an earlier turn."""
-    name = rng.choice(NAMES)
-    return {"messages": [{"role": "user", "content": name},
-                         {"role": "assistant", "content": f"{name.title()} loves."},
-                         {"role": "user", "content": "the name"},
-                         {"role": "assistant", "content": name}]}
-
-
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in records))
     return path
 
 
-@pytest.fixture(scope="session")
-def chat_data(shared_dir, char_data) -> Path:
-    def build(folder: Path) -> None:
-        folder.mkdir()
-        rng = random.Random(0)
-        path = write_jsonl(folder / "chats.jsonl", [conversation(rng) for _ in range(600)])
-        result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                                 "--chat", "--tokenizer", str(char_data), "--out",
-                                 str(folder / "data")], capture_output=True, text=True, cwd=REPO)
-        assert result.returncode == 0, result.stderr
-        assert "600 conversations" in result.stdout
-    return built_once(shared_dir / "chat", build) / "data"
-
-
-@pytest.fixture(scope="session")
-def sft_run(shared_dir, trained_run, chat_data) -> tuple[Path, str]:
-    """The tiny run fine-tuned on the chat data by the real train.py, and what it said."""
-    def build(out: Path) -> None:
-        result = subprocess.run(
-            [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--init-from",
-             str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(out),
-             "--max-iters", "150", "--eval-interval", "75", "--batch-size", "16", "--dtype",
-             "float32", "--muon-lr", "0.03", "--learning-rate", "3e-3", "--embedding-lr", "0.05"],
-            capture_output=True, text=True, cwd=REPO)
-        assert result.returncode == 0, result.stderr
-        (out / "output.txt").write_text(result.stdout + result.stderr)
-    out = built_once(shared_dir / "sft", build)
-    return out / "chat_sft", (out / "output.txt").read_text()
 
 
 def chat_tokenizers() -> list:

@@ -1,0 +1,171 @@
+"""Serve a trained model over OpenAI's API, with a chat page, many requests batched together.
+
+Usage:
+    python serve.py                                # the newest run, at http://127.0.0.1:8000
+    python serve.py --run runs/chat_sft --port 8080 --api-key secret
+    python serve.py --init-from path/to/hf_folder --parallel 32
+    # then: the chat page at http://127.0.0.1:8000/, or the openai client:
+    #   OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
+
+Endpoints (serving/app.py): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health and GET /. --parallel sequences decode together (serving/engine.py); up to
+--queue more wait, and past that a request gets 429. SIGTERM or Ctrl-C stops accepting,
+lets what runs finish for a few seconds, cancels the rest, and exits (0 for SIGTERM).
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from cdecode import BuildError
+from generate import DECODE_BACKENDS, check_sampling
+from machine.device import resolve_device
+from machine.errors import reported, run_command
+from serving.app import Service, create_app
+from serving.engine import Engine
+from weights.loading import load_model
+
+GRACE_SECONDS = 5  # after SIGTERM, how long running answers may take to finish
+
+
+class ServeError(ValueError):
+    """An option or a place serve.py cannot use; the message says what to change."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use is said before a model loads."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is in use (another server?); stop it or "
+                             f"choose another --port") from None
+        if e.errno == errno.EACCES:
+            raise ServeError(f"port {port} needs privileges this user lacks; choose a port "
+                             f"above 1023") from None
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror or e}); check "
+                         f"--host") from None
+    sock.listen(128)
+    return sock
+
+
+def model_name(source: str, init_from: str | None) -> str:
+    """What /v1/models calls the model: the run folder's name (runs/NAME/best.pt), a
+    checkpoint's own (NAME.pt), or the Hugging Face folder's."""
+    path = Path(source)
+    if init_from:
+        return path.resolve().name
+    return path.parent.resolve().name if path.name in ("best.pt", "last.pt") else path.stem
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown also ends the engine's answers: those still running
+    GRACE_SECONDS after the signal are cancelled, each stream ending with an error event,
+    before uvicorn would cut their connections."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            threading.Timer(GRACE_SECONDS, self.engine.close).start()
+        super().handle_exit(sig, frame)
+
+
+def run_server(service: Service, sock: socket.socket) -> None:
+    """Serve until SIGTERM or Ctrl-C, then stop the engine."""
+    config = uvicorn.Config(create_app(service), log_level="warning",
+                            timeout_graceful_shutdown=GRACE_SECONDS + 2)
+    server = Server(config, service.engine)
+    # uvicorn raises the signal it stopped for once more after its shutdown, to end the
+    # process as the signal would; for SIGTERM this handler takes it, so the exit is 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.engine.close()
+    print("stopped", file=sys.stderr)
+
+
+# The options, one a line: each one's help is its documentation (python serve.py --help).
+RunOption = Annotated[str | None, typer.Option(
+        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to serve; "
+             "default: the newest run.")]
+CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to serve.")]
+InitFromOption = Annotated[str | None, typer.Option(
+        help="Serve a Hugging Face GPT-2 or NanoChat folder instead.")]
+HostOption = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every "
+                                           "interface.")]
+PortOption = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")]
+ApiKeyOption = Annotated[str | None, typer.Option(
+        help="Require 'Authorization: Bearer KEY' on /v1/ (the openai client's api_key).")]
+ParallelOption = Annotated[int, typer.Option(
+        min=1, help="Sequences decoded together (slots; each holds a KV cache row).")]
+QueueOption = Annotated[int, typer.Option(
+        min=0, help="Requests that may wait for a slot; past that, 429.")]
+MaxTokensOption = Annotated[int, typer.Option(
+        min=1, help="New tokens when a request names none (capped by the context).")]
+TemperatureOption = Annotated[float, typer.Option(
+        help="Temperature when a request names none; 0 is greedy.")]
+TopKOption = Annotated[int | None, typer.Option(help="top_k when a request names none.")]
+TopPOption = Annotated[float | None, typer.Option(help="top_p when a request names none.")]
+DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")]
+DtypeOption = Annotated[str, typer.Option(
+        help="Weights dtype: float32, bfloat16, float16 or int8.")]
+DecodeOption = Annotated[str, typer.Option(
+        help="The batched decode step: auto (the C step on a CPU), eager, compile or c.")]
+DebugOption = Annotated[bool, typer.Option(help="Show tracebacks for input errors.")]
+
+
+def main(
+    run: RunOption = None,
+    checkpoint: CheckpointOption = None,
+    init_from: InitFromOption = None,
+    host: HostOption = "127.0.0.1",
+    port: PortOption = 8000,
+    api_key: ApiKeyOption = None,
+    parallel: ParallelOption = 16,
+    queue: QueueOption = 64,
+    max_tokens: MaxTokensOption = 500,
+    temperature: TemperatureOption = 0.8,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
+    decode: DecodeOption = "auto",
+    debug: DebugOption = False,
+) -> None:
+    """Serve a model over OpenAI's API (chat and text completions) with a chat page at /."""
+    with reported(ValueError, BuildError, OSError, debug=debug):
+        check_sampling(temperature, top_k, top_p)
+        if decode not in DECODE_BACKENDS:
+            raise ServeError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+        device = str(resolve_device(device))
+        sock = listen(host, port)
+        model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+        engine = Engine(model, tokenizer, parallel, queue, decode)
+    service = Service(engine, tokenizer, model_name(source, init_from), model.config.block_size,
+                      max_tokens, temperature, top_k, top_p, api_key)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {service.name} ({source}, {parallel} slots of {model.config.block_size} "
+          f"tokens) at http://{shown}:{sock.getsockname()[1]}/ : the chat page there, "
+          f"OpenAI's API under /v1", file=sys.stderr, flush=True)
+    run_server(service, sock)
+
+
+if __name__ == "__main__":
+    run_command(lambda: typer.run(main))

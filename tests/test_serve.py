@@ -1,0 +1,311 @@
+"""serve.py: the real server on 127.0.0.1, in its own process, driven by the real `openai`
+client, raw HTTP and a real browser. Its answers equal sample.py's (--prompt and --chat), a
+streamed answer equals the same answer whole, 16 requests at once equal the same 16 one by
+one, and every bad request gets a 4xx in OpenAI's error shape."""
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from weights.checkpoint import load_checkpoint, save_checkpoint
+
+openai = pytest.importorskip("openai")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """A serve.py process and where it listens."""
+
+    def __init__(self, process: subprocess.Popen, url: str) -> None:
+        self.process, self.url = process, url
+
+    def client(self, api_key: str = "none") -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
+                             timeout=60)
+
+    def request(self, method: str, path: str, body: object = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], dict]:
+        """Raw HTTP: the status, the headers and the JSON body. A body that is neither text
+        nor bytes is sent in chunks, without a Content-Length."""
+        host, port = self.url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            connection.request(method, path, body=body, headers=headers or {},
+                               encode_chunked=not isinstance(body, str | bytes | None))
+            response = connection.getresponse()
+            return response.status, dict(response.getheaders()), json.loads(response.read())
+        finally:
+            connection.close()
+
+    def health(self) -> dict:
+        return self.request("GET", "/health")[2]
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[Server]:
+    """serve.py on a port the system picks (--port 0), read back from its first line."""
+    process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", *args], cwd=REPO,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)/", line)
+        assert found, line + process.stderr.read()
+        threading.Thread(target=process.stderr.read, daemon=True).start()  # keep it drained
+        yield Server(process, found.group(1))
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def chat_server(sft_run) -> Iterator[Server]:
+    with serving("--run", str(sft_run[0])) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def slow_run(trained_run, tmp_path_factory) -> Path:
+    """A checkpoint of random weights with the tiny run's tokenizer, wide and with a long
+    context, so that one answer of 900 tokens takes seconds: long enough to catch in flight."""
+    ckpt = load_checkpoint(trained_run / "best.pt")
+    torch.manual_seed(0)
+    shape = {**ckpt["model_args"], "block_size": 1024, "n_layer": 6, "n_head": 8, "n_embd": 512}
+    ckpt["model_args"], ckpt["model"] = shape, GPT(GPTConfig(**shape)).state_dict()
+    path = tmp_path_factory.mktemp("slow") / "slow.pt"
+    save_checkpoint(ckpt, path)
+    return path
+
+
+CHAT = [{"role": "user", "content": "ROMEO"}]
+
+
+def test_a_streamed_answer_equals_the_whole_one(chat_server):
+    client = chat_server.client()
+    settings = dict(model="chat_sft", temperature=0.9, seed=3, max_tokens=20)
+    whole = client.chat.completions.create(messages=CHAT, **settings)
+    pieces = list(client.chat.completions.create(messages=CHAT, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **settings))
+    text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert pieces[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert pieces[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == 9  # <|bos|><|user_start|>ROMEO<|user_end|><|assistant_start|>
+    complete = dict(model="chat_sft", prompt="JULIET: ", max_tokens=12, temperature=0.0)
+    whole = client.completions.create(**complete)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **complete))
+    assert streamed == whole.choices[0].text and whole.choices[0].finish_reason == "length"
+
+
+def sample_py(*args: str, stdin: str | None = None) -> str:
+    result = subprocess.run([sys.executable, "sample.py", *args], input=stdin, cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_completions_equal_sample_py_prompt(chat_server, sft_run):
+    """The same prompt, sampling and seed: the same text, up to the same stop string."""
+    settings = ["--temperature", "0.9", "--top-k", "12", "--seed", "11", "--max-new-tokens", "20"]
+    printed = sample_py("--run", str(sft_run[0]), "--prompt", "ROMEO:", "--stop", "e",
+                        *settings)
+    answer = chat_server.client().completions.create(
+        model="chat_sft", prompt="ROMEO:", temperature=0.9, seed=11, max_tokens=20, stop="e",
+        extra_body={"top_k": 12})
+    assert printed == "ROMEO:" + answer.choices[0].text + "\n"
+
+
+def test_chat_equals_sample_py_chat_on_the_same_history(chat_server, sft_run):
+    """The REPL's two replies; the server, given the first turn and then the history with
+    the REPL's first reply, answers both alike. Neither names max_tokens: both take the
+    default, capped by the room left in the context (here 32 tokens: two short turns)."""
+    replies = sample_py("--run", str(sft_run[0]), "--chat", "--temperature", "0",
+                        stdin="ROMEO\nNURSE\n").splitlines()
+    client, history = chat_server.client(), []
+    for user, reply in zip(["ROMEO", "NURSE"], replies, strict=True):
+        history.append({"role": "user", "content": user})
+        answer = client.chat.completions.create(model="chat_sft", messages=history, temperature=0)
+        assert answer.choices[0].message.content == reply
+        history.append({"role": "assistant", "content": reply})
+    assert replies[0] == "Romeo loves."  # what the fine-tuning taught
+    # sampled, with a seed: the first turn's reply, drawn as the REPL draws it
+    seeded = sample_py("--run", str(sft_run[0]), "--chat", "--temperature", "1.5", "--seed",
+                       "5", "--max-new-tokens", "20", stdin="JULIET\n")
+    answer = client.chat.completions.create(model="chat_sft", messages=[
+        {"role": "user", "content": "JULIET"}], temperature=1.5, seed=5, max_tokens=20)
+    assert answer.choices[0].message.content + "\n" == seeded
+
+
+def test_sixteen_requests_at_once_equal_the_same_sixteen_one_by_one(chat_server):
+    names = ["ROMEO", "JULIET", "NURSE", "TYBALT"]
+    prompts = [f"{names[i % 4]}: {names[i // 4].title()} " for i in range(16)]
+    requests = [dict(model="chat_sft", prompt=p, max_tokens=2 + i, temperature=0.8, seed=i)
+                for i, p in enumerate(prompts)]
+    client = chat_server.client()
+    alone = [client.completions.create(**r).choices[0].text for r in requests]
+    together: list[str | None] = [None] * 16
+
+    def send(i: int) -> None:
+        together[i] = client.completions.create(**requests[i]).choices[0].text
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert together == alone
+    assert chat_server.health()["widest_step"] > 1  # they did decode side by side
+
+
+BAD = [  # (endpoint, body, status, words of the message, param)
+    ("chat", "{not json", 400, "not valid JSON", None),
+    ("chat", {"model": "chat_sft"}, 400, "messages", "messages"),
+    ("chat", {"messages": "hi"}, 400, "messages", "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "unknown role", "messages"),
+    ("chat", {"messages": CHAT, "temperature": "hot"}, 400, "temperature", "temperature"),
+    ("chat", {"messages": CHAT, "temperature": 7}, 400, "temperature", "temperature"),
+    ("chat", {"messages": CHAT, "top_p": 0}, 400, "top_p", "top_p"),
+    ("chat", {"messages": CHAT, "n": 2}, 400, "n must be 1", None),
+    ("chat", {"messages": CHAT, "stop": ""}, 400, "empty string", None),
+    ("chat", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("chat", {"messages": CHAT, "max_tokens": 30}, 400, "context of 32 tokens", "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "ROMEO " * 9}]}, 400, "context holds 32",
+     "messages"),
+    ("chat", {"messages": CHAT, "model": "gpt-4"}, 404, "not served here", "model"),
+    ("completions", {"prompt": "Ω"}, 400, "prompt", "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "one string", None),
+    ("nothing", {}, 404, "not an endpoint", None),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, words, param", BAD)
+def test_a_bad_request_gets_a_4xx_in_openais_shape(chat_server, endpoint, body, status, words,
+                                                   param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}.get(endpoint, "/v1/x")
+    code, _, answer = chat_server.request("POST", path, content,
+                                          {"content-type": "application/json"})
+    assert code == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"] and error["param"] == param
+
+
+def test_a_body_over_a_megabyte_gets_413(chat_server):
+    big = json.dumps({"prompt": "a" * (1 << 20)})
+    code, _, answer = chat_server.request("POST", "/v1/completions", big)
+    assert code == 413 and "over 1 MB" in answer["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it comes
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * 65536
+    assert chat_server.request("POST", "/v1/completions", chunks())[0] == 413
+    assert chat_server.health()["status"] == "ok"
+
+
+def test_the_key_the_queue_a_hang_up_and_sigterm(slow_run):
+    """With --api-key, one slot and no queue: a missing or wrong key gets 401; a request
+    while the slot is busy gets 429 with Retry-After; a client that hangs up mid-answer
+    frees the slot long before the answer would have ended; SIGTERM lets the running answer
+    finish and exits 0."""
+    with serving("--checkpoint", str(slow_run), "--api-key", "k3y", "--parallel", "1",
+                 "--queue", "0") as server:
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").models.list()
+        assert server.request("GET", "/v1/models")[0] == 401
+        client = server.client("k3y")
+        assert [m.id for m in client.models.list()] == ["slow"]
+        long = dict(model="slow", prompt="ROMEO:", max_tokens=900, temperature=1.0, seed=0)
+        with client.completions.create(stream=True, **long) as stream:
+            next(iter(stream))  # its first piece has come: the slot is taken
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.completions.create(model="slow", prompt="JULIET:", max_tokens=4)
+            assert refused.value.response.headers["retry-after"] == "1"
+        # the stream was closed after one piece: the engine drops it within a step
+        for _ in range(100):
+            if server.health()["active"] == 0:
+                break
+            time.sleep(0.05)
+        assert server.health()["tokens"] < 900
+        answers: list[str] = []
+        short = {**long, "max_tokens": 200}  # a second or two: within the grace of 5 s
+        reader = threading.Thread(target=lambda: answers.append(
+            "".join(c.choices[0].text for c in client.completions.create(stream=True, **short))))
+        reader.start()
+        for _ in range(200):  # until it runs
+            if server.health()["active"] == 1:
+                break
+            time.sleep(0.05)
+        os.kill(server.process.pid, signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+        reader.join(timeout=30)
+        assert len(answers) == 1 and answers[0]  # it finished, whole
+        with pytest.raises(ConnectionRefusedError):  # and nothing listens any more
+            server.health()
+
+
+def test_a_port_in_use_is_one_line(chat_server, sft_run):
+    port = chat_server.url.rsplit(":", 1)[1]
+    result = subprocess.run([sys.executable, "serve.py", "--run", str(sft_run[0]), "--port",
+                             port], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is in use (another server?); stop it or choose "
+        f"another --port"]
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+def test_the_chat_page_in_headless_chromium(chat_server, tmp_path):
+    """Two turns typed into the page: each reply streams in and equals the API's answer to
+    the same history."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(CHROMEDRIVER), options=options)
+    client, history = chat_server.client(), []
+    try:
+        driver.get(chat_server.url + "/")
+        WebDriverWait(driver, 20).until(lambda d: "chat_sft" in d.find_element(By.ID, "title").text)
+        driver.execute_script("document.getElementById('temperature').value = '0';")
+        for n, text in enumerate(["NURSE", "ROMEO"], 1):
+            driver.find_element(By.ID, "input").send_keys(text, Keys.ENTER)
+            WebDriverWait(driver, 30).until(lambda d, n=n: len(
+                d.find_elements(By.CSS_SELECTOR, ".assistant[data-done]")) == n)
+            shown = driver.find_elements(By.CSS_SELECTOR, ".assistant")[-1].text
+            history.append({"role": "user", "content": text})
+            expected = client.chat.completions.create(model="chat_sft", messages=history,
+                                                      temperature=0)
+            assert shown == expected.choices[0].message.content.strip()
+            history.append({"role": "assistant", "content": expected.choices[0].message.content})
+        assert not driver.find_elements(By.CSS_SELECTOR, ".error")
+        assert driver.find_elements(By.CSS_SELECTOR, ".assistant")[0].text == "Nurse loves."
+    finally:
+        driver.quit()
