@@ -155,8 +155,8 @@ static inline void rope(float *x, const param_t *cos, const param_t *sin, int n)
     }
 }
 
-/* Every product comes down to dot products of weight rows with a vector x. This is the
- * reference loop, which CPUs without AVX2 or AVX-512 run. */
+/* Every product comes down to dot products of rows (of weights, of cached keys) with a
+ * vector x. These are the reference loops, which CPUs without AVX2 or AVX-512 run. */
 static inline float dot_plain(const weight_t *restrict w, const float *restrict x, int n) {
     float s = 0.0f;
     #pragma omp simd reduction(+:s)
@@ -227,56 +227,97 @@ static inline vec vec_load_weights(const weight_t *p) {
 #endif
 
 #ifdef LANES
-/* dot(w, x) over n elements, four vector sums in flight so that each fma need not wait for
- * the one before. Written once for both kinds of rows: weight rows (dot) and cached keys
- * (dot_params), which differ only in the element type and so in how a vector loads. */
-#define DOT_BODY(vec_load_w, load_w)                                                        \
-    vec a = vec_zero(), b = a, c = a, d = a;                                                \
-    int j = 0;                                                                              \
-    for (; j + 4 * LANES <= n; j += 4 * LANES) {                                            \
-        a = vec_fma(vec_load_w(w + j), vec_load(x + j), a);                                 \
-        b = vec_fma(vec_load_w(w + j + LANES), vec_load(x + j + LANES), b);                 \
-        c = vec_fma(vec_load_w(w + j + 2 * LANES), vec_load(x + j + 2 * LANES), c);         \
-        d = vec_fma(vec_load_w(w + j + 3 * LANES), vec_load(x + j + 3 * LANES), d);         \
-    }                                                                                       \
-    for (; j + LANES <= n; j += LANES) a = vec_fma(vec_load_w(w + j), vec_load(x + j), a);  \
-    float s = vec_sum((a + b) + (c + d));                                                   \
-    /* the tail, fewer than LANES elements: a plain loop, since an `omp simd` one would */   \
-    /* add up its lanes through memory even when it runs no iteration */                    \
-    for (; j < n; j++) s += load_w(w, j) * x[j];                                            \
-    return s;
-
-static inline float dot(const weight_t *restrict w, const float *restrict x, int n) {
-    DOT_BODY(vec_load_weights, load_weight)
-}
+/* dot(w, x) of a cached key over n elements, four vector sums in flight so that each fma
+ * need not wait for the one before */
 static inline float dot_params(const param_t *restrict w, const float *restrict x, int n) {
-    DOT_BODY(vec_load_params, load)
+    vec a = vec_zero(), b = a, c = a, d = a;
+    int j = 0;
+    for (; j + 4 * LANES <= n; j += 4 * LANES) {
+        a = vec_fma(vec_load_params(w + j), vec_load(x + j), a);
+        b = vec_fma(vec_load_params(w + j + LANES), vec_load(x + j + LANES), b);
+        c = vec_fma(vec_load_params(w + j + 2 * LANES), vec_load(x + j + 2 * LANES), c);
+        d = vec_fma(vec_load_params(w + j + 3 * LANES), vec_load(x + j + 3 * LANES), d);
+    }
+    for (; j + LANES <= n; j += LANES) a = vec_fma(vec_load_params(w + j), vec_load(x + j), a);
+    float s = vec_sum((a + b) + (c + d));
+    /* the tail, fewer than LANES elements: a plain loop, since an `omp simd` one would add
+     * up its lanes through memory even when it runs no iteration */
+    for (; j < n; j++) s += load(w, j) * x[j];
+    return s;
 }
 #else
-#define dot dot_plain
 #define dot_params dot_plain_params
 #endif
 
 enum { SET, ADD };  /* what a product does with its output */
 
+/* The products' kernel: four weight rows w[0..3] against NB <= 2 inputs x + c * stride,
+ * the 4 * NB dot products into out[r][c]. Each weight vector loaded serves NB inputs and
+ * each input vector four rows, so in a batch the loads per fma fall from 2 to 0.75, and the
+ * four or eight sums in flight keep both fma units busy. Every dot product is summed in the
+ * same order whatever NB is (one vector sum each, then its lanes, then the tail), so a
+ * sequence's logits are the same bits alone and in any batch: a server's answer does not
+ * depend on who else is served. NB is a constant where this is called, so each case
+ * compiles to its own unrolled loop, the sums held in registers. */
+static inline __attribute__((always_inline)) void dot_4xN(
+        const weight_t *const w[4], const float *restrict x, size_t stride, int n, int NB,
+        float out[4][2]) {
+#ifdef LANES
+    int j = 0;
+    vec acc[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < NB; c++) acc[r][c] = vec_zero();
+    for (; j + LANES <= n; j += LANES) {
+        vec v0 = vec_load(x + j), v1 = NB > 1 ? vec_load(x + stride + j) : v0;
+        for (int r = 0; r < 4; r++) {
+            vec row = vec_load_weights(w[r] + j);
+            acc[r][0] = vec_fma(row, v0, acc[r][0]);
+            if (NB > 1) acc[r][1] = vec_fma(row, v1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < NB; c++) out[r][c] = vec_sum(acc[r][c]);
+    /* the tail, fewer than LANES elements, with fmaf written out: left to itself, the
+     * compiler fuses or does not fuse a * b + c differently in each unrolled case */
+    for (; j < n; j++)
+        for (int r = 0; r < 4; r++)
+            for (int c = 0; c < NB; c++)
+                out[r][c] = fmaf(load_weight(w[r], j), x[c * stride + j], out[r][c]);
+#else
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < NB; c++) out[r][c] = dot_plain(w[r], x + c * stride, n);
+#endif
+}
+
 /* y[b] (op)= (W x[b]) * scales + bias for B rows: W is (n_out, n_in), scales (n_out,) or NULL
- * for a float W. Rows of W are split between the threads, and each row is read once for all
- * B inputs. */
+ * for a float W. Groups of four rows of W are split between the threads, and each group is
+ * read once for all B inputs, two at a time. */
 static void matvec(float *restrict y, const float *restrict x, const weight_t *restrict W,
                    const float *restrict scales, const param_t *restrict bias,
                    int B, int n_in, int n_out, int op) {
     #pragma omp for schedule(static)
-    for (int i = 0; i < n_out; i++) {
-        const weight_t *row = W + (size_t)i * n_in;
-        float scale = scales ? scales[i] : 1.0f;
-        /* ask for the weights 4 KB ahead of this row: the hardware prefetcher alone does
+    for (int i = 0; i < n_out; i += 4) {
+        int rows = n_out - i < 4 ? n_out - i : 4;  /* past the last row: it again, not kept */
+        const weight_t *w[4];
+        for (int r = 0; r < 4; r++) w[r] = W + (size_t)(i + (r < rows ? r : rows - 1)) * n_in;
+        /* ask for the weights 4 KB ahead of these rows: the hardware prefetcher alone does
          * not run far enough ahead of a stream this fast */
-        for (int j = 0; j < n_in; j += 64 / sizeof(weight_t))
-            __builtin_prefetch(row + 4096 / sizeof(weight_t) + j);
-        for (int b = 0; b < B; b++) {
-            float s = dot(row, x + (size_t)b * n_in, n_in) * scale + (bias ? load(bias, i) : 0.0f);
-            float *out = y + (size_t)b * n_out + i;
-            *out = op == ADD ? *out + s : s;
+        for (int j = 0; j < rows * n_in; j += 64 / sizeof(weight_t))
+            __builtin_prefetch(w[0] + 4096 / sizeof(weight_t) + j);
+        for (int b = 0; b < B; b += 2) {
+            float s[4][2];
+            int nb = B - b < 2 ? 1 : 2;
+            if (nb == 2) dot_4xN(w, x + (size_t)b * n_in, n_in, n_in, 2, s);
+            else dot_4xN(w, x + (size_t)b * n_in, n_in, n_in, 1, s);
+            for (int r = 0; r < rows; r++) {
+                float scale = scales ? scales[i + r] : 1.0f;
+                float shift = bias ? load(bias, i + r) : 0.0f;
+                for (int c = 0; c < nb; c++) {
+                    float *out = y + (size_t)(b + c) * n_out + i + r;
+                    float v = s[r][c] * scale + shift;
+                    *out = op == ADD ? *out + v : v;
+                }
+            }
         }
     }
 }

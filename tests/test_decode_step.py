@@ -102,6 +102,25 @@ def test_c_step_greedy_tokens_equal_eager_for_a_batch():
     assert torch.equal(generate(model, prompts, 50, temperature=0.0, decode="c"), eager)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_c_step_gives_a_sequence_the_same_bits_alone_and_in_any_batch(quantized):
+    """The server's promise: an answer does not depend on who else is served. Each
+    sequence's logits from batches of 1 to 7 (the kernel takes inputs in pairs, and weight
+    rows in fours: rows 76 wide, with a tail past the vector width) equal, bit for bit,
+    its logits alone."""
+    model = small_gpt(n_embd=76, n_head=4)
+    model = quantize_int8(model) if quantized else model
+    step = CDecodeStep(model)
+    tokens = torch.randint(0, 40, (7, 1), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        alone = [step(tokens[b:b + 1], model.new_kv_cache(1, 16), torch.tensor([5]))
+                 for b in range(7)]
+        for B in range(2, 8):
+            together = step(tokens[:B], model.new_kv_cache(B, 16), torch.tensor([5]))
+            for b in range(B):
+                assert torch.equal(together[b], alone[b][0]), (B, b)
+
+
 @pytest.mark.parametrize("layout", ["gpt2", "modern"])
 @pytest.mark.parametrize("backend", ["eager", "c"])
 def test_sequences_at_their_own_positions_step_as_each_would_alone(backend, layout):
