@@ -10,7 +10,7 @@ Usage:
 Endpoints (serving/app.py): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /health and GET /. --parallel sequences decode together (serving/engine.py); up to
 --queue more wait, and past that a request gets 429. SIGTERM or Ctrl-C stops accepting,
-lets what runs finish for a few seconds, cancels the rest, and exits (0 for SIGTERM).
+lets what runs finish for a few seconds, cancels the rest, and exits 0.
 """
 
 from __future__ import annotations
@@ -71,33 +71,32 @@ def model_name(source: str, init_from: str | None) -> str:
     return path.parent.resolve().name if path.name in ("best.pt", "last.pt") else path.stem
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server, whose shutdown also ends the engine's answers: those still running
-    GRACE_SECONDS after the signal are cancelled, each stream ending with an error event,
-    before uvicorn would cut their connections."""
-
-    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
-        super().__init__(config)
-        self.engine = engine
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            threading.Timer(GRACE_SECONDS, self.engine.close).start()
-        super().handle_exit(sig, frame)
-
-
 def run_server(service: Service, sock: socket.socket) -> None:
-    """Serve until SIGTERM or Ctrl-C, then stop the engine."""
+    """Serve until SIGTERM or Ctrl-C: uvicorn in a thread of its own, the engine in the
+    main thread (serving/engine.py says why). A signal stops uvicorn accepting and drains
+    the engine: what runs may finish for GRACE_SECONDS, then it is cancelled, each stream
+    ending with an error event, before uvicorn would cut the connections."""
     config = uvicorn.Config(create_app(service), log_level="warning",
                             timeout_graceful_shutdown=GRACE_SECONDS + 2)
-    server = Server(config, service.engine)
-    # uvicorn raises the signal it stopped for once more after its shutdown, to end the
-    # process as the signal would; for SIGTERM this handler takes it, so the exit is 0
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        service.engine.close()
+    server = uvicorn.Server(config)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        server.should_exit = True
+        service.engine.drain(GRACE_SECONDS)
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:  # whatever ends the HTTP side ends the engine too
+            service.engine.drain(GRACE_SECONDS)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    thread = threading.Thread(target=http, name="http")
+    thread.start()
+    service.engine.run()
+    server.should_exit = True
+    thread.join()
     print("stopped", file=sys.stderr)
 
 

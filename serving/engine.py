@@ -1,11 +1,12 @@
 """Continuous batching: many requests decoded together, one batched step for all of them.
 
 Usage:
-    engine = Engine(model, tokenizer, slots=16, queue=64)    # starts its thread
+    engine = Engine(model, tokenizer, slots=16, queue=64)
+    threading.Thread(target=engine.run).start()   # serve.py runs it in the main thread
     job = Job(ids, Sampling(max_tokens=64, temperature=0.0), ends={eot}, deliver=callback)
     engine.submit(job)        # QueueFull when the queue is full; deliver() gets Piece, Done
     job.cancel()              # the client went away: its slot is free by the next step
-    engine.close()            # cancel what runs, and stop
+    engine.drain(5.0)         # take no more; end run() once idle, cancelling what runs at 5 s
 
 The engine owns one KV cache with a row per slot (vLLM's and llama.cpp's server's shape,
 without paging). A request waits in a bounded queue until a slot is free; then its prompt is
@@ -13,7 +14,9 @@ prefilled into that slot's row alone, and from the next step on it decodes with 
 active sequence in one batched step, each at its own position. A sequence that ends frees its
 slot at once, and a waiting request takes it at the next step: nobody waits for the slowest
 sequence of a batch. All of this runs in one thread, which owns the model; the HTTP side
-only submits jobs and reads what they deliver.
+only submits jobs and reads what they deliver. serve.py gives the engine the main thread:
+the C step's OpenMP threads, started from any other, made a GPT-2 step 1.6x slower (8 ms
+against 13 in int8, on the 2-core AMD EPYC of docs/serving.md).
 
 Each sequence is computed exactly as a generation of its own would be (the C step's rows are
 independent, and the model's batched forward masks each row to its own positions), so a
@@ -25,6 +28,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,7 +78,7 @@ class Done:
 
 class Job:
     """One request's generation: its prompt ids, its sampling, the tokens that end it, and
-    where its Piece and Done events go (called from the engine's thread)."""
+    where its Piece and Done events go (called from the thread that runs the engine)."""
 
     def __init__(self, ids: list[int], sampling: Sampling, ends: set[int],
                  deliver: Callable[[Piece | Done], None], tokenizer: Tokenizer) -> None:
@@ -115,7 +119,7 @@ class Job:
 
 
 class Engine:
-    """The slots, the queue and the thread that steps them (see the module's docstring)."""
+    """The slots, the queue and the loop that steps them (see the module's docstring)."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, slots: int = 16, queue: int = 64,
                  decode: str = "auto") -> None:
@@ -132,15 +136,13 @@ class Engine:
         self.starting = 0  # jobs taken from the queue whose prefill has not ended
         self.tokens = self.widest_step = 0  # what load() reports
         self.wake = threading.Condition()
-        self.closing = False
-        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
-        self.thread.start()
+        self.deadline: float | None = None  # set by drain: when what still runs is cancelled
 
     def submit(self, job: Job) -> None:
         if len(job.ids) + job.sampling.max_tokens > self.model.config.block_size:
             raise ValueError("a prompt and its max_tokens must fit in block_size")
         with self.wake:
-            if self.closing:
+            if self.deadline is not None:
                 raise QueueFull("the server is shutting down")
             # the slots not decoding nor being filled take requests at once; a queue of 0
             # means no request ever waits for a slot
@@ -157,24 +159,18 @@ class Engine:
         return {"slots": self.slots, "active": len(self.active), "waiting": len(self.waiting),
                 "tokens": self.tokens, "widest_step": self.widest_step}
 
-    def close(self) -> None:
-        """Cancel what waits and what runs, and stop the thread (from any thread, as often
-        as asked)."""
+    def drain(self, grace: float) -> None:
+        """Take no more requests; let run() return once what runs has ended, cancelling
+        whatever still runs `grace` seconds from now (from any thread, as often as asked)."""
         with self.wake:
-            self.closing = True
+            deadline = time.monotonic() + grace
+            self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
             self.wake.notify()
-        self.thread.join()
 
     def run(self) -> None:
+        """Admit, prefill and step until drained."""
         with torch.inference_mode():
-            while True:
-                with self.wake:
-                    while not (self.waiting or self.active or self.closing):
-                        self.wake.wait()
-                    if self.closing:
-                        break
-                    admitted = self.admissions()
-                    self.starting = len(admitted)
+            while (admitted := self.next_admissions()) is not None:
                 try:
                     for slot, job in admitted:
                         self.start(slot, job)
@@ -184,14 +180,27 @@ class Engine:
                         self.decode()
                 except Exception:  # a bug: its requests end with an error, the others go on
                     traceback.print_exc(file=sys.stderr)
-                    self.starting = 0
                     for job in [*self.active.values(), *(job for _, job in admitted)]:
                         job.finish("error")
                     self.active.clear(), self.position.clear(), self.next_token.clear()
+                    self.starting = 0
         with self.wake:
             for job in [*self.active.values(), *self.waiting]:
                 job.finish("cancelled")
             self.active.clear(), self.waiting.clear()
+
+    def next_admissions(self) -> list[tuple[int, Job]] | None:
+        """Wait for work; then the jobs that get a slot now (maybe none: the slots are
+        full), or None once drained: nothing left to do, or the deadline passed."""
+        with self.wake:
+            while not (self.waiting or self.active or self.deadline is not None):
+                self.wake.wait()
+            if self.deadline is not None and (time.monotonic() >= self.deadline
+                                              or not (self.waiting or self.active)):
+                return None
+            admitted = self.admissions()
+            self.starting = len(admitted)
+            return admitted
 
     def admissions(self) -> list[tuple[int, Job]]:
         """The waiting jobs that get a free slot now, in the order they came."""
