@@ -18,9 +18,11 @@ only submits jobs and reads what they deliver. serve.py gives the engine the mai
 the C step's OpenMP threads, started from any other, made a GPT-2 step 1.6x slower (8 ms
 against 13 in int8, on the 2-core AMD EPYC of docs/serving.md).
 
-Each sequence is computed exactly as a generation of its own would be (the C step's rows are
-independent, and the model's batched forward masks each row to its own positions), so a
-request's answer at temperature 0, or with a seed, does not depend on who else is served.
+With the C step (the default on a CPU) each sequence is computed to the bit as a generation
+of its own would be, so a request's answer at temperature 0, or with a seed, does not
+depend on who else is served. The model's forward (a GPU's step, or --decode eager) steps
+every slot at every step, the same shape alone or together, so there too an answer does
+not change with the traffic.
 """
 
 from __future__ import annotations
@@ -182,12 +184,14 @@ class Engine:
                     traceback.print_exc(file=sys.stderr)
                     for job in [*self.active.values(), *(job for _, job in admitted)]:
                         job.finish("error")
-                    self.active.clear(), self.position.clear(), self.next_token.clear()
+                    for table in (self.active, self.position, self.next_token):
+                        table.clear()
                     self.starting = 0
-        with self.wake:
+        with self.wake:  # drained: what is left is cancelled
             for job in [*self.active.values(), *self.waiting]:
                 job.finish("cancelled")
-            self.active.clear(), self.waiting.clear()
+            self.active.clear()
+            self.waiting.clear()
 
     def next_admissions(self) -> list[tuple[int, Job]] | None:
         """Wait for work; then the jobs that get a slot now (maybe none: the slots are
@@ -247,7 +251,7 @@ class Engine:
             logits = self.step(idx, self.cache, positions, rows=torch.tensor(rows))
         else:
             logits = self.step(idx, self.cache, positions)
-        for i, slot in zip(range(len(rows)), rows, strict=True):
+        for i, slot in enumerate(rows):
             if slot not in self.active:
                 continue
             job = self.active[slot]

@@ -173,6 +173,24 @@ def test_sixteen_requests_at_once_equal_the_same_sixteen_one_by_one(chat_server)
     assert chat_server.health()["widest_step"] > 1  # they did decode side by side
 
 
+def test_the_models_own_step_serves_a_batch_too(sft_run):
+    """--decode eager (the model's forward, a GPU's step): every slot steps together, and
+    four answers at once equal the same four one by one."""
+    with serving("--run", str(sft_run[0]), "--decode", "eager", "--parallel", "4") as server:
+        client = server.client()
+        requests = [dict(model="chat_sft", prompt=name, max_tokens=12, temperature=0.0)
+                    for name in ("ROMEO:", "JULIET: ", "NURSE", "TYBALT: Romeo")]
+        alone = [client.completions.create(**r).choices[0].text for r in requests]
+        together: list[str | None] = [None] * 4
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(
+            i, client.completions.create(**requests[i]).choices[0].text)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert together == alone and all(alone)
+
+
 BAD = [  # (endpoint, body, status, words of the message, param)
     ("chat", "{not json", 400, "not valid JSON", None),
     ("chat", {"model": "chat_sft"}, 400, "messages", "messages"),
