@@ -14,6 +14,7 @@ full queue 429 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -73,35 +74,35 @@ class Service:
     top_p: float | None = None
     api_key: str | None = None
 
-    def sampling(self, body: BaseRequest, prompt_len: int, max_tokens: int | None) -> Sampling:
+    def sampling(self, body: BaseRequest, prompt_len: int, max_tokens: int | None,
+                 prompt_field: str) -> Sampling:
         """The request's sampling, the defaults filling what it leaves out; a request that
         cannot fit in the context is refused by name."""
         room = self.block_size - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt takes {prompt_len} tokens and the model's context "
                                 f"holds {self.block_size}, with room for at least one more; "
-                                f"shorten it", "messages", "context_length_exceeded")
+                                f"shorten it", prompt_field, "context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"the prompt takes {prompt_len} tokens and max_tokens asks for "
                                 f"{max_tokens} more, past the model's context of "
                                 f"{self.block_size} tokens; ask for at most {room}",
                            "max_tokens", "context_length_exceeded")
-        pick = lambda value, default: default if value is None else value  # noqa: E731
-        return Sampling(max_tokens=min(pick(max_tokens, self.max_tokens), room),
-                        temperature=pick(body.temperature, self.temperature),
-                        top_k=pick(body.top_k, self.top_k), top_p=pick(body.top_p, self.top_p),
+        return Sampling(max_tokens=min(given(max_tokens, self.max_tokens), room),
+                        temperature=given(body.temperature, self.temperature),
+                        top_k=given(body.top_k, self.top_k), top_p=given(body.top_p, self.top_p),
                         seed=body.seed, stop=body.stops)
 
-    def check(self, request: Request, body: BaseRequest) -> None:
-        if self.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {self.api_key}":
-                raise APIError(401, "a wrong or missing API key: send the server's --api-key "
-                                    "as 'Authorization: Bearer KEY'", code="invalid_api_key")
+    def check_model(self, body: BaseRequest) -> None:
         if body.model not in (None, self.name):
             raise APIError(404, f"the model {body.model!r} is not served here; this server "
                                 f"serves {self.name!r} (GET /v1/models)", "model",
                            "model_not_found")
+
+
+def given(value: object, default: object) -> object:
+    """A request's value, or the server's default where the request leaves it out."""
+    return default if value is None else value
 
 
 def chat_job(service: Service, body: ChatRequest, deliver: Callable) -> Job:
@@ -115,7 +116,7 @@ def chat_job(service: Service, body: ChatRequest, deliver: Callable) -> Job:
     except ValueError as e:  # a base model's tokenizer, a character the vocabulary lacks
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return Job(ids, service.sampling(body, len(ids), max_tokens), ends, deliver,
+    return Job(ids, service.sampling(body, len(ids), max_tokens, "messages"), ends, deliver,
                service.tokenizer)
 
 
@@ -126,14 +127,14 @@ def completion_job(service: Service, body: CompletionRequest, deliver: Callable)
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from None
     eot = service.tokenizer.eot_token
-    return Job(ids, service.sampling(body, len(ids), body.max_tokens),
+    return Job(ids, service.sampling(body, len(ids), body.max_tokens, "prompt"),
                set() if eot is None else {eot}, deliver, service.tokenizer)
 
 
 async def respond(service: Service, request: Request, body: BaseRequest,
                   make_job: Callable, meta: Meta) -> JSONResponse | StreamingResponse:
     """Submit the request's job, then stream its events or gather them into one answer."""
-    service.check(request, body)
+    service.check_model(body)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def deliver(event: Piece | Done) -> None:  # called from the engine's thread
@@ -212,6 +213,18 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(BodyLimit, limit=1 << 20)
     add_error_handlers(app)
 
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Callable):
+        """With --api-key, every /v1/ request shows it, before its body is even read."""
+        if service.api_key is not None and request.url.path.startswith("/v1/"):
+            expected = f"Bearer {service.api_key}".encode()
+            shown = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(shown, expected):  # in constant time
+                return JSONResponse(error_body(
+                    "a wrong or missing API key: send the server's --api-key as "
+                    "'Authorization: Bearer KEY'", code="invalid_api_key"), status_code=401)
+        return await call_next(request)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         return await respond(service, request, body, chat_job, Meta("chat.completion", service.name))
@@ -222,8 +235,7 @@ def create_app(service: Service) -> FastAPI:
                              Meta("text_completion", service.name))
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        service.check(request, BaseRequest())
+    async def models():
         meta = Meta("text_completion", service.name)
         return {"object": "list", "data": [{"id": service.name, "object": "model",
                                             "created": meta.created, "owned_by": "gptlab"}]}
