@@ -29,6 +29,14 @@ def run(nproc: int | None, *args: str, timeout: int = 240) -> subprocess.Complet
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def failure(result: subprocess.CompletedProcess) -> str:
+    """What a failed run said: every line that names an error (a rank's own cause comes
+    before torchrun's summary of it), then the end of stderr."""
+    lines = result.stderr.splitlines()
+    causes = [line for line in lines if re.search(r"Error|error:|terminate|Abort|Signal", line)]
+    return "\n".join([*causes[:20], "...", *lines[-15:]])
+
+
 def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
@@ -45,11 +53,11 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, char_data, optimiz
               "--gradient-accumulation-steps", "4", "--eval-interval", "6", "--eval-iters", "3",
               "--lr-decay-iters", "12", "--log-interval", "3")
     one = run(None, *common, "--max-iters", "12", "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-2000:]
+    assert one.returncode == 0, failure(one)
     a = load_checkpoint(tmp_path / "one" / "tiny" / "last.pt")["model"]
     two = run(2, *common, "--max-iters", "12", "--parallel", parallel,
               "--out-dir", str(tmp_path / "two"))
-    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.returncode == 0, failure(two)
     assert two.stdout.count("done: 12 iters") == 1  # only rank 0 reports
     b = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
     # an fp32 run's Muon orthogonalizes in fp32 too, so it holds to AdamW's tolerance
@@ -74,7 +82,7 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path, char_data, optimiz
     for more in ("6", "12"):
         result = run(2, *common, "--max-iters", more, "--parallel", parallel,
                      "--out-dir", str(resumed), *(["--resume"] if more == "12" else []))
-        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.returncode == 0, failure(result)
     b = load_checkpoint(resumed / "tiny" / "last.pt")["model"]
     straight = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
     assert all(torch.equal(straight[k], b[k]) for k in straight)

@@ -69,8 +69,13 @@ def setup(use_cuda: bool) -> Dist:
     return info
 
 
-def teardown(info: Dist) -> None:
+def teardown(info: Dist, finished: bool) -> None:
+    """Leave the process group. After a run that finished (not one that failed, whose peers
+    may be gone) only once every process is done with it, so that none tears its end down
+    while another still waits on it."""
     if info.enabled and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -222,11 +222,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     dist = distributed.setup(use_cuda=resolve_device(cfg.device).type == "cuda")
     # from before the run folder exists: a Ctrl-C in the first seconds (while data is
     # prepared, or at the first evaluation) is answered by the loop's first step and a save
+    finished = False
     try:
         with stop_signals() as stop:
-            return train_process(cfg, resume, dist, t_start, stop)
+            result = train_process(cfg, resume, dist, t_start, stop)
+        finished = True
+        return result
     finally:
-        distributed.teardown(dist)
+        distributed.teardown(dist, finished)
 
 
 def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
