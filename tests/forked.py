@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 PRELOADED = ("torch", "numpy", "typer", "tqdm", "tiktoken", "safetensors",
-             "torch.utils.tensorboard")
+             "torch.utils.tensorboard", "fastapi", "uvicorn")
 
 
 class CommandServer:

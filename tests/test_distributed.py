@@ -26,15 +26,17 @@ def run(nproc: int | None, *args: str, timeout: int = 240) -> subprocess.Complet
     return subprocess.run([*launcher, str(REPO / "train.py"), "--config",
                            str(REPO / "config" / "tiny.toml"), "--sample-tokens", "0", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          # a process that aborts in C++ still says where Python was
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
 
 
 def failure(result: subprocess.CompletedProcess) -> str:
     """What a failed run said: every line that names an error (a rank's own cause comes
     before torchrun's summary of it), then the end of stderr."""
     lines = result.stderr.splitlines()
-    causes = [line for line in lines if re.search(r"Error|error:|terminate|Abort|Signal", line)]
-    return "\n".join([*causes[:20], "...", *lines[-15:]])
+    causes = [line for line in lines
+              if re.search(r"Error|error:|terminate|Abort|Signal|Fatal|File \"", line)]
+    return "\n".join([*causes[:60], "...", *lines[-15:]])
 
 
 def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
