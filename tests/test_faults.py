@@ -96,13 +96,15 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
     rng = random.Random(0)
     last = tmp_path / "tiny" / "last.pt"
     kills, unreadable, mid_write, iters = 3, 0, 0, []
-    for _ in range(kills):
+    for kill in range(kills):
         resume = last.exists()
         proc = start_training(*args, *(["--resume"] if resume else []))
-        # a resumed run from just before its loop starts; the first run from after its first
-        # checkpoint (iter 1's is saved before "iter 2:"), for every kill to have one to check.
-        # On a busy machine the first checkpoint can take longer than the longest wait.
-        wait_for_line(proc, "parameters," if resume else "iter 2:")
+        # the first run from after its first checkpoint (iter 1's is saved before "iter 2:"),
+        # for every kill to have one to check; a resumed run from just before its loop starts,
+        # but the last from after its first new checkpoint (its first "val loss" line), so that
+        # the runs are seen to go on however busy the machine is
+        wait_for_line(proc, "iter 2:" if not resume else
+                      "val loss" if kill == kills - 1 else "parameters,")
         time.sleep(rng.uniform(0.2, 2.0))
         proc.kill()
         proc.communicate()
