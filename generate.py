@@ -42,8 +42,9 @@ DECODE_BACKENDS = ("auto", "eager", "compile", "c")
 
 
 class DecodeStep(Protocol):
-    """One cached decode step: (B, 1) token ids at window position input_pos (1,) in, their
-    keys and values written into the cache, (B, 1, vocab_size) logits out."""
+    """One cached decode step: (B, 1) token ids at window position input_pos (1,), or each
+    at its own (B, 1) (a server's batch), in; their keys and values written into the cache,
+    (B, 1, vocab_size) logits out."""
 
     def __call__(self, idx: torch.Tensor, kv_cache: KVCache,
                  input_pos: torch.Tensor) -> torch.Tensor: ...
