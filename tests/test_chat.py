@@ -41,6 +41,8 @@ from tests.shared import conversation
 from weights.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in records))
     return path
