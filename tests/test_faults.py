@@ -101,10 +101,12 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
         proc = start_training(*args, *(["--resume"] if resume else []))
         # the first run from after its first checkpoint (iter 1's is saved before "iter 2:"),
         # for every kill to have one to check; a resumed run from just before its loop starts,
-        # but the last from after its first new checkpoint (its first "val loss" line), so that
-        # the runs are seen to go on however busy the machine is
+        # but the last from after its first new checkpoint (a run resumed at iter n saves n
+        # again, and n + 1 before it prints "iter n + 2:"), so that the runs are seen to go
+        # on however busy the machine is
+        resumed_at = load_checkpoint(last)["iter_num"] if resume else 0
         wait_for_line(proc, "iter 2:" if not resume else
-                      "val loss" if kill == kills - 1 else "parameters,")
+                      f"iter {resumed_at + 2}:" if kill == kills - 1 else "parameters,")
         time.sleep(rng.uniform(0.2, 2.0))
         proc.kill()
         proc.communicate()
