@@ -229,19 +229,22 @@ class CDecodeStep:
         cfg = self.config
         B, T = idx.size()
         cache_rows, max_len = kv_cache.k[0].size(0), kv_cache.k[0].size(2)
-        positions = input_pos.expand(B, T).to(torch.int64).contiguous()
-        rows = torch.arange(B) if rows is None else rows.to(torch.int64).contiguous()
-        start = positions[:, :1]
-        starts = start.flatten().contiguous()  # held: C reads it during the call
+        # checked as Python lists: for a step's few numbers, much faster than tensor ops
+        positions = input_pos.tolist()
+        per_row = positions if input_pos.dim() == 2 else [positions] * B
+        rows_of = list(range(B)) if rows is None else rows.tolist()
+        ids = idx.flatten().tolist()
         # C does not check bounds: refuse here what would read or write outside a tensor
-        tokens = idx.to(torch.int64).contiguous()
-        if not (0 <= int(start.min()) and int(positions.max()) < max_len
-                and torch.equal(positions, start + torch.arange(T))
-                and 0 <= int(tokens.min()) and int(tokens.max()) < cfg.vocab_size
-                and rows.shape == (B,) and 0 <= int(rows.min()) and int(rows.max()) < cache_rows
-                and len(set(rows.tolist())) == B):
-            raise IndexError(f"positions {positions.tolist()}, rows {rows.tolist()} or a token of "
-                             f"{tokens.tolist()} is out of range")
+        if not (len(per_row) == B and all(p == list(range(p[0], p[0] + T)) for p in per_row)
+                and 0 <= min(p[0] for p in per_row) and max(p[-1] for p in per_row) < max_len
+                and 0 <= min(ids) and max(ids) < cfg.vocab_size
+                and len(rows_of) == B == len(set(rows_of))
+                and 0 <= min(rows_of) and max(rows_of) < cache_rows):
+            raise IndexError(f"positions {per_row}, rows {rows_of} or a token of "
+                             f"{idx.tolist()} is out of range")
+        tokens = idx.to(torch.int64).contiguous()  # held: C reads it during the call
+        starts = (ctypes.c_int64 * B)(*(p[0] for p in per_row))
+        rows_array = (ctypes.c_int64 * B)(*rows_of)
         if kv_cache.k[0].dtype != self.dtype:
             raise ValueError("the cache's dtype differs from the step's")
         work_size = B * T * (5 * cfg.n_embd + max(cfg.n_embd, cfg.mlp_hidden)
@@ -250,8 +253,7 @@ class CDecodeStep:
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         self.lib.decode_step(
-            address(logits), address(tokens), address(starts),
-            address(rows), T, address(self.wte),
+            address(logits), address(tokens), starts, rows_array, T, address(self.wte),
             address(self.wte_scales), address(self.wpe), address(self.rope_cos),
             address(self.rope_sin), self.blocks, address(self.ln_f_w), address(self.ln_f_b),
             address(self.lm_head), address(self.lm_head_scales),
