@@ -97,10 +97,13 @@ class Meta:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def head(self, suffix: str = "") -> dict:
-        prefix = "chatcmpl-" if self.object == "chat.completion" else "cmpl-"
-        return {"id": prefix + self.id, "object": self.object + suffix, "created": self.created,
-                "model": self.model}
+    def head(self, streamed: bool = False) -> dict:
+        """The fields an answer, or a streamed chunk of one, opens with (a chat's chunks
+        are "chat.completion.chunk"; a text completion's chunks keep its object)."""
+        chat = self.object == "chat.completion"
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + self.id,
+                "object": self.object + (".chunk" if chat and streamed else ""),
+                "created": self.created, "model": self.model}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -127,11 +130,15 @@ def answer(meta: Meta, text: str, finish_reason: str, counts: dict) -> dict:
 
 def chunk(meta: Meta, text: str | None, finish_reason: str | None = None) -> dict:
     """One streamed event: a piece of text, or the finish reason at the end."""
-    suffix = ".chunk" if meta.object == "chat.completion" else ""
-    return {**meta.head(suffix), "choices": [choice(meta, text, finish_reason, delta=True)]}
+    return {**meta.head(streamed=True), "choices": [choice(meta, text, finish_reason, delta=True)]}
+
+
+def role_chunk(meta: Meta) -> dict:
+    """A chat stream's first event, which names the speaker, as OpenAI's does."""
+    return {**meta.head(streamed=True), "choices": [{
+        "index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
 
 
 def usage_chunk(meta: Meta, counts: dict) -> dict:
     """The last event when stream_options.include_usage asks for it: no choices, the usage."""
-    suffix = ".chunk" if meta.object == "chat.completion" else ""
-    return {**meta.head(suffix), "choices": [], "usage": counts}
+    return {**meta.head(streamed=True), "choices": [], "usage": counts}

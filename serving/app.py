@@ -1,7 +1,8 @@
 """The HTTP side: OpenAI's endpoints and the chat page, a thin shell over one Engine.
 
 Usage:
-    app = create_app(Service(engine, tokenizer, name="chat_sft", max_tokens=256))
+    app = create_app(Service(engine, tokenizer, "chat_sft", block_size=1024, max_tokens=500,
+                             temperature=0.8))
     uvicorn.Server(uvicorn.Config(app)).run()        # serve.py does this
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events
@@ -16,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from serving.api import (
     answer,
     chunk,
     error_body,
+    role_chunk,
     usage,
     usage_chunk,
 )
@@ -68,11 +71,12 @@ class Service:
     tokenizer: Tokenizer
     name: str
     block_size: int
-    max_tokens: int = 256
-    temperature: float = 0.8
+    max_tokens: int
+    temperature: float
     top_k: int | None = None
     top_p: float | None = None
     api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))  # what /v1/models says
 
     def sampling(self, body: BaseRequest, prompt_len: int, max_tokens: int | None,
                  prompt_field: str) -> Sampling:
@@ -162,9 +166,7 @@ async def stream_events(job: Job, events: asyncio.Queue, meta: Meta,
     hangs up cancels the job (Starlette closes this generator), which frees its slot."""
     try:
         if meta.object == "chat.completion":
-            first = chunk(meta, "")
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield sse(first)
+            yield sse(role_chunk(meta))
         while True:
             event = await events.get()
             if isinstance(event, Piece):
@@ -236,9 +238,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        meta = Meta("text_completion", service.name)
         return {"object": "list", "data": [{"id": service.name, "object": "model",
-                                            "created": meta.created, "owned_by": "gptlab"}]}
+                                            "created": service.created, "owned_by": "gptlab"}]}
 
     @app.get("/health")
     async def health():
