@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import http.client
 import json as json_module
-import os
 import subprocess
 import sys
 import tempfile
@@ -226,5 +225,4 @@ def report(name: str, rows: list[dict[str, float]]) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_command(lambda: typer.run(main))
