@@ -21,6 +21,7 @@ from safetensors.torch import save
 from model import GPT, SWITCH_DEFAULTS, GPTConfig
 from weights.checkpoint import state_dict_mismatch
 from weights.hf import FolderError, read_config, read_weights, write_folder
+from weights.lazy import Lazy, build, cropped, expected
 
 # Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -46,10 +47,10 @@ def read_hf_config(folder: Path) -> dict:
     return hf
 
 
-def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
-                 dropout: float = 0.0) -> GPT:
-    """A GPT holding the weights of a Hugging Face GPT-2 folder (any size: the shape comes
-    from config.json). block_size below n_positions crops the position table."""
+def hf_gpt2_weights(folder: str | Path, dropout: float = 0.0,
+                    ) -> tuple[GPTConfig, dict[str, Lazy]]:
+    """The shape of a Hugging Face GPT-2 folder's model (any size: from config.json) and its
+    weights by model.py's names, not read yet (weights/lazy.py)."""
     folder = Path(folder)
     hf = read_hf_config(folder)
     try:
@@ -64,21 +65,25 @@ def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
         if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
             continue
         if key.endswith(CONV1D):
-            tensor = tensor.t()
+            tensor = tensor.then(torch.Tensor.t, torch.Size(reversed(tensor.shape)))
         state[key if key == "lm_head.weight" else f"transformer.{key}"] = tensor
     if "transformer.wte.weight" in state:
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # tied
-    model = GPT(config)
-    problem = state_dict_mismatch(model.state_dict(), state, "config.json")
+    problem = state_dict_mismatch(expected(config), state, "config.json")
     if problem:
         raise FolderError(f"weights in {folder} do not match its config.json: {problem}")
-    model.load_state_dict(state)
-    if block_size is not None and block_size < config.block_size:
-        model.crop_block_size(block_size)
-    elif block_size is not None and block_size > config.block_size:
+    return config, state
+
+
+def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
+                 dropout: float = 0.0) -> GPT:
+    """A GPT holding the weights of a Hugging Face GPT-2 folder (any size: the shape comes
+    from config.json). block_size below n_positions crops the position table."""
+    config, state = hf_gpt2_weights(folder, dropout)
+    if block_size is not None and block_size > config.block_size:
         raise FolderError(f"block_size {block_size} exceeds the checkpoint's n_positions "
-                              f"{config.block_size}")
-    return model.eval()
+                          f"{config.block_size}")
+    return build(*cropped(config, state, block_size)).eval()
 
 
 def gpt2_problem(cfg: GPTConfig) -> str | None:

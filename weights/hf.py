@@ -4,7 +4,7 @@ whole. The formats themselves (GPT-2's, NanoChat's) are gpt2.py and nanochat.py.
 Usage:
     from weights.hf import model_type, read_config, read_weights, write_folder
     model_type("models/nanochat")                       # "gpt2", "nanochat", ...
-    config, weights = read_config(folder), read_weights(folder)
+    config, weights = read_config(folder), read_weights(folder)   # name -> Lazy tensor
     write_folder("out/hf", {"config.json": b"...", "model.safetensors": b"..."}, force=False)
 
 Nothing is downloaded: every function takes a folder you have.
@@ -16,14 +16,15 @@ import json
 import os
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from machine.files import fsync_dir, write_bytes_atomic
 from weights.checkpoint import UnreadableFile, safe_load
+from weights.lazy import Lazy, mapped
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -58,13 +59,17 @@ def model_type(folder: str | Path) -> str:
     return str(read_config(folder).get("model_type", "gpt2"))
 
 
-def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The named tensors of model.safetensors, else of pytorch_model.bin (loaded safely)."""
+def read_weights(folder: str | Path) -> dict[str, Lazy]:
+    """The named tensors of model.safetensors, else of pytorch_model.bin (loaded safely), as
+    Lazy ones: each is read when asked for, one at a time (the .bin file mapped)."""
     for name in WEIGHT_FILES:
         path = Path(folder) / name
         if path.is_file():
             try:
-                weights = load_file(path) if name.endswith(".safetensors") else safe_load(path)
+                if name.endswith(".safetensors"):
+                    return safetensors_weights(path)
+                # mapped where it can be: a zip file (what torch.save has written since 1.6)
+                weights = safe_load(path, mmap=zipfile.is_zipfile(path))
             except (SafetensorError, OSError, UnreadableFile) as e:
                 reason = (str(e).splitlines() or [type(e).__name__])[0]
                 raise FolderError(f"{path} is truncated or not a weights file ({reason}); "
@@ -73,8 +78,16 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
                     and all(isinstance(v, torch.Tensor) for v in weights.values())):
                 raise FolderError(f"{path} does not hold named weight tensors (a saved "
                                   f"state_dict); download or export the folder again")
-            return weights
+            return mapped(weights)
     raise FolderError(f"{folder} has neither {' nor '.join(WEIGHT_FILES)}")
+
+
+def safetensors_weights(path: Path) -> dict[str, Lazy]:
+    """A safetensors file's tensors, each read from the mapped file when asked for. The
+    header (names, shapes, where each lies) is checked against the file's size on opening."""
+    f = safe_open(path, framework="pt")
+    return {name: Lazy(torch.Size(f.get_slice(name).get_shape()),
+                       lambda name=name: f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
 
 
 def write_folder(folder: str | Path, files: dict[str, bytes], force: bool = False) -> Path:

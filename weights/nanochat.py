@@ -38,6 +38,7 @@ from safetensors.torch import save
 from model import GPT, GPTConfig
 from weights.checkpoint import state_dict_mismatch
 from weights.hf import FolderError, read_config, read_weights, write_folder
+from weights.lazy import Lazy, build, cropped, expected
 
 # what a NanoChat model always is, in model.py's switches
 LAYOUT = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", bias=False,
@@ -80,9 +81,10 @@ def config_from_hf(hf: dict, path: Path, dropout: float = 0.0) -> GPTConfig:
         raise FolderError(f"{path}: {e}") from None
 
 
-def load_hf_nanochat(folder: str | Path, block_size: int | None = None,
-                     dropout: float = 0.0) -> GPT:
-    """A GPT holding the weights of a NanoChat folder; block_size below its context crops it."""
+def hf_nanochat_weights(folder: str | Path, dropout: float = 0.0,
+                        ) -> tuple[GPTConfig, dict[str, Lazy]]:
+    """The shape of a NanoChat folder's model and its weights by model.py's names, not read
+    yet (weights/lazy.py): separate q, k, v projections become one fused c_attn."""
     folder = Path(folder)
     config = config_from_hf(read_config(folder), folder / "config.json", dropout)
     hd, state = config.head_dim, {}
@@ -99,24 +101,30 @@ def load_hf_nanochat(folder: str | Path, block_size: int | None = None,
         prefix = f"transformer.h.{i}."
         q, k, v = (state.pop(f"{prefix}self_attn.{p}_proj.weight", None) for p in "qkv")
         if q is not None and k is not None and v is not None:
-            state[f"{prefix}attn.c_attn.weight"] = torch.cat([flip_rope(q, hd), flip_rope(k, hd), v])
+            state[f"{prefix}attn.c_attn.weight"] = Lazy(
+                torch.Size([q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]]),
+                lambda q=q, k=k, v=v: torch.cat([flip_rope(q.load(), hd),
+                                                 flip_rope(k.load(), hd), v.load()]))
         renames = {"self_attn.o_proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
         for theirs, ours in renames.items():
             if f"{prefix}{theirs}.weight" in state:
                 state[f"{prefix}{ours}.weight"] = state.pop(f"{prefix}{theirs}.weight")
     if config.tie_embeddings and "transformer.wte.weight" in state:
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])
-    model = GPT(config)
-    problem = state_dict_mismatch(model.state_dict(), state, "config.json")
+    problem = state_dict_mismatch(expected(config), state, "config.json")
     if problem:
         raise FolderError(f"weights in {folder} do not match its config.json: {problem}")
-    model.load_state_dict(state)
+    return config, state
+
+
+def load_hf_nanochat(folder: str | Path, block_size: int | None = None,
+                     dropout: float = 0.0) -> GPT:
+    """A GPT holding the weights of a NanoChat folder; block_size below its context crops it."""
+    config, state = hf_nanochat_weights(folder, dropout)
     if block_size is not None and block_size > config.block_size:
         raise FolderError(f"block_size {block_size} exceeds {folder}'s context of "
                           f"{config.block_size} tokens (max_position_embeddings)")
-    if block_size is not None and block_size < config.block_size:
-        model.crop_block_size(block_size)
-    return model.eval()
+    return build(*cropped(config, state, block_size)).eval()
 
 
 def nanochat_problem(config: GPTConfig) -> str | None:
