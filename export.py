@@ -5,10 +5,15 @@ Usage:
     python export.py runs/quickstart out/hf-quickstart               # best.pt of a run
     python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force # replace that export
     python export.py runs/nano/last.pt out/hf-nano --format nanochat
+    python export.py runs/big --plain          # last.pt and best.pt of an FSDP run's shards
 
 The format follows from the layout: GPT-2's for GPT-2's layout (weights/gpt2.py), NanoChat's
 for the modern one (weights/nanochat.py); a layout that neither can hold is refused in one
 line naming the switch. AutoModelForCausalLM and AutoTokenizer load the folder.
+
+--plain turns a run's sharded checkpoints (last.dcp, best.dcp: what training under FSDP
+writes) into plain ones beside them (last.pt, best.pt), which sample.py, evaluate.py,
+serve.py and this command read, streaming one tensor at a time (weights/sharded.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import typer
 
 from data.tokenizer_json import tokenizer_files
 from machine.errors import reported, run_command
+from weights import sharded
+from weights.checkpoint import link_checkpoint
 from weights.gpt2 import export_hf_gpt2
 from weights.hf import ExportError
 from weights.loading import load_model
@@ -50,15 +57,47 @@ def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Pa
                           f"folder") from None
 
 
+def make_plain(source: str) -> list[Path]:
+    """The plain checkpoints of a run folder's sharded ones (or of one .dcp), written beside
+    them; best.pt is a second name for last.pt where both name the same save."""
+    path = Path(source)
+    pairs = ([(path, path.with_suffix(".pt"))] if path.suffix == sharded.SUFFIX else
+             [(path / f"{name}{sharded.SUFFIX}", path / f"{name}.pt") for name in ("last", "best")])
+    pairs = [(dcp, pt) for dcp, pt in pairs if dcp.exists()]
+    if not pairs:
+        raise ExportError(f"no sharded checkpoint (last.dcp or best.dcp) in {source}; --plain "
+                          f"reads what a run under FSDP writes")
+    written: dict[Path, Path] = {}
+    for dcp, pt in pairs:
+        same = written.get(dcp.resolve())
+        if same is not None:
+            link_checkpoint(same, pt)
+        else:
+            sharded.consolidate(dcp, pt)
+        written[dcp.resolve()] = pt
+    return [pt for _, pt in pairs]
+
+
 def main(checkpoint: Annotated[str, typer.Argument(
              help="A checkpoint (.pt written by train.py), or a run folder (its best.pt).")],
-         folder: Annotated[Path, typer.Argument(help="The folder to write.")],
+         folder: Annotated[Path | None, typer.Argument(
+             help="The folder to write (none with --plain).")] = None,
          format: Annotated[str, typer.Option(
              help="auto (GPT-2's for GPT-2's layout, else NanoChat's), gpt2 or nanochat.")] = "auto",
          force: Annotated[bool, typer.Option(
-             help="Replace the export in a folder that is not empty.")] = False) -> None:
+             help="Replace the export in a folder that is not empty.")] = False,
+         plain: Annotated[bool, typer.Option(
+             "--plain", help="Write plain checkpoints (last.pt, best.pt) of a run's sharded "
+                             "ones (last.dcp, best.dcp), beside them.")] = False) -> None:
     """Export CHECKPOINT to FOLDER as a Hugging Face model folder."""
     with reported(ValueError, OSError):  # OSError: the checkpoint's path
+        if plain:
+            if folder is not None:
+                raise ExportError("--plain writes beside the sharded checkpoints; drop FOLDER")
+            typer.echo(f"wrote {', '.join(map(str, make_plain(checkpoint)))}")
+            return
+        if folder is None:
+            raise ExportError("give the FOLDER to write the export to")
         written_format, written = export(checkpoint, folder, format, force)
     names = sorted(p.name for p in written.iterdir())
     typer.echo(f"wrote {written}/ in {written_format}'s format: {', '.join(names)}")

@@ -63,10 +63,12 @@ def build_cli() -> typer.Typer:
                            "checkpoint, if any, is intact", err=True)
             raise typer.Exit(128 + signal.SIGINT) from None
         if is_main:
+            ext = result.checkpoint.suffix if result.checkpoint else ".pt"  # .dcp: under FSDP
+            plain = f"python export.py {result.run_dir} --plain, then " if ext == ".dcp" else ""
             typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
                        f"best val loss {result.best_val_loss:.4f}\n"
-                       f"checkpoints: {result.run_dir}/best.pt, {result.run_dir}/last.pt\n"
-                       f"next: python sample.py --run {result.run_dir}"
+                       f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"
+                       f"next: {plain}python sample.py --run {result.run_dir}"
                        f"{' --chat' if result.chat else ''}   |   "
                        f"tensorboard --logdir {result.run_dir.parent}")
 

@@ -14,9 +14,9 @@ If one process dies, torchrun ends the others, so a crash never leaves the run h
 DDP keeps the whole model, its gradients and its optimizer state on every process and
 averages gradients. FSDP (torch's fully_shard) keeps 1/N of each on each process, gathers a
 block's weights for its forward and backward, and reduce-scatters its gradients: the
-memory per process falls with N, for more communication (docs/distributed.md). Checkpoints
-are the same files either way: `gathered` assembles the full state on rank 0, one tensor at
-a time, and `sharded_like` hands each process its part back on resume.
+memory per process falls with N, for more communication (docs/distributed.md). Under FSDP
+each process saves its own shards (training/checkpoints.py); `sharded_like` hands each
+process its part of a whole tensor (the initial weights, a plain checkpoint's).
 """
 
 from __future__ import annotations
@@ -119,13 +119,14 @@ def from_main(make: Callable[[], Any], info: Dist) -> Any:
 # --- FSDP: a model sharded across the processes --------------------------------------------
 
 def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtype | None,
-                compile: bool) -> GPT:
+                compile: bool, base: dict[str, Any] | None = None) -> GPT:
     """The model built on the meta device, each block sharded with fully_shard and the rest
     (the embeddings, the final norm, the head) as the root's group; then each process makes
-    its shards and fills them from the full initial values one parameter at a time, so no
-    process ever holds the whole model. param_dtype (a GPU's bf16) is FSDP's mixed
-    precision: weights gathered in it, gradients reduced in fp32. compile compiles each
-    block before it is sharded, as torchtitan does."""
+    its shards and fills them from the full initial values, or the base model's weights
+    (weights.lazy.Lazy: read one at a time), one parameter at a time, so no process ever
+    holds the whole model. param_dtype (a GPU's bf16) is FSDP's mixed precision: weights
+    gathered in it, gradients reduced in fp32. compile compiles each block before it is
+    sharded, as torchtitan does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -141,6 +142,10 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     model.init_weights(lambda param, value: param.copy_(sharded_like(value, param)))
+    if base is not None:  # the drawn values are replaced: the base's, each process its rows
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(sharded_like(base[name].load().to(param.dtype), param))
     return model
 
 
@@ -160,26 +165,28 @@ def is_dtensor(t: object) -> bool:
 
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A full tensor laid out as `like`: this process's shard if `like` is sharded (every
-    process has the full value and takes its part; no communication), else as it is."""
-    if not is_dtensor(like):
+    process has the full value and takes its part; no communication), else as it is. A
+    value that is sharded already (read from a sharded checkpoint) stays as it is."""
+    if not is_dtensor(like) or is_dtensor(value):
         return value
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(value.to(like.device), like.device_mesh, like.placements,
                              src_data_rank=None)
 
 
-def gathered(state: Any, info: Dist) -> Any:
-    """A nested state (dicts, lists) with each sharded tensor gathered whole: on the CPU on
-    rank 0, None elsewhere (every process must call, in the same order). One tensor at a
-    time, so no process holds more than the file needs. Plain tensors stay as they are."""
-    if isinstance(state, dict):
-        return {key: gathered(value, info) for key, value in state.items()}
-    if isinstance(state, list):
-        return [gathered(value, info) for value in state]
-    if not is_dtensor(state):
-        return state
-    whole = state.full_tensor()
-    return whole.cpu() if info.is_main else None
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded tensor; a plain one as it is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def first_of_any(value: Any, info: Dist) -> Any:
+    """The first value that is not None among the processes' (rank order), on every
+    process: what one process found (a NaN in its shard), all of them act on."""
+    if not info.enabled:
+        return value
+    values: list[Any] = [None] * info.world_size
+    dist.all_gather_object(values, value)
+    return next((v for v in values if v is not None), None)
 
 
 def sharded_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
@@ -206,3 +213,4 @@ def gradient_sync(model: torch.nn.Module, info: Dist, sync: bool) -> AbstractCon
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded result (FSDP's gradient norm) as one tensor; a plain one as it is."""
     return t.full_tensor() if is_dtensor(t) else t
+

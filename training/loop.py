@@ -28,14 +28,14 @@ from generate import generate
 from machine.device import resolve_device
 from machine.files import quiet_writer_threads
 from machine.perf import peak_flops
-from training import distributed
+from training import checkpoints, distributed
 from training.config import TrainConfig
 from training.memory import steps_in_memory
 from training.optimizer import lr_multiplier, set_lr
 from training.runs import stop_signals
 from training.session import Session, setup, text_block
 from viz.attention_maps import log_attention
-from weights.checkpoint import TrainState, link_checkpoint, non_finite, save_checkpoint
+from weights.checkpoint import CheckpointError, TrainState
 
 
 class TrainingError(RuntimeError):
@@ -61,6 +61,7 @@ class TrainResult:
     best_val_loss: float
     final_losses: dict[str, float]
     wall_time: float
+    checkpoint: Path | None  # last.pt, or last.dcp: sharded, under FSDP; None: none saved
     chat: bool = False  # trained on conversations: a model to talk to (sample.py --chat)
 
 
@@ -159,44 +160,44 @@ def evaluate(s: Session, it: int) -> dict[str, float]:
 
 
 def train_state(s: Session, val_loss: float) -> TrainState:
-    """What last.pt holds now. The batch state is the batch stream's before the batch still
-    pending was drawn, so a resumed run draws exactly the batches this run would have drawn
-    next. Under FSDP the weights and moments are gathered whole on rank 0, one tensor at a
-    time; the other ranks hold None for them."""
+    """What a checkpoint holds now. The batch state is the batch stream's before the batch
+    still pending was drawn, so a resumed run draws exactly the batches this run would have
+    drawn next. A sharded model's weights and moments are not in it: each process saves its
+    own shards of them (training/checkpoints.py)."""
     rng = {"torch": torch.get_rng_state(), "batches": s.batches.state}
     if s.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(s.device)
-    weights = distributed.gathered(s.raw_model.state_dict(), s.dist)
-    if s.raw_model.config.tie_embeddings and s.dist.is_main:  # one table, as unsharded
-        weights["lm_head.weight"] = weights["transformer.wte.weight"]
+    plain = not distributed.is_sharded(s.raw_model)
     return TrainState(
-        model_args=vars(s.raw_model.config).copy(), model=weights,
-        optimizer=distributed.gathered([opt.state_dict() for opt in s.optimizers], s.dist),
+        model_args=vars(s.raw_model.config).copy(),
+        model=s.raw_model.state_dict() if plain else {},
+        optimizer=[opt.state_dict() for opt in s.optimizers] if plain else [],
         scaler=s.scaler.state_dict(), iter_num=s.iter_num,
         dtype=str(s.dtype).removeprefix("torch."), best_val_loss=s.best_val_loss,
         val_loss=val_loss, config=s.cfg.to_dict(), tokenizer=s.meta["tokenizer"], rng=rng)
 
 
 def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
-    """Write last.pt (and best.pt, the same file) from rank 0, if the state is finite. Rank
-    0 checks and every rank hears its verdict, so all of them stop together when it is not."""
+    """Write last.pt from rank 0, or under FSDP last.dcp from every process (and best, the
+    same checkpoint), if the state is finite: every process hears of a NaN, so all of them
+    stop together."""
     state = train_state(s, losses.get("val", math.nan))
-
-    def check_finite() -> None:  # a loss that turned NaN between log points: no other trace
-        broken = non_finite({"model": state.model, "optimizer": state.optimizer})
-        if broken is not None:
-            raise TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no "
-                                f"checkpoint was written and the last good one is kept: "
-                                f"lower learning_rate or set grad_clip")
-    distributed.from_main(check_finite, s.dist)
-    if not s.dist.is_main:
-        return
+    sharded = distributed.is_sharded(s.raw_model)
+    tensors = checkpoints.shard_tensors(s.raw_model, s.optimizers) if sharded else None
+    broken = checkpoints.broken_tensor(state, tensors, s.dist)
+    if broken is not None:  # a loss that turned NaN between log points: no other trace
+        error = TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no "
+                              f"checkpoint was written and the last good one is kept: "
+                              f"lower learning_rate or set grad_clip")
+        error.from_main = not s.dist.is_main  # every process knows: rank 0 says it
+        raise error
     try:
-        save_checkpoint(state, s.run_dir / "last.pt")
-        if is_best:  # the same file under a second name: no second write
-            link_checkpoint(s.run_dir / "last.pt", s.run_dir / "best.pt")
-    except OSError as e:  # a full disk, mid-write too (machine.files.atomic_write)
-        raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({e.strerror}) at "
+        s.checkpoint = checkpoints.write(
+            s.run_dir, state, tensors, s.optimizers,
+            checkpoints.parameter_names(s.raw_model, s.optimizers), s.dist, is_best)
+    except (OSError, CheckpointError) as e:  # a full disk, mid-write too
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
+        raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({reason}) at "
                             f"iter {s.iter_num}; {resume_hint(s)}") from None
     s.saved_iter = s.iter_num
 
@@ -213,7 +214,7 @@ def resume_hint(s: Session) -> str:
     """What is on disk to go on from after a failure, and how."""
     if s.saved_iter is None:
         return "no checkpoint was written yet; free space and start again"
-    return f"{s.run_dir / 'last.pt'} (iter {s.saved_iter}) is intact; {resume_command(s)}"
+    return f"{s.checkpoint} (iter {s.saved_iter}) is intact; {resume_command(s)}"
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
@@ -354,7 +355,7 @@ def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
                 save(s, losses if evaluated else {}, is_best=False)
                 signum = stop.get("signal", signal.SIGTERM)
                 raise Interrupted(f"stopped by {signal.Signals(signum).name} at iter {it}; "
-                                  f"saved {s.run_dir / 'last.pt'}; {resume_command(s)}",
+                                  f"saved {s.checkpoint}; {resume_command(s)}",
                                   signum)
         if s.writer is not None:
             s.writer.add_hparams(cfg.to_dict(), {"hparam/best_val_loss": s.best_val_loss},
@@ -363,5 +364,5 @@ def loop(s: Session, t_start: float, stop: dict[str, int]) -> TrainResult:
     finally:
         bar.close()
     return TrainResult(s.run_dir, s.iter_num, s.best_val_loss, losses, time.time() - t_start,
-                       bool(s.meta.get("chat")))
+                       s.checkpoint, bool(s.meta.get("chat")))
 

@@ -58,7 +58,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> RunFolder:
                           f"or --out-dir")
     try:
         if resume:
-            if not (base / "last.pt").is_file():
+            if not any((base / name).exists() for name in ("last.pt", "last.dcp")):
                 raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
                                   f"drop --resume to start a new run")
             folder = lock_run_dir(base)

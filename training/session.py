@@ -1,5 +1,5 @@
 """What a training process works with: data, model, optimizers and run folder, built from
-the config, or restored from the run's last.pt.
+the config, or restored from the run's checkpoint (last.pt, or last.dcp under FSDP).
 
 Usage:
     from training.session import setup
@@ -25,14 +25,15 @@ from data.sources import DataError
 from data.tokenizer import CHAT_SPECIALS, Tokenizer, load_tokenizer, with_specials
 from machine.device import DTYPES, check_compile, resolve_device
 from model import GPT, GPTConfig
-from training import distributed
+from training import checkpoints, distributed
 from training.config import ConfigError, TrainConfig
 from training.memory import check_memory
 from training.optimizer import configure_optimizers
 from training.precision import resolve_dtype
 from training.runs import RunFolder, check_resumable, check_writable, choose_run_dir
 from viz.attention_maps import LayerPictures, token_labels
-from weights.checkpoint import CheckpointError, TrainState, load_checkpoint, state_dict_mismatch
+from weights.checkpoint import CheckpointError, TrainState, state_dict_mismatch
+from weights.lazy import Lazy, build, grown
 
 
 def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, Tokens]]:
@@ -58,35 +59,35 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
                 dist: distributed.Dist, saved: TrainState | None = None) -> GPT:
     """A fresh model of the config's shape on the device, sharded under parallel = fsdp; or
     a pretrained model to fine-tune (resumed: of the checkpoint's shape, whose weights
-    replace the base's, which is then not read at all)."""
+    replace the base's, which is then not read at all). Sharded, each process reads its
+    own rows of the base, one tensor at a time (weights/lazy.py)."""
+    config, base = cfg.model_config(meta["vocab_size"]), None
+    if cfg.init_from and saved is not None:
+        config = GPTConfig(**saved.model_args)
+    elif cfg.init_from:
+        config, base = pretrained_weights(cfg, meta, dist)
     if sharded(cfg, dist):
-        if cfg.init_from:
-            raise ConfigError("init_from loads the whole model in each process; fine-tune with "
-                              "parallel = ddp")
         param_dtype = dtype if device.type == "cuda" and dtype != torch.float32 else None
-        return distributed.shard_model(cfg.model_config(meta["vocab_size"]), device,
-                                       param_dtype, cfg.compile)
-    if not cfg.init_from:
-        return GPT(cfg.model_config(meta["vocab_size"])).to(device)
-    if saved is not None:
-        return GPT(GPTConfig(**saved.model_args)).to(device)
-    return pretrained_model(cfg, meta).to(device)
+        return distributed.shard_model(config, device, param_dtype, cfg.compile, base)
+    return (GPT(config) if base is None else build(config, base)).to(device)
 
 
-def pretrained_model(cfg: TrainConfig, meta: dict) -> GPT:
-    """The model to fine-tune: a Hugging Face folder (GPT-2's or NanoChat's), a checkpoint
-    or a run folder, its context cropped to block_size, checked against the data it will
-    see. The base sets the model's shape and layout, and the data must be tokenized as it
-    was, or (a chat dataset) with the chat tokens added: those get new rows."""
+def pretrained_weights(cfg: TrainConfig, meta: dict,
+                       dist: distributed.Dist) -> tuple[GPTConfig, dict[str, Lazy]]:
+    """The model to fine-tune, not read yet: a Hugging Face folder (GPT-2's or NanoChat's),
+    a checkpoint or a run folder, its context cropped to block_size, checked against the
+    data it will see. The base sets the model's shape and layout, and the data must be
+    tokenized as it was, or (a chat dataset) with the chat tokens added: those get new rows."""
     from weights.hf import model_type
-    from weights.loading import grow_vocabulary, load_base
+    from weights.loading import base_weights
     try:
         if (Path(cfg.init_from) / "config.json").is_file() and model_type(cfg.init_from) == "gpt2" \
                 and not cfg.model_config(meta["vocab_size"]).is_gpt2:
             raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
                               "qk_norm, mlp, tie_embeddings and n_kv_head at their defaults "
                               "to fine-tune it")
-        model, tokenizer, source = load_base(cfg.init_from, cfg.model.block_size, cfg.model.dropout)
+        config, state, tokenizer, source = base_weights(cfg.init_from, cfg.model.block_size,
+                                                        cfg.model.dropout)
     except ConfigError:
         raise
     except ValueError as e:  # FolderError, LoadError, CheckpointError
@@ -98,13 +99,14 @@ def pretrained_model(cfg: TrainConfig, meta: dict) -> GPT:
         raise ConfigError(f"init_from needs data tokenized by {source}'s tokenizer, but "
                           f"{cfg.data_dir} was prepared with another; prepare it with "
                           f"--tokenizer {hint}")
-    if model.config.vocab_size < meta["vocab_size"]:
+    if config.vocab_size < meta["vocab_size"]:
         added = [t for t in CHAT_SPECIALS if t not in tokenizer.specials]
-        tqdm.write(f"init_from: the vocabulary grows from {model.config.vocab_size:,} to "
-                   f"{meta['vocab_size']:,} tokens for {' '.join(added)}; their new rows "
-                   f"start at the mean of the old ones")
-        model = grow_vocabulary(model, meta["vocab_size"])
-    return model
+        if dist.is_main:
+            tqdm.write(f"init_from: the vocabulary grows from {config.vocab_size:,} to "
+                       f"{meta['vocab_size']:,} tokens for {' '.join(added)}; their new rows "
+                       f"start at the mean of the old ones")
+        config, state = grown(config, state, meta["vocab_size"])
+    return config, state
 
 
 def sharded(cfg: TrainConfig, dist: distributed.Dist) -> bool:
@@ -209,6 +211,7 @@ class Session:
     pictures: LayerPictures | None = None
     folder: RunFolder | None = None  # run_dir, locked (training/runs.lock_run_dir): no second run there
     saved_iter: int | None = None  # the iteration of the last checkpoint written or resumed
+    checkpoint: Path | None = None  # that checkpoint: last.pt, or last.dcp under FSDP
 
 
 def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
@@ -266,10 +269,11 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
 def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device,
                   run_dir: Path, meta: dict, splits: dict[str, Tokens], tokenizer: Tokenizer,
                   sample_ids: list[int], probe_ids: list[int]) -> Session:
-    """Model, optimizers and batch stream, restored from last.pt when resuming: the part of
-    setup that can still fail once the run folder is taken, and writes nothing."""
-    saved = (TrainState.from_checkpoint(load_checkpoint(run_dir / "last.pt", device, resume=True))
-             if resume else None)
+    """Model, optimizers and batch stream, restored from the run's checkpoint when resuming:
+    the part of setup that can still fail once the run folder is taken, and writes nothing."""
+    # a plain last.pt resumed under FSDP is mapped, not read: each process touches its shards
+    saved, shards = (checkpoints.read_saved(run_dir, device, mmap=sharded(cfg, dist))
+                     if resume else (None, None))
     dtype, dtype_reason = run_dtype(cfg, device, meta["vocab_size"], saved, dist)
     model = build_model(cfg, meta, device, dtype, dist, saved)
     fsdp = distributed.is_sharded(model)
@@ -292,24 +296,29 @@ def build_session(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device
         batches=BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size),
         iter_num=0, best_val_loss=float("inf"), sample_ids=sample_ids, probe_ids=probe_ids)
     if saved is not None:
-        check_resumable(saved, model, meta, cfg, run_dir / "last.pt")
+        s.checkpoint = shards or run_dir / "last.pt"
+        check_resumable(saved, model, meta, cfg, s.checkpoint)
+        if shards is not None:  # each process reads its own shards (all of it, unsharded)
+            checkpoints.fill_from_shards(saved, shards, s.raw_model, s.optimizers)
         restore(s, saved)
         if s.iter_num > cfg.max_iters:
-            raise ConfigError(f"{run_dir / 'last.pt'} is at iter {s.iter_num}, past max_iters "
+            raise ConfigError(f"{s.checkpoint} is at iter {s.iter_num}, past max_iters "
                               f"({cfg.max_iters}), so there is nothing to train; raise "
                               f"--max-iters to continue it")
     if cfg.compile and not fsdp:  # FSDP compiled each block before sharding it
         s.model = torch.compile(s.model)
     if dist.enabled and not fsdp:  # gradients are averaged across processes during backward
-        s.model = DDP(s.model, device_ids=[device.index] if device.type == "cuda" else None)
+        # the gradients live in DDP's buckets rather than beside them: no second copy
+        s.model = DDP(s.model, device_ids=[device.index] if device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
     return s
 
 
 def restore(s: Session, saved: TrainState) -> None:
-    """Put a run back as last.pt left it: weights, optimizer state, RNGs, batch stream."""
+    """Put a run back as its checkpoint left it: weights, optimizer state, RNGs, batches."""
     problem = state_dict_mismatch(s.raw_model.state_dict(), saved.model, "model_args")
     if problem:
-        raise CheckpointError(f"cannot resume: the weights in {s.run_dir / 'last.pt'} do not "
+        raise CheckpointError(f"cannot resume: the weights in {s.checkpoint} do not "
                               f"match its model_args ({problem}); the file is damaged: start "
                               f"a new run without --resume")
     current = s.raw_model.state_dict()  # sharded under FSDP: each process takes its part

@@ -38,6 +38,10 @@ REQUIRED = {"model_args": dict, "model": dict, "iter_num": int, "config": dict,
 # what --resume needs beyond that (TrainState holds it all)
 RESUME = {"optimizer": (list, dict), "scaler": dict, "best_val_loss": (int, float), "rng": dict}
 RESUME_RNG = {"torch": torch.Tensor, "batches": torch.Tensor}
+# a sharded checkpoint's state.pt (weights/sharded.py): its tensors are in the shards, and it
+# names each optimizer's parameters in order
+SHARDED = {**{k: v for k, v in REQUIRED.items() if k != "model"}, "shards": dict}
+SHARDED_RESUME = {k: v for k, v in RESUME.items() if k != "optimizer"}
 
 
 @dataclass
@@ -125,11 +129,12 @@ class UnreadableFile(ValueError):
     """A file that a safe torch.load cannot read; the message says why, in a few words."""
 
 
-def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
+def safe_load(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
     """torch.load(weights_only=True), which runs no pickled code. A damaged or foreign file
-    fails in many ways inside torch; each becomes one UnreadableFile."""
+    fails in many ways inside torch; each becomes one UnreadableFile. mmap maps the file's
+    tensors rather than reading them: only what is used is read."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # torch's own message suggests weights_only=False, which is not the fix for a file
         # from elsewhere
@@ -144,23 +149,38 @@ def safe_load(path: Path, map_location: str | torch.device = "cpu") -> Any:
         raise UnreadableFile("not a file that torch.save wrote") from None
 
 
+def sharded_hint(run_dir: Path) -> str:
+    """What to run where a plain checkpoint is needed and a run saved sharded ones."""
+    return (f"{run_dir} holds sharded checkpoints (last.dcp, written under FSDP); make plain "
+            f"ones beside them with: python export.py {run_dir} --plain")
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
-                    resume: bool = False) -> dict[str, Any]:
+                    resume: bool = False, mmap: bool = False) -> dict[str, Any]:
     """Load and check a checkpoint, and with resume that it holds all a resumed run needs;
-    CheckpointError if it is missing, truncated, damaged or foreign."""
+    CheckpointError if it is missing, truncated, damaged or foreign. mmap: see safe_load."""
     path = Path(path)
+    if path.suffix == ".dcp" and path.is_dir():
+        raise CheckpointError(sharded_hint(path.parent))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
     try:
-        ckpt = safe_load(path, map_location)
+        ckpt = safe_load(path, map_location, mmap)
     except UnreadableFile as e:
         raise CheckpointError(f"checkpoint {path} is truncated or not a checkpoint ({e})") from None
+    return check_contents(ckpt, path, resume)
+
+
+def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -> dict[str, Any]:
+    """ckpt, if it is a checkpoint of this format holding what sampling needs (and with
+    resume, what a resumed run needs); else CheckpointError naming the problem. A sharded
+    checkpoint's state.pt holds the rest of a TrainState, its tensors aside."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project's train.py")
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')}; "
                               f"this code reads version {VERSION}")
-    problem = record_problem(ckpt, REQUIRED)
+    problem = record_problem(ckpt, SHARDED if sharded else REQUIRED)
     if problem:
         raise CheckpointError(f"{path} is damaged: {problem}; use another checkpoint")
     problem = tokenizer_problem(ckpt["tokenizer"])
@@ -168,7 +188,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
         raise CheckpointError(f"{path} is damaged: the tokenizer's description: {problem}; "
                               f"use another checkpoint")
     # what a resumed run needs besides (a file damaged, or written by other code)
-    problem = resume and (record_problem(ckpt, RESUME) or record_problem(ckpt["rng"], RESUME_RNG))
+    problem = resume and (record_problem(ckpt, SHARDED_RESUME if sharded else RESUME)
+                          or record_problem(ckpt["rng"], RESUME_RNG))
     if problem:
         raise CheckpointError(f"cannot resume from {path}: {problem}; it can be sampled, not "
                               f"continued: start a new run without --resume")

@@ -7,20 +7,27 @@ Usage:
     model, tokenizer, source = load_model(init_from="path/to/gpt2")  # config.json + weights
     model, tokenizer, source = load_base("runs/quickstart", block_size=64)  # what to fine-tune
     model = grow_vocabulary(model, 70)   # room for tokens the base never had (chat's)
+    config, state, tokenizer, source = base_weights("runs/quickstart")  # not read yet
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from data.tokenizer import GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from model import GPT
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from model import GPT, GPTConfig
+from weights.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    model_from_checkpoint,
+    non_finite,
+    sharded_hint,
+    state_dict_mismatch,
+    unwrap_state_dict,
+)
 from weights.hf import FolderError, model_type
+from weights.lazy import Lazy, build, cropped, expected, grown, mapped
 from weights.quantize import cast_weights, check_weight_dtype
 
 
@@ -30,7 +37,8 @@ class LoadError(ValueError):
 
 def run_checkpoint(folder: Path) -> Path | None:
     """best.pt of a run folder; else last.pt (a run stopped before its first evaluation has
-    only that), saying so on stderr; else None."""
+    only that), saying so on stderr; else None. A folder of sharded checkpoints alone: a
+    CheckpointError that says how to make a plain one."""
     best, last = folder / "best.pt", folder / "last.pt"
     if best.is_file():
         return best
@@ -38,6 +46,8 @@ def run_checkpoint(folder: Path) -> Path | None:
         print(f"note: {folder} has no best.pt yet (it stopped before its first evaluation); "
               f"using its last.pt", file=sys.stderr)
         return last
+    if any((folder / f"{name}.dcp").exists() for name in ("best", "last")):
+        raise CheckpointError(sharded_hint(folder))
     return None
 
 
@@ -57,7 +67,8 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
             raise LoadError(f"no checkpoint (best.pt or last.pt) in {folder}; runs in "
                             f"{folder.parent}/ that have one: {', '.join(runs) or 'none'}")
         return path
-    written = [p for name in ("best.pt", "last.pt") for p in Path(out_dir).glob(f"*/{name}")]
+    written = [p for name in ("best.pt", "last.pt", "best.dcp", "last.dcp")
+               for p in Path(out_dir).glob(f"*/{name}")]
     if not written:
         raise LoadError(f"no checkpoint found under {out_dir}/; train first "
                         f"(python train.py --config config/quickstart.toml) or pass --checkpoint")
@@ -69,22 +80,32 @@ def load_folder(folder: str | Path, block_size: int | None = None,
                 dropout: float = 0.0) -> tuple[GPT, Tokenizer]:
     """The model and tokenizer of a Hugging Face folder: GPT-2's (read with GPT-2's BPE) or
     NanoChat's (read with its tokenizer.json). block_size below the folder's crops it."""
-    from weights.gpt2 import load_hf_gpt2
-    from weights.nanochat import load_hf_nanochat
+    config, state, tokenizer = folder_weights(folder, block_size, dropout)
+    return build(config, state).eval(), tokenizer
+
+
+def folder_weights(folder: str | Path, block_size: int | None = None, dropout: float = 0.0,
+                   ) -> tuple[GPTConfig, dict[str, Lazy], Tokenizer]:
+    """load_folder's model as its shape and weights not read yet (weights/lazy.py)."""
+    from weights.gpt2 import hf_gpt2_weights
+    from weights.nanochat import hf_nanochat_weights
     kind = model_type(folder)
     if kind == "gpt2":
-        model, tokenizer = load_hf_gpt2(folder, block_size, dropout), GPT2Tokenizer()
+        (config, state), tokenizer = hf_gpt2_weights(folder, dropout), GPT2Tokenizer()
     elif kind == "nanochat":
-        model, tokenizer = load_hf_nanochat(folder, block_size, dropout), folder_tokenizer(folder)
+        (config, state), tokenizer = hf_nanochat_weights(folder, dropout), folder_tokenizer(folder)
     else:
         raise FolderError(f"{folder} holds a {kind!r} model; --init-from reads GPT-2 and "
                           f"NanoChat folders")
-    if model.config.vocab_size < tokenizer.vocab_size:
+    if block_size is not None and block_size > config.block_size:
+        raise FolderError(f"block_size {block_size} exceeds {folder}'s context of "
+                          f"{config.block_size} tokens")
+    if config.vocab_size < tokenizer.vocab_size:
         whose = ("GPT-2's", ": a Hugging Face folder is read with GPT-2's tokenizer only") \
             if kind == "gpt2" else ("its tokenizer's", "")
-        raise LoadError(f"{folder} has a vocabulary of {model.config.vocab_size:,} tokens, "
+        raise LoadError(f"{folder} has a vocabulary of {config.vocab_size:,} tokens, "
                         f"fewer than {whose[0]} {tokenizer.vocab_size:,}{whose[1]}")
-    return model, tokenizer
+    return (*cropped(config, state, block_size), tokenizer)
 
 
 def folder_tokenizer(folder: str | Path) -> HFTokenizer:
@@ -122,36 +143,46 @@ def load_base(path: str | Path, block_size: int | None = None,
     """The model to fine-tune (train.py's init_from), its tokenizer, and where it came
     from: a Hugging Face folder, a checkpoint, or a run folder (its best.pt). block_size
     below the model's crops it; dropout is the fine-tuning's."""
+    config, state, tokenizer, source = base_weights(path, block_size, dropout)
+    model = build(config, state)
+    broken = non_finite(model.state_dict())
+    if broken is not None:
+        raise CheckpointError(f"{source}'s {broken} holds NaN or inf: its run diverged; use "
+                              f"an earlier checkpoint")
+    return model, tokenizer, source
+
+
+def base_weights(path: str | Path, block_size: int | None = None, dropout: float = 0.0,
+                 ) -> tuple[GPTConfig, dict[str, Lazy], Tokenizer, str]:
+    """load_base's model as its shape and weights not read yet (weights/lazy.py): a
+    checkpoint is mapped, not loaded, so that each of several processes reads only its
+    shards of it."""
     folder = Path(path)
     if (folder / "config.json").is_file():
-        return (*load_folder(folder, block_size, dropout), str(folder))
+        return (*folder_weights(folder, block_size, dropout), str(folder))
     checkpoint = folder if folder.is_file() else run_checkpoint(folder) if folder.is_dir() else None
     if checkpoint is None:
         raise LoadError(f"{path} is neither a Hugging Face folder (config.json), a checkpoint "
                         f"(.pt) nor a run folder (best.pt or last.pt); give one of them")
-    ckpt = load_checkpoint(checkpoint, map_location="cpu")
-    ckpt["model_args"] = {**ckpt["model_args"], "dropout": dropout}
-    model = model_from_checkpoint(ckpt)
-    if block_size is not None and block_size < model.config.block_size:
-        model.crop_block_size(block_size)
+    ckpt = load_checkpoint(checkpoint, map_location="cpu", mmap=True)
+    try:
+        config = GPTConfig(**{**ckpt["model_args"], "dropout": dropout})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{checkpoint}'s model_args are not a model shape ({e})") from None
+    state = mapped(unwrap_state_dict(ckpt["model"]))
+    problem = state_dict_mismatch(expected(config), state, "model_args")
+    if problem:
+        raise CheckpointError(f"{checkpoint}'s weights do not match its model_args: {problem}; "
+                              f"the file is damaged, use another checkpoint")
     try:
         tokenizer = load_tokenizer(ckpt["tokenizer"])
     except ValueError as e:
         raise LoadError(f"{checkpoint}: {e}; the checkpoint is damaged") from None
-    return model, tokenizer, str(checkpoint)
+    return (*cropped(config, state, block_size), tokenizer, str(checkpoint))
 
 
 def grow_vocabulary(model: GPT, vocab_size: int) -> GPT:
     """The model with rows added to its token table (and untied head) for the ids from its
-    vocabulary size up to vocab_size. Each new row starts at the mean of the old ones: an
-    embedding like an average token's, and a logit like an average token's, so the new
-    tokens neither dominate the first steps nor start unreachable."""
-    old = model.state_dict()
-    grown = GPT(replace(model.config, vocab_size=vocab_size))
-    state = dict(old)
-    for name in ("transformer.wte.weight", "lm_head.weight"):
-        rows = old[name]
-        extra = rows.float().mean(dim=0, keepdim=True).to(rows.dtype)
-        state[name] = torch.cat([rows, extra.expand(vocab_size - len(rows), -1)])
-    grown.load_state_dict(state)
-    return grown.train(model.training)
+    vocabulary size up to vocab_size, each the mean of the old rows (weights.lazy.grown)."""
+    grown_model = build(*grown(model.config, mapped(model.state_dict()), vocab_size))
+    return grown_model.train(model.training)
