@@ -214,3 +214,48 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded result (FSDP's gradient norm) as one tensor; a plain one as it is."""
     return t.full_tensor() if is_dtensor(t) else t
 
+
+def each_on_one_process(tensors: list[torch.Tensor],
+                        fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """fn of each whole tensor, laid out as the tensor (sharded by rows: FSDP's Shard(0)):
+    tensor i is gathered whole on process i % N alone, which computes fn of it, and each
+    process gets its rows of the result back. Each process does 1/N of the work and holds
+    one whole tensor at most, where gathering every tensor on every process would do all the
+    work N times over. The tensors go in rounds of N, one per process, computed at once, as
+    modded-nanogpt distributes Muon."""
+    from torch.distributed.tensor import DTensor
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results: list[torch.Tensor] = []
+    for start in range(0, len(tensors), world):
+        round_ = tensors[start:start + world]
+        pieces = [padded_shard(t, world) for t in round_]
+        inbox = [torch.empty_like(pieces[rank]) for _ in range(world)] if rank < len(round_) else None
+        waits = [dist.gather(piece, inbox if owner == rank else None, dst=owner, async_op=True)
+                 for owner, piece in enumerate(pieces)]
+        for work in waits:
+            work.wait()
+        outbox = None
+        if inbox is not None:
+            rows = round_[rank].shape[0]
+            whole = fn(torch.cat(inbox)[:rows]).to(inbox[0].dtype)
+            outbox = list(torch.cat([whole, whole.new_zeros(inbox[0].shape[0] * world - rows,
+                                                            *whole.shape[1:])]).chunk(world))
+        backs = [torch.empty_like(piece) for piece in pieces]
+        waits = [dist.scatter(back, outbox if owner == rank else None, src=owner, async_op=True)
+                 for owner, back in enumerate(backs)]
+        for work in waits:
+            work.wait()
+        for t, back in zip(round_, backs, strict=True):
+            mine = back[:t.to_local().shape[0]]
+            results.append(DTensor.from_local(mine, t.device_mesh, t.placements, run_check=False,
+                                              shape=t.shape, stride=t.stride()))
+    return results
+
+
+def padded_shard(t: torch.Tensor, world: int) -> torch.Tensor:
+    """This process's rows of a tensor sharded by rows, padded with zeros to the largest
+    shard's count (ceil(rows / N): torch.chunk's, which FSDP uses), as gather and scatter
+    need equal pieces."""
+    rows = -(-t.shape[0] // world)
+    part = t.to_local()
+    return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])

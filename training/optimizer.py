@@ -38,7 +38,7 @@ import torch
 
 from model import GPT
 from training.config import TrainConfig
-from training.distributed import is_dtensor, sharded_like
+from training.distributed import each_on_one_process, is_dtensor
 
 
 def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
@@ -69,28 +69,36 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            momentum, lr = group["momentum"], group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                # Newton-Schulz needs the whole matrix: a sharded update (FSDP) is gathered,
-                # each process orthogonalizes it (the same work on each), keeps its own rows
-                whole = update.full_tensor() if is_dtensor(update) else update
-                whole = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"],
-                                      group["eps"], self.ns_dtype)
-                update = sharded_like(whole, update)
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = (self.blended(p, group["momentum"], group["nesterov"]) for p in params)
+
+            def newton_schulz(g: torch.Tensor, group: dict = group) -> torch.Tensor:
+                return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
+                                     group["eps"], self.ns_dtype)
+            # Newton-Schulz needs each whole matrix: sharded ones (FSDP) are shared out, each
+            # orthogonalized on one process and its rows handed back; plain ones go one at a
+            # time, as the generator yields them
+            if any(is_dtensor(p) for p in params):
+                orthogonal = iter(each_on_one_process(list(updates), newton_schulz))
+            else:
+                orthogonal = map(newton_schulz, updates)
+            lr = group["lr"]
+            for p, update in zip(params, orthogonal, strict=True):
                 # a tall matrix's update has smaller entries; the original rule makes up
                 # for it with sqrt(rows / cols)
                 scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * scale)
         return loss
+
+    def blended(self, p: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+        """The momentum buffer moved towards p's gradient, and the update it gives."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - momentum)
+        return p.grad.lerp(buf, momentum) if nesterov else buf
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
