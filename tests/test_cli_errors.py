@@ -171,7 +171,7 @@ CASES = {
         "has "),
     "a model larger than any memory": (
         [*TRAIN, "--n-embd", "65536"], nothing, 1,
-        "error: this run needs at least 1,237.6 GB (1,237.0 for the weights, gradients and "
+        "error: this run needs at least 1,649.9 GB (1,649.4 for the weights, gradients and "
         "optimizer state, "),
     "unknown dtype": ([*TRAIN, "--dtype", "half"], nothing, 1,
                       "error: dtype must be one of auto, float32, bfloat16, float16, got 'half'"),

@@ -27,6 +27,25 @@ def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
     return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
 
 
+def state_bytes(config: GPTConfig, cfg: TrainConfig, world_size: int) -> int:
+    """What one process holds besides activations: fp32 weights and gradients, AdamW's two
+    moments or Muon's one (momentum), each 1/N under FSDP, plus the largest group FSDP
+    gathers whole for a moment (a block, or the root's embeddings and head: its weights and
+    their gradients)."""
+    from training.optimizer import muon_parameters
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # allocates nothing
+        model = GPT(config)
+    params = model.num_params(non_embedding=False)
+    muon = sum(p.numel() for p in muon_parameters(model)) if cfg.optimizer == "muon" else 0
+    total = 16 * params - 4 * muon  # weights, gradients, two moments; Muon's one
+    if cfg.parallel != "fsdp":
+        return total
+    in_blocks = {id(p) for p in model.transformer.h.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    return total // world_size + 8 * max(root, block)
+
+
 def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
                  dist: distributed.Dist) -> None:
     """Refuse a run whose weights and one micro-batch cannot fit in memory, before any step:
@@ -37,14 +56,12 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
         return
     available, bound = room
     config = cfg.model_config(vocab_size)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # allocates nothing
-        params = GPT(config).num_params(non_embedding=False)
-    # fp32 weights, their gradients and at least one moment (Muon's momentum; AdamW keeps
-    # two), of all of which FSDP keeps a shard in each process
-    weights = 12 * params // (dist.world_size if cfg.parallel == "fsdp" else 1)
+    weights = state_bytes(config, cfg, dist.world_size)
     activations = min_activation_bytes(config, cfg.batch_size * cfg.model.block_size)
-    # torchrun's processes on one machine share its RAM; a GPU is each process's own
-    processes = dist.local_world_size if device.type == "cpu" else 1
+    # torchrun's processes on one machine share its RAM; a GPU is each process's own, and so
+    # is a process's ulimit -v
+    shared = device.type == "cpu" and bound == "free"
+    processes = dist.local_world_size if shared else 1
     need = processes * (weights + activations)
     if need > available:
         parts = (f"{weights / 1e9:,.1f} for the weights, gradients and optimizer state, "
@@ -52,10 +69,12 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
                  f"x block_size {cfg.model.block_size}")
         if processes > 1:
             parts = f"{processes} processes, each {parts}"
+        shard = (", or shard it across the processes with --parallel fsdp"
+                 if dist.enabled and cfg.parallel != "fsdp" else "")
         raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({parts}), but "
                           f"{device.type} has {available / 1e9:,.1f} GB {bound}; lower batch_size "
                           f"(raising gradient_accumulation_steps keeps the tokens per step) or "
-                          f"the model's size")
+                          f"the model's size{shard}")
 
 
 @contextmanager
