@@ -97,7 +97,12 @@ def write(run_dir: Path, state: TrainState, tensors: dict[str, torch.Tensor] | N
         {"params": opt_names, "param_groups": opt.state_dict()["param_groups"]}
         for opt, opt_names in zip(optimizers, names, strict=True)]}
     folder = distributed.from_main(lambda: sharded.new_folder(run_dir, state.iter_num), dist)
-    sharded.write_shards(tensors, rest, folder, dist.is_main)
+    try:
+        sharded.write_shards(tensors, rest, folder, dist.is_main)
+    except BaseException:  # a full disk: no half-written save is left behind
+        if dist.is_main:
+            sharded.tidy(run_dir)
+        raise
     if dist.is_main:
         sharded.link(run_dir, "last", folder)
         if is_best:

@@ -197,8 +197,11 @@ def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
             checkpoints.parameter_names(s.raw_model, s.optimizers), s.dist, is_best)
     except (OSError, CheckpointError) as e:  # a full disk, mid-write too
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
-        raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({reason}) at "
-                            f"iter {s.iter_num}; {resume_hint(s)}") from None
+        error = TrainingError(f"could not write a checkpoint in {s.run_dir} ({reason}) at "
+                              f"iter {s.iter_num}; {resume_hint(s)}")
+        # a sharded save fails on every process alike (DCP gathers the failures): rank 0 says it
+        error.from_main = sharded and not s.dist.is_main
+        raise error from None
     s.saved_iter = s.iter_num
 
 

@@ -37,17 +37,16 @@ class LoadError(ValueError):
 
 def run_checkpoint(folder: Path) -> Path | None:
     """best.pt of a run folder; else last.pt (a run stopped before its first evaluation has
-    only that), saying so on stderr; else None. A folder of sharded checkpoints alone: a
-    CheckpointError that says how to make a plain one."""
-    best, last = folder / "best.pt", folder / "last.pt"
-    if best.is_file():
-        return best
-    if last.is_file():
-        print(f"note: {folder} has no best.pt yet (it stopped before its first evaluation); "
-              f"using its last.pt", file=sys.stderr)
-        return last
-    if any((folder / f"{name}.dcp").exists() for name in ("best", "last")):
-        raise CheckpointError(sharded_hint(folder))
+    only that), saying so on stderr; else None. Where the best or last checkpoint is sharded
+    (best.dcp, last.dcp: FSDP's), a CheckpointError that says how to make a plain one."""
+    for name in ("best", "last"):
+        if (folder / f"{name}.pt").is_file():
+            if name == "last":
+                print(f"note: {folder} has no best.pt yet (it stopped before its first "
+                      f"evaluation); using its last.pt", file=sys.stderr)
+            return folder / f"{name}.pt"
+        if (folder / f"{name}.dcp").exists():
+            raise CheckpointError(sharded_hint(folder))
     return None
 
 

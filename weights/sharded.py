@@ -13,8 +13,8 @@ pieces it needs (a resume on another world size, or one plain process). It holds
 tensors of a TrainState (the weights as `model.NAME` and each optimizer's state as
 `optimizer.I.PARAM.KEY`, by the parameter's name, so that any sharding maps onto it); the
 rest (iteration, config, tokenizer, random state) is `state.pt`, a small torch.save file
-from rank 0 that loads with weights_only, as last.pt does. DCP's own pickles hold only its
-metadata.
+from rank 0 that loads with weights_only, as last.pt does. DCP reads its metadata with plain
+pickle, so it is first read here by an unpickler that builds DCP's records and nothing else.
 
 In a run folder, `last.dcp` and `best.dcp` are symbolic links into `shards/`, where each
 save writes a new folder. Only once every process's files and the metadata are on disk is
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
 import warnings
 import zipfile
@@ -34,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from machine.files import atomic_write, fsync_dir
+from machine.files import atomic_write, fsync_dir, write_failure
 from weights.checkpoint import FORMAT, VERSION, CheckpointError, check_contents, safe_load
 
 SHARDS = "shards"  # the run folder's subfolder of saved checkpoints
@@ -59,7 +60,14 @@ def write_shards(tensors: dict[str, torch.Tensor], rest: dict[str, Any], folder:
     """Every process writes its shards of `tensors` into folder, rank 0 the metadata and
     state.pt; each file is fsynced. DCP's save is a collective: every process calls."""
     import torch.distributed.checkpoint as dcp
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    except dcp.CheckpointException as e:  # every process's failures, gathered
+        causes = [write_failure(error) for error, _ in e.failures.values()]
+        failed = next((c for c in causes if isinstance(c, OSError)), None)
+        if failed is not None:  # a full disk: reported as any failed write is
+            raise failed from None
+        raise CheckpointError(f"the save failed: {causes[0]!r}"[:300]) from None
     if is_main:
         with atomic_write(folder / STATE) as f:
             torch.save({"format": FORMAT, "version": VERSION, **rest}, f)
@@ -116,14 +124,36 @@ def read_state(path: Path, resume: bool = False) -> dict[str, Any]:
     return check_contents(state, state_path, resume, sharded=True)
 
 
+# what DCP's metadata pickles: its own records, paths, shapes, dtypes and layouts
+METADATA = {"torch.distributed.checkpoint.metadata": {
+                "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+                "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+            "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+            "pathlib": {"PosixPath", "PurePosixPath"}, "collections": {"OrderedDict"},
+            "torch": {"Size"}, "torch.serialization": {"_get_layout"}}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds DCP's metadata records and nothing else: DCP reads its
+    .metadata with plain pickle, which would run whatever a crafted file names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if name in METADATA.get(module, ()) or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which shard metadata never does")
+
+
 def tensor_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Every tensor the checkpoint holds: its whole shape and dtype, from DCP's metadata."""
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+    """Every tensor the checkpoint holds: its whole shape and dtype, from DCP's metadata,
+    which is checked first to be only that (DCP then reads the same bytes)."""
+    from torch.distributed.checkpoint import TensorStorageMetadata
     try:
-        metadata = FileSystemReader(path).read_metadata()
-    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        with open(path / ".metadata", "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{path} has no readable shard metadata ({e}); the save was cut "
-                              f"short: use another checkpoint") from None
+                              f"short or the file is not one: use another checkpoint") from None
     return {key: (meta.size, meta.properties.dtype)
             for key, meta in metadata.state_dict_metadata.items()
             if isinstance(meta, TensorStorageMetadata)}
@@ -134,6 +164,7 @@ def read_shards(targets: dict[str, torch.Tensor], path: Path) -> None:
     the checkpoint, in place, reading only the pieces each needs. Under torchrun every
     process calls; a plain process reads alone."""
     import torch.distributed.checkpoint as dcp
+    tensor_shapes(path)  # the metadata, checked before DCP unpickles it
     try:
         with warnings.catch_warnings():  # that one process reads alone is the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
