@@ -1,12 +1,17 @@
 """Data-parallel training with torchrun on the CPU (gloo), DDP and FSDP: the same run as one
-process, one writer, resumable exactly, and no hang when a process dies."""
+process, one writer, no hang when a process dies; FSDP's sharded checkpoints, resumed on any
+number of processes, made plain, and whole after a kill; fine-tuning sharded; and a model
+that only FSDP fits under a memory limit."""
 
 import os
 import re
+import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -14,20 +19,31 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.layouts import LAYOUTS, cli_args
+from tests.shared import built_once
 from weights.checkpoint import load_checkpoint
+from weights.sharded import consolidate, read_shards, read_state, tensor_shapes
 
 REPO = Path(__file__).resolve().parent.parent
+# one thread a process; a process that aborts in C++ still says where Python was; and glibc's
+# malloc keeps the address space it maps small, as under ulimit -v it must
+# (docs/distributed.md): one arena, where each thread would map 64 MB of its own, and every
+# block of a megabyte or more mapped alone and returned when freed
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MALLOC_ARENA_MAX": "1",
+       "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
-def run(nproc: int | None, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """train.py on the tiny preset under torchrun with nproc processes, or plain (None)."""
+def run(nproc: int | None, *args: str, timeout: int = 240, config: str = "tiny.toml",
+        limit_kb: int | None = None) -> subprocess.CompletedProcess:
+    """train.py on a preset (the tiny one) under torchrun with nproc processes, or plain
+    (None); limit_kb: each process's address space, as `ulimit -v` sets it."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc_per_node={nproc}"] if nproc else [sys.executable])
     return subprocess.run([*launcher, str(REPO / "train.py"), "--config",
-                           str(REPO / "config" / "tiny.toml"), "--sample-tokens", "0", *args],
+                           str(REPO / "config" / config), "--sample-tokens", "0", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          # a process that aborts in C++ still says where Python was
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
+                          env={**os.environ, **ENV}, preexec_fn=limit_kb and (
+                              lambda: resource.setrlimit(resource.RLIMIT_AS,
+                                                         (limit_kb * 1024, limit_kb * 1024))))
 
 
 def failure(result: subprocess.CompletedProcess) -> str:
@@ -45,55 +61,132 @@ def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-@pytest.mark.parametrize("optimizer, layout, parallel", [("adamw", "gpt2", "ddp"),
-                                                          ("muon", "modern", "fsdp")])
-def test_two_processes_equal_one_and_resume_exactly(tmp_path, char_data, optimizer, layout,
-                                                   parallel):
-    # under FSDP Muon gathers each matrix's update whole, and eval_iters 3 does not divide
-    # among 2 processes whose every forward is a collective (AdamW is FSDP's plain path)
-    common = ("--data-dir", str(char_data), "--optimizer", optimizer, *cli_args(LAYOUTS[layout]),
-              "--gradient-accumulation-steps", "4", "--eval-interval", "6", "--eval-iters", "3",
-              "--lr-decay-iters", "12", "--log-interval", "3")
-    one = run(None, *common, "--max-iters", "12", "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, failure(one)
-    a = load_checkpoint(tmp_path / "one" / "tiny" / "last.pt")["model"]
-    two = run(2, *common, "--max-iters", "12", "--parallel", parallel,
-              "--out-dir", str(tmp_path / "two"))
-    assert two.returncode == 0, failure(two)
-    assert two.stdout.count("done: 12 iters") == 1  # only rank 0 reports
-    b = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
-    # an fp32 run's Muon orthogonalizes in fp32 too, so it holds to AdamW's tolerance
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+# under FSDP Muon orthogonalizes each matrix on one process, and eval_iters 3 does not
+# divide among 2 processes whose every forward is a collective (AdamW is FSDP's plain path)
+CASES = {"ddp": ("adamw", "gpt2"), "fsdp": ("muon", "modern")}
+
+
+def common_args(char_data: Path, parallel: str) -> tuple[str, ...]:
+    optimizer, layout = CASES[parallel]
+    return ("--data-dir", str(char_data), "--optimizer", optimizer, *cli_args(LAYOUTS[layout]),
+            "--gradient-accumulation-steps", "4", "--eval-interval", "6", "--eval-iters", "3",
+            "--lr-decay-iters", "12", "--log-interval", "3")
+
+
+def plain_checkpoint(run_dir: Path, tmp_path: Path) -> dict:
+    """A run's last checkpoint, made plain as export.py --plain makes it where it is sharded."""
+    if not (run_dir / "last.dcp").exists():
+        return load_checkpoint(run_dir / "last.pt")
+    out = tmp_path / f"{run_dir.parent.name}.pt"
+    consolidate(run_dir / "last.dcp", out)
+    return load_checkpoint(out)
+
+
+def assert_same_run(a: Path, b: Path, tolerance: float, tmp_path: Path) -> None:
+    """Two runs' logged losses agree to tolerance, and their final weights to 1e-4 (0:
+    both bit for bit)."""
     for tag in ("train/loss_step", "loss/val"):
-        steps_one, values_one = zip(*losses(tmp_path / "one" / "tiny", tag), strict=True)
-        steps_two, values_two = zip(*losses(tmp_path / "two" / "tiny", tag), strict=True)
-        assert steps_one == steps_two
-        torch.testing.assert_close(torch.tensor(values_one), torch.tensor(values_two),
-                                   rtol=1e-5, atol=1e-5)
-    # one writer: a single run folder, one set of checkpoints, one events stream
-    assert [p.name for p in (tmp_path / "two").iterdir()] == ["tiny"]
-    files = sorted(p.name for p in (tmp_path / "two" / "tiny").iterdir())
-    assert [name for name in files if name.endswith(".pt")] == ["best.pt", "last.pt"]
+        steps_a, values_a = zip(*losses(a, tag), strict=True)
+        steps_b, values_b = zip(*losses(b, tag), strict=True)
+        assert steps_a == steps_b
+        torch.testing.assert_close(torch.tensor(values_a), torch.tensor(values_b),
+                                   rtol=tolerance, atol=tolerance, msg=tag)
+    wa, wb = plain_checkpoint(a, tmp_path)["model"], plain_checkpoint(b, tmp_path)["model"]
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=tolerance and 1e-4,
+                                   atol=tolerance and 1e-5, msg=key)
+
+
+def straight(shared_dir: Path, char_data: Path, parallel: str) -> dict[str, Path]:
+    """12 iterations from scratch as one plain process and as two under `parallel`."""
+    def build(out: Path) -> None:
+        for name, nproc in (("one", None), ("two", 2)):
+            result = run(nproc, *common_args(char_data, parallel), "--max-iters", "12",
+                         *(["--parallel", parallel] if nproc else []), "--out-dir", str(out / name))
+            assert result.returncode == 0, failure(result)
+            if nproc:
+                assert result.stdout.count("done: 12 iters") == 1  # only rank 0 reports
+    out = built_once(shared_dir / f"straight-{parallel}", build)
+    return {name: out / name / "tiny" for name in ("one", "two")}
+
+
+@pytest.fixture(scope="session")
+def ddp_runs(shared_dir, char_data) -> dict[str, Path]:
+    return straight(shared_dir, char_data, "ddp")
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs(shared_dir, char_data) -> dict[str, Path]:
+    return straight(shared_dir, char_data, "fsdp")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_equal_one(tmp_path, request, parallel):
+    runs = request.getfixturevalue(f"{parallel}_runs")
+    two = runs["two"]
+    # one writer: a single run folder, one set of checkpoints, one events stream; under FSDP
+    # the checkpoints are links to one save (best is last), written by both processes
+    files = sorted(p.name for p in two.iterdir())
+    kind = ".dcp" if parallel == "fsdp" else ".pt"
+    assert [name for name in files if name.endswith((".pt", ".dcp"))] == [f"best{kind}",
+                                                                          f"last{kind}"]
     assert sum(name.startswith("events.out.tfevents") for name in files) == 2  # + hparams
-    assert len(files) == 5 and ".lock" in files
-    if parallel == "ddp":  # DDP resumes as a plain run does (test_train.py); FSDP's state is sharded
-        return
-    # 6 iterations, then 6 more resumed, equal the 12 straight, bit for bit
-    resumed = tmp_path / "resumed"
-    for more in ("6", "12"):
-        result = run(2, *common, "--max-iters", more, "--parallel", parallel,
-                     "--out-dir", str(resumed), *(["--resume"] if more == "12" else []))
+    if parallel == "fsdp":
+        assert (two / "last.dcp").resolve() == (two / "best.dcp").resolve()
+        saves = list((two / "shards").iterdir())
+        assert saves == [(two / "last.dcp").resolve()]  # older saves tidied away
+        assert sorted(p.name for p in saves[0].iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    # the same losses and weights; an fp32 run's Muon orthogonalizes in fp32, each matrix on
+    # one of the two processes, and holds to AdamW's tolerance
+    assert_same_run(runs["one"], two, tolerance=1e-5, tmp_path=tmp_path)
+
+
+def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, fsdp_runs):
+    common = common_args(char_data, "fsdp")
+    half = run(2, *common, "--max-iters", "6", "--parallel", "fsdp",
+               "--out-dir", str(tmp_path / "half"))
+    assert half.returncode == 0, failure(half)
+    # 6 iterations on 2 processes, then 6 more on 1, 2 (bit for bit) or 4, or as a plain
+    # process
+    for name, nproc in (("on1", 1), ("on2", 2), ("on4", 4), ("plain", None)):
+        shutil.copytree(tmp_path / "half", tmp_path / name, symlinks=True)
+        result = run(nproc, *common, "--max-iters", "12", "--out-dir", str(tmp_path / name),
+                     "--resume", *(["--parallel", "fsdp"] if nproc else []))
         assert result.returncode == 0, failure(result)
-    b = load_checkpoint(resumed / "tiny" / "last.pt")["model"]
-    straight = load_checkpoint(tmp_path / "two" / "tiny" / "last.pt")["model"]
-    assert all(torch.equal(straight[k], b[k]) for k in straight)
-    assert losses(tmp_path / "two" / "tiny", "loss/val") == losses(resumed / "tiny", "loss/val")
-    # a sharded run's checkpoint is today's file: a plain process samples from it
-    sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--run",
-                              str(resumed / "tiny"), "--max-new-tokens", "8"],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        resumed = tmp_path / name / "tiny"
+        # a plain process writes a plain checkpoint, and the sharded one goes
+        assert (resumed / "last.pt").is_file() == (nproc is None)
+        assert (resumed / "last.dcp").exists() == (nproc is not None)
+        assert_same_run(fsdp_runs["two"], resumed, tolerance=0 if nproc == 2 else 1e-4,
+                        tmp_path=tmp_path)
+    # a plain run's last.pt resumes under FSDP: each process takes its shards of it
+    result = run(None, *common, "--max-iters", "6", "--out-dir", str(tmp_path / "from_plain"))
+    assert result.returncode == 0, failure(result)
+    result = run(2, *common, "--max-iters", "12", "--parallel", "fsdp", "--resume",
+                 "--out-dir", str(tmp_path / "from_plain"))
+    assert result.returncode == 0, failure(result)
+    resumed = tmp_path / "from_plain" / "tiny"
+    assert not (resumed / "last.pt").exists() and (resumed / "last.dcp").exists()
+    assert_same_run(fsdp_runs["one"], resumed, tolerance=1e-4, tmp_path=tmp_path)
+    # sample.py given a sharded run says what to run, and that command makes what it reads
+    sharded_run = tmp_path / "on4" / "tiny"
+    sample = [sys.executable, str(REPO / "sample.py"), "--run", str(sharded_run),
+              "--max-new-tokens", "8"]
+    refused = subprocess.run(sample, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stderr.splitlines() == [
+        f"error: {sharded_run} holds sharded checkpoints (last.dcp, written under FSDP); make "
+        f"plain ones beside them with: python export.py {sharded_run} --plain"]
+    made = subprocess.run(refused.stderr.split("with: ")[1].split(), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout == f"wrote {sharded_run / 'last.pt'}, {sharded_run / 'best.pt'}\n"
+    assert (sharded_run / "best.pt").stat().st_ino == (sharded_run / "last.pt").stat().st_ino
+    sampled = subprocess.run(sample, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert sampled.returncode == 0 and len(sampled.stdout) > 8, sampled.stderr
+    torch.testing.assert_close(load_checkpoint(sharded_run / "last.pt")["model"],
+                               plain_checkpoint(tmp_path / "on1" / "tiny", tmp_path)["model"],
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_torchrun_with_one_process_trains_in_a_group_of_one_as_a_plain_run_does(tmp_path,
@@ -153,3 +246,134 @@ def test_a_bad_config_is_reported_once_not_once_per_process(tmp_path, char_data,
     ours = re.compile(rf'File "{re.escape(str(REPO))}/(?!\.venv/)')
     assert "gloo" not in result.stderr and not ours.search(result.stderr), result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_init_from_under_fsdp_equals_one_process(tmp_path, trained_run, chat_data):
+    # fine-tuning the tiny run on conversations: the vocabulary grows by the chat tokens, and
+    # each process reads its rows of the mapped base checkpoint, one tensor at a time
+    args = ("--init-from", str(trained_run), "--data-dir", str(chat_data), "--max-iters", "6",
+            "--eval-interval", "3", "--eval-iters", "2", "--batch-size", "4", "--dtype",
+            "float32", "--gradient-accumulation-steps", "2", "--log-interval", "3")
+    one = run(None, *args, "--out-dir", str(tmp_path / "one"), config="chat_sft.toml")
+    assert one.returncode == 0, failure(one)
+    two = run(2, *args, "--parallel", "fsdp", "--out-dir", str(tmp_path / "two"),
+              config="chat_sft.toml")
+    assert two.returncode == 0, failure(two)
+    assert two.stdout.count("the vocabulary grows") == 1
+    assert_same_run(tmp_path / "one" / "chat_sft", tmp_path / "two" / "chat_sft",
+                    tolerance=1e-5, tmp_path=tmp_path)
+
+
+def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path, char_data):
+    # a save at every step of a 3.2M-parameter model, 38 MB with AdamW's moments, written
+    # by two processes: each kill waits for one that has begun and not ended
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml"),
+            "--data-dir", str(char_data), "--out-dir", str(tmp_path), "--parallel", "fsdp",
+            "--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--eval-interval", "1",
+            "--eval-iters", "2", "--sample-tokens", "0", "--gradient-accumulation-steps", "2"]
+    run_dir = tmp_path / "tiny"
+    caught, reached = 0, []
+    for kill in range(2):
+        proc = subprocess.Popen([*args, "--max-iters", "100000", *(["--resume"] if kill else [])],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, **ENV})
+        try:
+            partial = wait_for_a_save_in_progress(run_dir, seconds=90)
+        finally:
+            kill_all(proc)
+        caught += partial is not None and not (partial / "state.pt").exists()
+        # last.dcp leads to a whole save: its state and every tensor read back
+        state, shapes = read_state(run_dir / "last.dcp", resume=True), tensor_shapes(run_dir / "last.dcp")
+        read_shards({key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()},
+                    run_dir / "last.dcp")
+        reached.append(state["iter_num"])
+    assert caught >= 1, "no kill landed during a save"
+    assert reached[1] >= reached[0] > 0  # the second may be cut short in its first save
+    # the run goes on from the last whole save, and its next save deletes the cut-short ones
+    result = subprocess.run([*args, "--max-iters", str(reached[1] + 1), "--resume"], cwd=REPO,
+                            capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+    assert result.returncode == 0, failure(result)
+    assert read_state(run_dir / "last.dcp")["iter_num"] == reached[1] + 1
+    assert set((run_dir / "shards").iterdir()) == {(run_dir / name).resolve()
+                                                   for name in ("last.dcp", "best.dcp")}
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its processes (each in a session of its own) at once, as a
+    crash would, and wait until all are gone (the one holding the run folder's lock too)."""
+    members = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                              text=True).stdout.split()] + [proc.pid]
+    for pid in members:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in members):
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process still runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def wait_for_a_save_in_progress(run_dir: Path, seconds: float) -> Path | None:
+    """A folder under shards/ that a save is writing (no state.pt yet: rank 0 writes it
+    last), once a whole save exists to fall back on; None if none is seen in time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (run_dir / "last.dcp").exists():
+            kept = (run_dir / "last.dcp").resolve()
+            for folder in (run_dir / "shards").iterdir():
+                if folder != kept and not (folder / "state.pt").exists():
+                    return folder
+        time.sleep(0.001)
+    return None
+
+
+def test_a_model_too_large_for_one_process_trains_saves_and_resumes_sharded(tmp_path, char_data):
+    # 76M parameters: 1.2 GB of weights, gradients and AdamW's moments, which DDP's processes
+    # each hold whole and FSDP's two hold half of, under a 1.7 GB address space each (torch
+    # and gloo map about 0.65 GB of it before the model, and FSDP's run peaks near 1.4)
+    limit = 1_650_000
+    args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--n-layer", "6",
+            "--n-embd", "1024", "--n-head", "8", "--batch-size", "2",
+            "--gradient-accumulation-steps", "2", "--eval-interval", "1", "--eval-iters", "2")
+    refused = run(2, *args, "--max-iters", "1", limit_kb=limit)
+    assert refused.returncode != 0
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.match(
+        r"error: this run needs at least 1\.2 GB \(1\.2 for the weights, gradients and optimizer "
+        r"state, .*\), but cpu has [\d.]+ GB left under this process's limit of 1\.7 GB \(ulimit "
+        r"-v\); .* or shard it across the processes with --parallel fsdp$", errors[0]), errors
+    trained = run(2, *args, "--max-iters", "1", "--parallel", "fsdp", limit_kb=limit)
+    assert trained.returncode == 0, failure(trained)
+    resumed = run(2, *args, "--max-iters", "2", "--parallel", "fsdp", "--resume", limit_kb=limit)
+    assert resumed.returncode == 0, failure(resumed)
+    assert "iter 2: train loss" in resumed.stdout
+    assert read_state(tmp_path / "tiny" / "last.dcp")["iter_num"] == 2
+
+
+def test_a_disk_that_fills_during_a_sharded_save_is_one_line_and_leaves_no_half_save(tmp_path,
+                                                                                      char_data):
+    def small_disk() -> None:  # files past 150 KB fail to grow, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml"), "--data-dir",
+         str(char_data), "--out-dir", str(tmp_path), "--parallel", "fsdp", "--sample-tokens",
+         "0", "--gradient-accumulation-steps", "2", "--eval-interval", "5", "--max-iters", "20"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, **ENV},
+        preexec_fn=small_disk)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: could not write a checkpoint in {tmp_path / 'tiny'} (File too "
+                      f"large) at iter 5; no checkpoint was written yet; free space and start "
+                      f"again"], result.stderr
+    assert not (tmp_path / "tiny" / "shards").exists()

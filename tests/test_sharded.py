@@ -1,0 +1,35 @@
+"""The sharded checkpoint format's reader refuses what DCP's own would run: its metadata is a
+pickle, and a crafted one must not execute on load (the saves themselves:
+tests/test_distributed.py)."""
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from weights.checkpoint import CheckpointError
+from weights.sharded import read_shards, tensor_shapes
+
+
+class Crafted:
+    """A pickle that runs a command when loaded, as a file from elsewhere could."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_shard_metadata_is_refused_before_anything_runs(tmp_path):
+    checkpoint, marker = tmp_path / "last.dcp", tmp_path / "ran"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Crafted(marker)))
+    for read in (lambda: tensor_shapes(checkpoint),
+                 lambda: read_shards({"model.w": torch.empty(2)}, checkpoint)):
+        with pytest.raises(CheckpointError, match=r"names posix\.system, which shard metadata "
+                                                  r"never does"):
+            read()
+    assert not marker.exists()
