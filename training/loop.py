@@ -240,7 +240,9 @@ def train_process(cfg: TrainConfig, resume: bool, dist: distributed.Dist,
                   t_start: float, stop: dict[str, int]) -> TrainResult:
     """The loop as each process runs it (the only one, or one of torchrun's); `stop` holds
     the signal that asks it to save and leave (see training/runs.stop_signals)."""
-    s = setup(cfg, resume, dist)
+    device = resolve_device(cfg.device, dist.local_rank)
+    with steps_in_memory(cfg, device, "setting up the model, its optimizer state and data"):
+        s = setup(cfg, resume, dist)
     try:
         with quiet_writer_threads(), steps_in_memory(cfg, s.device):
             return loop(s, t_start, stop)

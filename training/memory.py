@@ -78,10 +78,12 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
 
 
 @contextmanager
-def steps_in_memory(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
+def steps_in_memory(cfg: TrainConfig, device: torch.device,
+                    what: str | None = None) -> Iterator[None]:
     """A step that the check let through and the allocator then failed (the bound above is
     a lower one, and other processes take memory too) ends as the check's refusal would: one
-    line naming the batch, what bounds the memory, and the fix, not the allocator's trace."""
+    line naming the batch (or `what` ran out: the model's setup), what bounds the memory,
+    and the fix, not the allocator's trace."""
     try:
         yield
     except RuntimeError as e:  # torch.OutOfMemoryError is one; a CPU's is a plain one
@@ -89,7 +91,8 @@ def steps_in_memory(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
             raise
         room = memory_room(device)
         bound = f", with {room[0] / 1e9:,.1f} GB {room[1]}" if room else ""
-        raise ConfigError(f"a step of batch_size {cfg.batch_size} x block_size "
-                          f"{cfg.model.block_size} ran out of memory on {device.type}{bound}; "
-                          f"lower batch_size (raising gradient_accumulation_steps keeps the "
-                          f"tokens per step) or the model's size") from None
+        fix = ("lower batch_size (raising gradient_accumulation_steps keeps the tokens per "
+               "step) or the model's size" if what is None else "lower the model's size, or "
+               "shard it across processes (torchrun, --parallel fsdp)")
+        what = what or f"a step of batch_size {cfg.batch_size} x block_size {cfg.model.block_size}"
+        raise ConfigError(f"{what} ran out of memory on {device.type}{bound}; {fix}") from None
