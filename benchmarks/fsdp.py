@@ -83,7 +83,7 @@ def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size:
         "ms_per_iter": 1000 * statistics.median(times[1:]),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
     }
-    distributed.teardown(info)
+    distributed.teardown(info, finished=True)
     return figures
 
 

@@ -4,7 +4,7 @@ number of processes, sharded or not.
 
 Usage:
     from training.checkpoints import write, read_saved, fill_from_shards
-    write(run_dir, state, model, optimizers, dist, is_best)      # every process calls
+    write(run_dir, state, tensors, model, optimizers, dist, is_best)  # every process calls
     saved, shards = read_saved(run_dir, device, mmap=fsdp)       # a TrainState, and where
     fill_from_shards(saved, shards, model, optimizers)           # its tensors are, if sharded
 
@@ -47,16 +47,12 @@ def parameter_names(model: GPT, optimizers: list[torch.optim.Optimizer]) -> list
             for opt in optimizers]
 
 
-def tied(model: GPT) -> bool:
-    return model.config.tie_embeddings
-
-
 def shard_tensors(model: GPT, optimizers: list[torch.optim.Optimizer],
                   ) -> dict[str, torch.Tensor]:
     """The tensors a sharded checkpoint holds, as this process holds them: the weights as
     model.NAME, each optimizer's state as optimizer.I.PARAM.KEY."""
     tensors = {f"model.{name}": value for name, value in model.state_dict().items()
-               if not (tied(model) and name == "lm_head.weight")}  # the token table's
+               if not (model.config.tie_embeddings and name == "lm_head.weight")}  # wte's
     for i, (opt, names) in enumerate(zip(optimizers, parameter_names(model, optimizers),
                                          strict=True)):
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -79,8 +75,8 @@ def broken_tensor(state: TrainState, tensors: dict[str, torch.Tensor] | None,
 
 
 def write(run_dir: Path, state: TrainState, tensors: dict[str, torch.Tensor] | None,
-          optimizers: list[torch.optim.Optimizer], names: list[list[str]],
-          dist: distributed.Dist, is_best: bool) -> Path:
+          model: GPT, optimizers: list[torch.optim.Optimizer], dist: distributed.Dist,
+          is_best: bool) -> Path:
     """Save the run: last.pt from rank 0 (tensors None), or last.dcp from every process
     (tensors: this process's shards); best too, as the same checkpoint, when is_best.
     Returns last's path."""
@@ -95,7 +91,7 @@ def write(run_dir: Path, state: TrainState, tensors: dict[str, torch.Tensor] | N
     rest = {k: v for k, v in state.to_dict().items() if k not in ("model", "optimizer")}
     rest["shards"] = {"optimizers": [
         {"params": opt_names, "param_groups": opt.state_dict()["param_groups"]}
-        for opt, opt_names in zip(optimizers, names, strict=True)]}
+        for opt, opt_names in zip(optimizers, parameter_names(model, optimizers), strict=True)]}
     folder = distributed.from_main(lambda: sharded.new_folder(run_dir, state.iter_num), dist)
     try:
         sharded.write_shards(tensors, rest, folder, dist.is_main)
@@ -152,7 +148,7 @@ def fill_from_shards(saved: TrainState, path: Path, model: GPT,
     sharded.read_shards(targets, path)
     saved.model = {key.removeprefix("model."): value for key, value in targets.items()
                    if key.startswith("model.")}
-    if tied(model):
+    if model.config.tie_embeddings:  # one table, as unsharded
         saved.model["lm_head.weight"] = saved.model["transformer.wte.weight"]
     names = parameter_names(model, optimizers)
     saved.optimizer = [

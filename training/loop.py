@@ -192,9 +192,8 @@ def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
         error.from_main = not s.dist.is_main  # every process knows: rank 0 says it
         raise error
     try:
-        s.checkpoint = checkpoints.write(
-            s.run_dir, state, tensors, s.optimizers,
-            checkpoints.parameter_names(s.raw_model, s.optimizers), s.dist, is_best)
+        s.checkpoint = checkpoints.write(s.run_dir, state, tensors, s.raw_model, s.optimizers,
+                                         s.dist, is_best)
     except (OSError, CheckpointError) as e:  # a full disk, mid-write too
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
         error = TrainingError(f"could not write a checkpoint in {s.run_dir} ({reason}) at "
