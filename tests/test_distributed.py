@@ -287,7 +287,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path,
         last = run_dir / "last.dcp"
         state, shapes = read_state(last, resume=True), tensor_shapes(last)
         read_shards({key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()},
-                    last)
+                    last, shapes)
         reached.append(state["iter_num"])
         if partial is not None and not (partial / "state.pt").exists():
             caught += 1

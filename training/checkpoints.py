@@ -145,7 +145,7 @@ def fill_from_shards(saved: TrainState, path: Path, model: GPT,
                                   f"not this model's; the run's settings differ from its own")
         else:
             targets[key] = torch.empty(shape, dtype=dtype)
-    sharded.read_shards(targets, path)
+    sharded.read_shards(targets, path, shapes)
     saved.model = {key.removeprefix("model."): value for key, value in targets.items()
                    if key.startswith("model.")}
     if model.config.tie_embeddings:  # one table, as unsharded

@@ -3,7 +3,8 @@
 Usage:
     from weights.sharded import write_shards, read_shards, consolidate
     folder = write_shards(tensors, rest, run_dir, "last", is_main)   # every process calls
-    rest = read_state(run_dir / "last.dcp"); read_shards(targets, run_dir / "last.dcp")
+    rest = read_state(run_dir / "last.dcp"); shapes = tensor_shapes(run_dir / "last.dcp")
+    read_shards(targets, run_dir / "last.dcp", shapes)
     consolidate(run_dir / "last.dcp", run_dir / "last.pt")           # a plain checkpoint
 
 A sharded checkpoint is a folder written by torch.distributed.checkpoint (DCP): each process
@@ -159,12 +160,16 @@ def tensor_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
             if isinstance(meta, TensorStorageMetadata)}
 
 
-def read_shards(targets: dict[str, torch.Tensor], path: Path) -> None:
+def read_shards(targets: dict[str, torch.Tensor], path: Path,
+                shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     """Fill each target (a sharded tensor: this process's part; a plain one: the whole) from
     the checkpoint, in place, reading only the pieces each needs. Under torchrun every
-    process calls; a plain process reads alone."""
+    process calls; a plain process reads alone. shapes is tensor_shapes(path), read once by
+    the caller: its check of the metadata is what lets DCP unpickle it here."""
     import torch.distributed.checkpoint as dcp
-    tensor_shapes(path)  # the metadata, checked before DCP unpickles it
+    missing = sorted(set(targets) - set(shapes))
+    if missing:
+        raise CheckpointError(f"{path} holds no {missing[0]}; use another checkpoint")
     try:
         with warnings.catch_warnings():  # that one process reads alone is the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -262,7 +267,7 @@ def fill(f: Any, sources: list[Shard | torch.Tensor],
         name_len, extra_len = (int.from_bytes(reader.read(2), "little") for _ in range(2))
         if isinstance(source, Shard):
             tensor = torch.empty(shapes[source.key][0], dtype=shapes[source.key][1])
-            read_shards({source.key: tensor}, path)
+            read_shards({source.key: tensor}, path, shapes)
         else:
             tensor = source
         f.seek(record.header_offset + 30 + name_len + extra_len)
