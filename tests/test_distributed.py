@@ -234,8 +234,8 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
 
 @pytest.mark.parametrize("args, error", [
     (("--learning-rate", "nan"), "error: learning_rate must be a finite number, got nan"),
-    # an error that rank 0 alone meets, in a step it takes for all (distributed.from_main)
-    (("--resume",), "error: nothing to resume: "),
+    # an error that rank 0 meets first, in a step it takes for all (distributed.from_main)
+    (("--data-dir", "{tmp}/none"), "error: no prepared dataset in {tmp}/none "),
 ])
 def test_a_bad_config_is_reported_once_not_once_per_process(tmp_path, char_data, args, error):
     result = run(2, "--data-dir", str(char_data), "--out-dir", str(tmp_path / "runs"),

@@ -36,23 +36,34 @@ from weights.checkpoint import CheckpointError, TrainState, state_dict_mismatch
 from weights.lazy import Lazy, build, grown
 
 
-def prepare_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, Tokens]]:
-    """The dataset's meta and memmapped splits, preparing a built-in dataset if missing
-    (by rank 0 alone, while the other processes wait)."""
+def prepare_data(cfg: TrainConfig, dist: distributed.Dist,
+                 ) -> tuple[dict, dict[str, Tokens], Tokenizer]:
+    """The dataset's meta, memmapped splits and tokenizer, preparing a built-in dataset if
+    missing. Rank 0 prepares and reads it first, while the other processes wait: a missing
+    or damaged dataset is one line from rank 0, for all."""
     data_dir = Path(cfg.data_dir)
 
-    def prepare() -> None:
+    def prepare_and_check() -> None:
         if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
             tqdm.write(f"preparing {data_dir} (first run only)")
             prepare_builtin(data_dir.name, data_dir)
-    distributed.from_main(prepare, dist)
+        read_data(cfg, data_dir)
+    distributed.from_main(prepare_and_check, dist)
+    return read_data(cfg, data_dir)
+
+
+def read_data(cfg: TrainConfig, data_dir: Path) -> tuple[dict, dict[str, Tokens], Tokenizer]:
     meta = load_meta(data_dir)
     splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
     for split, data in splits.items():
         if len(data) <= cfg.model.block_size:
             raise ConfigError(f"block_size ({cfg.model.block_size}) must be smaller than the {split} "
                               f"split ({len(data)} tokens); lower block_size or use more text")
-    return meta, splits
+    try:
+        tokenizer = load_tokenizer(meta["tokenizer"])
+    except ValueError as e:
+        raise DataError(f"{cfg.data_dir}/meta.json: {e}; prepare the dataset again") from None
+    return meta, splits, tokenizer
 
 
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
@@ -227,11 +238,7 @@ def setup(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Session:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls
         torch.backends.cudnn.allow_tf32 = True
-    meta, splits = prepare_data(cfg, dist)
-    try:
-        tokenizer = load_tokenizer(meta["tokenizer"])
-    except ValueError as e:
-        raise DataError(f"{cfg.data_dir}/meta.json: {e}; prepare the dataset again") from None
+    meta, splits, tokenizer = prepare_data(cfg, dist)
     sample_ids = (setting_tokens("sample_prompt", cfg.sample_prompt, tokenizer)
                   if cfg.sample_tokens else [])
     probe_ids = probe_tokens(cfg, tokenizer, splits["val"])
