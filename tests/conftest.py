@@ -8,6 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+# One thread a process, set before torch is imported here and inherited by every command the
+# tests start: two xdist workers share two cores, and the OpenMP threads of two processes
+# that each took both cores spin against each other (the suite took a tenth longer). The C
+# decode step's own threads are tested with torch.set_num_threads (tests/test_decode_step.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 

@@ -121,6 +121,30 @@ def test_c_step_gives_a_sequence_the_same_bits_alone_and_in_any_batch(quantized)
                 assert torch.equal(together[b], alone[b][0]), (B, b)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_c_step_gives_the_same_bits_on_any_number_of_threads(quantized):
+    """The step's threads (as many as torch's) split each matrix's rows between them in groups
+    of four, and each row is one thread's: the bits do not depend on how many there are. The
+    suite runs a thread a process (tests/conftest.py); here 2 and 3 threads share 76 rows, which
+    do not split evenly, and a prefill's rows past the vector width, to eager's 1e-5."""
+    model = small_gpt(n_embd=76, n_head=4)
+    model = quantize_int8(model) if quantized else model
+    step = CDecodeStep(model)
+    prompt = torch.randint(0, 40, (3, 6), generator=torch.Generator().manual_seed(4))
+    threads, logits = torch.get_num_threads(), {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                logits[n] = step(prompt, model.new_kv_cache(3, 16), torch.arange(6))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits[2], logits[1]) and torch.equal(logits[3], logits[1])
+    with torch.inference_mode():
+        eager = model(prompt, kv_cache=model.new_kv_cache(3, 16), logits_from=-1)[0]
+    torch.testing.assert_close(logits[1], eager, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["gpt2", "modern"])
 @pytest.mark.parametrize("backend", ["eager", "c"])
 def test_sequences_at_their_own_positions_step_as_each_would_alone(backend, layout):
