@@ -122,30 +122,42 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
     assert len(iters) == kills and iters == sorted(iters) and iters[-1] > iters[0]
 
 
-WRITER = """
-import sys, torch
+# one process imports torch once and, for each line on stdin, forks a writer: a process that
+# does nothing but write 40 MB checkpoints (its tensor made after the fork, so that no torch
+# work has run in the parent), and says its pid once the first is written
+WRITERS = """
+import os, sys, torch
 from weights.checkpoint import save_checkpoint
-state = {"model_args": {}, "config": {}, "model": {"w": torch.randn(10_000_000)},
-         "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
-for i in range(10**6):
-    save_checkpoint({**state, "iter_num": i}, sys.argv[1])
-    print("saved", flush=True)
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        state = {"model_args": {}, "config": {}, "model": {"w": torch.randn(10_000_000)},
+                 "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
+        for i in range(10**6):
+            save_checkpoint({**state, "iter_num": i}, sys.argv[1])
+            if i == 0:
+                print(os.getpid(), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
 """
 
 
 def test_sigkill_during_checkpoint_writes_leaves_old_or_new_whole(tmp_path):
-    # a process that does nothing but write 40 MB checkpoints: most kills land mid-write
     path, rng = tmp_path / "last.pt", random.Random(1)
     mid_write, seen = 0, []
-    for _ in range(8):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=REPO,
-                                stdout=subprocess.PIPE, text=True)
-        proc.stdout.readline()  # past start-up: from here on it only writes
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.kill()
-        proc.wait()
-        mid_write += (tmp_path / ".last.pt.tmp").exists()
-        seen.append(load_checkpoint(path)["iter_num"])  # raises if not whole
+    with subprocess.Popen([sys.executable, "-c", WRITERS, str(path)], cwd=REPO, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as writers:
+        for _ in range(8):
+            writers.stdin.write("write\n")
+            writers.stdin.flush()
+            pid = int(writers.stdout.readline())  # past its first save: from here on it writes
+            time.sleep(rng.uniform(0.0, 0.5))
+            os.kill(pid, signal.SIGKILL)
+            while Path(f"/proc/{pid}").exists():  # until its parent has reaped it
+                time.sleep(0.01)
+            mid_write += (tmp_path / ".last.pt.tmp").exists()
+            seen.append(load_checkpoint(path)["iter_num"])  # raises if not whole
+        writers.stdin.close()
     print(f"\n8 SIGKILLs of a checkpoint writer, {mid_write} during a write, all loaded: {seen}")
     # about half land mid-write; at least one must, or the test proved nothing
     assert mid_write >= 1 and len(seen) == 8
