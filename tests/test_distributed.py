@@ -192,17 +192,14 @@ def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, f
 
 
 def test_torchrun_with_one_process_trains_in_a_group_of_one_as_a_plain_run_does(tmp_path,
-                                                                              char_data):
+                                                                              char_data, ddp_runs):
     # under torchrun even one process joins a process group and trains through DDP, so one
     # GPU runs the code of eight (and NCCL's path is tested with one)
-    common = ("--data-dir", str(char_data), "--max-iters", "10", "--eval-interval", "10",
-              "--eval-iters", "2")
-    plain = run(None, *common, "--out-dir", str(tmp_path / "plain"))
-    group = run(1, *common, "--out-dir", str(tmp_path / "group"))
-    assert plain.returncode == 0 and group.returncode == 0, group.stderr[-2000:]
-    assert "device cpu x 1 process," in group.stdout and "device cpu," in plain.stdout
-    a = load_checkpoint(tmp_path / "plain" / "tiny" / "last.pt")["model"]
-    b = load_checkpoint(tmp_path / "group" / "tiny" / "last.pt")["model"]
+    group = run(1, *common_args(char_data, "ddp"), "--max-iters", "12", "--out-dir", str(tmp_path))
+    assert group.returncode == 0, failure(group)
+    assert "device cpu x 1 process," in group.stdout
+    a = load_checkpoint(ddp_runs["one"] / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "tiny" / "last.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
