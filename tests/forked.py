@@ -1,20 +1,24 @@
 """Commands as real processes without paying torch's import each time: a server process
 imports the heavy libraries once (no torch operation runs in it, so no thread exists to be
 lost in a fork), then forks a child per command, which runs the command's file or module as
-`python` would, with its own argv, cwd, environment, stdout, stderr and exit status.
+`python` would, with its own argv, cwd, environment, stdin, stdout, stderr and exit status.
+Our own modules are imported in the child, fresh, as a new interpreter imports them.
 
-Usage (tests/test_cli_errors.py, whose 80 cases fail in argument checks, before any work):
-    with CommandServer(cwd=REPO) as server:
-        result = server.run(["train.py", "--learning-rate", "nan"], env=os.environ)
-        result.returncode, result.stdout, result.stderr   # as subprocess.run(...) gives them
+Usage (a test's commands that run to their end; a test that signals a command, limits its
+resources or gives it bytes that are not UTF-8 starts a `python` of its own):
+    result = python(["train.py", "--learning-rate", "nan"], env={**os.environ, "COLUMNS": "200"})
+    result.returncode, result.stdout, result.stderr   # as subprocess.run(..., text=True)
 
-Run as a script, this file is the server: a JSON request a line on stdin, the exit status a
-line on stdout.
+Each process of the test session (each xdist worker) starts one server, on its first command.
+Run as a script, this file is the server: a JSON request a line on stdin; the child's pid, then
+its exit status, a line each on stdout.
 """
 
+import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,46 +26,63 @@ from pathlib import Path
 
 PRELOADED = ("torch", "numpy", "typer", "tqdm", "tiktoken", "safetensors",
              "torch.utils.tensorboard", "fastapi", "uvicorn")
+REPO = Path(__file__).resolve().parent.parent
 
 
 class CommandServer:
-    def __init__(self, cwd: Path) -> None:
-        self.cwd = cwd
-        self.process = subprocess.Popen([sys.executable, __file__], cwd=cwd, text=True,
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, __file__], cwd=REPO, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.process.stdout.readline().strip() == "ready"
 
-    def __enter__(self) -> "CommandServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(timeout=30)
 
-    def run(self, argv: list[str], env: dict[str, str],
-            timeout: float = 120) -> subprocess.CompletedProcess:
-        """argv as after `python` (a script, -m MODULE or -c CODE, then its arguments)."""
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
+            input: str | None) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as folder:
-            out, err = Path(folder) / "out", Path(folder) / "err"
-            request = {"argv": argv, "cwd": str(self.cwd), "env": dict(env), "out": str(out),
-                       "err": str(err)}
+            files = {name: Path(folder) / name for name in ("in", "out", "err")}
+            files["in"].write_text(input or "")
+            request = {"argv": argv, "cwd": str(cwd), "env": dict(env),
+                       **{name: str(path) for name, path in files.items()}}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
+            pid = int(self.process.stdout.readline())
             ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-            assert ready, f"{argv} ran past {timeout} s"
+            if not ready:  # as subprocess.run does: kill it, then say so
+                os.kill(pid, signal.SIGKILL)
+                self.process.stdout.readline()
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
             code = int(self.process.stdout.readline())
             return subprocess.CompletedProcess([sys.executable, *argv], code,
-                                               out.read_text(), err.read_text())
+                                               files["out"].read_text(), files["err"].read_text())
+
+
+_server: CommandServer | None = None
+
+
+def python(argv: list[str], cwd: Path = REPO, env: dict[str, str] | None = None,
+           timeout: float = 300, input: str | None = None) -> subprocess.CompletedProcess:
+    """`python *argv` (a script, -m MODULE or -c CODE, then its arguments) run to its end, as
+    subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...) runs it."""
+    global _server
+    if _server is None:
+        _server = CommandServer()
+        atexit.register(_server.close)
+    return _server.run(argv, cwd, dict(os.environ if env is None else env), timeout, input)
 
 
 def child(request: dict) -> None:
-    """In the forked process: become the command, run it, and exit with its status."""
+    """In the forked process: become the command, run it, and exit with its status, after
+    the exit handlers that an interpreter runs as it ends."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
+    for fd, path, mode in ((0, request["in"], os.O_RDONLY), (1, request["out"], os.O_WRONLY),
                            (2, request["err"], os.O_WRONLY)):
         os.dup2(os.open(path, mode | (os.O_CREAT if fd else 0), 0o644), fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
     argv, code = request["argv"], 0
     try:
         run(argv)
@@ -73,6 +94,7 @@ def child(request: dict) -> None:
         import traceback
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -101,6 +123,7 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             child(request)
+        print(pid, flush=True)
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), flush=True)
 

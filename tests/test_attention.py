@@ -3,8 +3,6 @@ computes with, they land in TensorBoard, and the inspector page works in a brows
 
 import dataclasses
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from model import GPT, GPTConfig
+from tests.forked import python
 from training.loop import train
 from viz.attention_maps import attention_maps, head_entropy, write_html
 
@@ -89,13 +88,12 @@ def test_training_logs_attention_images_and_entropy(tiny_config):
 
 
 def test_sample_cli_writes_the_inspector_page_and_picture(tmp_path, char_data):
-    subprocess.run([sys.executable, "train.py", "--config", "config/tiny.toml", "--data-dir",
-                    str(char_data), "--out-dir", str(tmp_path), "--max-iters", "5"],
-                   cwd=REPO, check=True, capture_output=True, timeout=120)
-    result = subprocess.run([sys.executable, "sample.py", "--run", str(tmp_path / "tiny"),
-                             "--prompt", "ROMEO:", "--max-new-tokens", "10", "--attention",
-                             str(tmp_path / "att" / "romeo")], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    trained = python(["train.py", "--config", "config/tiny.toml", "--data-dir", str(char_data),
+                      "--out-dir", str(tmp_path), "--max-iters", "5"], timeout=120)
+    assert trained.returncode == 0, trained.stderr
+    result = python(["sample.py", "--run", str(tmp_path / "tiny"), "--prompt", "ROMEO:",
+                     "--max-new-tokens", "10", "--attention", str(tmp_path / "att" / "romeo")],
+                    timeout=120)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "att" / "romeo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "att" / "romeo.html").read_text()

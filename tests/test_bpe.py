@@ -21,15 +21,15 @@ from data.documents import list_inputs
 from data.loader import load_meta
 from data.prepare import prepare
 from data.tokenizer import BPETokenizer, load_tokenizer
+from tests.forked import python
 from tests.signals import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "config" / "tiny.toml")
 
 
-def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, **kwargs)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return python(list(args))
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from data.tokenizer import (
 from data.tokenizer_json import tokenizer_files
 from generate import Chat, generate
 from model import GPT, GPTConfig
+from tests.forked import python
 from tests.shared import conversation
 from weights.checkpoint import load_checkpoint
 
@@ -112,12 +113,12 @@ def test_a_bad_line_stops_preparation_with_its_number_and_skip_bad_counts_it(tmp
     bad = [*good[:7], "{not json\n", *good[7:20],
            {"messages": [{"role": "user", "content": "ROMEO"}]}, *good[20:]]
     path = write_jsonl(tmp_path / "chats.jsonl", bad)
-    command = [sys.executable, "-m", "data.prepare", "--input", str(path), "--chat",
-               "--tokenizer", str(char_data), "--out", str(tmp_path / "out")]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    command = ["-m", "data.prepare", "--input", str(path), "--chat", "--tokenizer", str(char_data),
+               "--out", str(tmp_path / "out")]
+    result = python(command)
     assert result.returncode == 1 and not (tmp_path / "out").exists()
     assert result.stderr.count("\n") == 1 and "chats.jsonl line 8 is not valid JSON" in result.stderr
-    result = subprocess.run(command + ["--skip-bad"], capture_output=True, text=True, cwd=REPO)
+    result = python([*command, "--skip-bad"])
     assert result.returncode == 0, result.stderr
     assert "40 conversations (2 bad ones left out)" in result.stdout
     assert load_meta(tmp_path / "out")["skipped"] == 2
@@ -173,11 +174,9 @@ def test_an_sft_run_resumes_from_its_last_checkpoint(sft_run, trained_run, chat_
     run, _ = sft_run
     copy = tmp_path / "chat_sft"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("*.lock"))
-    result = subprocess.run(
-        [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--resume",
-         "--init-from", str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(tmp_path),
-         "--max-iters", "160", "--batch-size", "16", "--dtype", "float32"],
-        capture_output=True, text=True, cwd=REPO)
+    result = python(["train.py", "--config", "config/chat_sft.toml", "--resume", "--init-from",
+                     str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(tmp_path),
+                     "--max-iters", "160", "--batch-size", "16", "--dtype", "float32"])
     assert result.returncode == 0, result.stderr
     assert "grows" not in result.stdout + result.stderr  # the checkpoint has the chat tokens
     assert load_checkpoint(copy / "last.pt")["iter_num"] == 160
@@ -263,8 +262,7 @@ def test_replies_with_the_cache_kept_equal_a_fresh_prefill_of_the_history():
 def test_an_exported_chat_model_renders_conversations_as_sft_did_in_transformers(sft_run, tmp_path):
     import transformers
     run, _ = sft_run
-    result = subprocess.run([sys.executable, "export.py", str(run), str(tmp_path / "hf")],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = python(["export.py", str(run), str(tmp_path / "hf")], timeout=120)
     assert result.returncode == 0, result.stderr
     assert "chat_template.jinja" in result.stdout
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -285,9 +283,8 @@ def test_evaluate_counts_the_right_last_replies_before_and_after_sft(sft_run, tr
     path = write_jsonl(tmp_path / "held_out.jsonl", first_turns)
     scores = {}
     for name, folder in (("base", trained_run), ("sft", run)):
-        result = subprocess.run([sys.executable, "evaluate.py", "--run", str(folder), "--answers",
-                                 str(path), "--json", str(tmp_path / f"{name}.json")],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        result = python(["evaluate.py", "--run", str(folder), "--answers", str(path), "--json",
+                         str(tmp_path / f"{name}.json")], timeout=120)
         assert result.returncode == 0, result.stderr
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
         assert f"{scores[name]['right']} of 20 last replies right" in result.stdout

@@ -13,7 +13,7 @@ import torch
 
 from data.prepare import prepare_text
 from model import GPT, GPTConfig
-from tests.forked import CommandServer
+from tests.forked import python
 from tests.layouts import MODERN
 from weights.gpt2 import export_hf_gpt2
 
@@ -413,22 +413,14 @@ def cases() -> list:
     return params
 
 
-@pytest.fixture(scope="module")
-def commands():
-    """The commands as real processes, forked from one that imported torch once: these cases
-    end in argument checks, and torch's import was most of each one's time."""
-    with CommandServer(REPO) as server:
-        yield server
-
-
 @pytest.mark.parametrize("argv, make, code, message", cases())
 def test_bad_input_is_one_line_and_nothing_written(argv, make, code, message, tmp_path,
-                                                   trained_run, char_data, bpe_data, commands):
+                                                   trained_run, char_data, bpe_data):
     ctx = {"data": char_data, "ckpt": trained_run / "best.pt", "bpe": bpe_data}
     make(tmp_path, ctx)
     before = snapshot(tmp_path)
     fill = {"tmp": tmp_path, **ctx}
-    result = commands.run([a.format(**fill) for a in argv], env={**os.environ, "COLUMNS": "200"})
+    result = python([a.format(**fill) for a in argv], env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip("│╭╰─ ")]
@@ -443,10 +435,10 @@ def test_bad_input_is_one_line_and_nothing_written(argv, make, code, message, tm
     ([*SAMPLE, "--decode", "compile"], "choose another --decode"),
 ])
 def test_torch_compile_without_a_working_compiler_is_one_line(argv, instead, tmp_path,
-                                                             trained_run, char_data, commands):
+                                                             trained_run, char_data):
     fill = {"tmp": tmp_path, "data": char_data, "ckpt": trained_run / "best.pt"}
-    result = commands.run([a.format(**fill) for a in argv],
-                          env={**os.environ, "CXX": "/bin/false"})  # a compiler that fails
+    result = python([a.format(**fill) for a in argv],
+                    env={**os.environ, "CXX": "/bin/false"})  # a compiler that fails
     assert result.returncode == 1
     assert result.stderr.startswith("error: torch.compile does not work on cpu here "), result.stderr
     assert result.stderr.endswith(f"; {instead}, or install a C++ compiler (g++, or set CXX)\n")
@@ -468,8 +460,8 @@ def test_torch_compile_without_a_working_compiler_is_one_line(argv, instead, tmp
     (["benchmarks.dtypes", "--run", "{tmp}"], 1, "error: no checkpoint (best.pt or last.pt) in {tmp}"),
     (["benchmarks.dtypes", "--repeats", "0"], 2, ""),
 ])
-def test_the_benchmarks_check_their_input_before_the_work(tmp_path, args, code, error, commands):
-    result = commands.run(["-m", *[a.format(tmp=tmp_path) for a in args]], env=dict(os.environ))
+def test_the_benchmarks_check_their_input_before_the_work(tmp_path, args, code, error):
+    result = python(["-m", *[a.format(tmp=tmp_path) for a in args]])
     assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
     if code == 1:  # one line; 2 is the parser's own report of a value out of its range
         assert len(result.stderr.splitlines()) == 1, result.stderr

@@ -14,6 +14,7 @@ from cdecode import BuildError, CDecodeStep, block_param_names, build
 from generate import decode_step, generate, stream
 from machine.device import cpu_flags
 from model import GPT, GPTConfig
+from tests.forked import python
 from tests.layouts import LAYOUTS
 from weights.quantize import quantize_int8
 
@@ -237,9 +238,8 @@ def test_the_block_parameter_list_comes_from_the_c_source():
 
 def test_without_a_compiler_the_cli_says_so(tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "GPTLAB_CACHE": str(tmp_path)}
-    result = subprocess.run([sys.executable, "sample.py", "--benchmark", "--preset", "baby_gpt",
-                             "--decode", "c"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = python(["sample.py", "--benchmark", "--preset", "baby_gpt", "--decode", "c"], env=env,
+                    timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: the C decode step needs a C compiler, and '{tmp_path / 'no-such-cc'}' was "

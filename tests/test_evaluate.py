@@ -4,7 +4,6 @@ writes what it prints and refuses what it cannot score."""
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from data.tokenizer import load_tokenizer
 from measure.scores import check_batch_memory, check_stride, evaluate, windows
+from tests.forked import python
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_model
 
@@ -83,8 +83,7 @@ def test_loss_equals_transformers_with_the_same_windows(tmp_path, words):
 
 
 def run_evaluate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return python(["evaluate.py", *args], timeout=120)
 
 
 def test_cli_writes_the_scores_it_prints_and_int8_costs_little(trained_run, corpus_file,

@@ -4,7 +4,6 @@ sample and evaluate as its checkpoint does; every tokenizer of ours gives AutoTo
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from torch.nn import functional as F
 from data.bpe import train_bpe
 from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from data.tokenizer_json import tokenizer_files
+from tests.forked import python
 from tests.layouts import LAYOUTS
 from training.config import ConfigError, load_config
 from training.loop import train
@@ -39,8 +39,7 @@ def nanochat_run(tmp_path_factory, char_data) -> Path:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return python(list(args))
 
 
 def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanochat_run):

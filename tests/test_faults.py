@@ -21,6 +21,7 @@ import torch
 
 import model as model_module
 from model import GPT, GPTConfig
+from tests.forked import python
 from training.config import ConfigError, load_config
 from training.loop import TrainingError, train
 from weights.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
@@ -58,8 +59,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, char_da
     assert "Traceback" not in stderr
     stopped_at = load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"]
     assert stopped_at > 0
-    resumed = subprocess.run([*TRAIN, *args, "--max-iters", str(stopped_at + 10), "--resume"],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    resumed = python([*TRAIN[1:], *args, "--max-iters", str(stopped_at + 10), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"] == stopped_at + 10
 
@@ -199,8 +199,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path):
 def test_an_unwritable_out_dir_is_reported_before_training(tmp_path, char_data):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    result = subprocess.run([*TRAIN, "--data-dir", str(char_data), "--out-dir", str(not_a_dir)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = python([*TRAIN[1:], "--data-dir", str(char_data), "--out-dir", str(not_a_dir)])
     assert result.returncode == 1
     assert (f"error: cannot write to {not_a_dir / 'tiny'} (Not a directory); "
             f"choose another --out-dir or --run-name") in result.stderr
@@ -208,9 +207,8 @@ def test_an_unwritable_out_dir_is_reported_before_training(tmp_path, char_data):
 
 def test_resume_with_a_changed_model_shape_is_refused(tmp_path, char_data, trained_run):
     shutil.copytree(trained_run, tmp_path / "tiny", ignore=shutil.ignore_patterns(".lock"))
-    result = subprocess.run([*TRAIN, "--data-dir", str(char_data), "--out-dir", str(tmp_path),
-                             "--max-iters", "30", "--n-embd", "64", "--resume"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = python([*TRAIN[1:], "--data-dir", str(char_data), "--out-dir", str(tmp_path),
+                     "--max-iters", "30", "--n-embd", "64", "--resume"])
     assert result.returncode == 1
     assert "error: cannot resume: n_embd is 64 in the config but 32 in" in result.stderr
 
@@ -237,9 +235,7 @@ def test_prepare_refuses_unusable_corpora(tmp_path, content, message):
     path = tmp_path / "corpus.txt"
     if content is not None:
         path.write_bytes(content)
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = python(["-m", "data.prepare", "--input", str(path), "--out", str(tmp_path / "out")])
     assert result.returncode == 1
     assert message.format(path=path) in result.stderr
     assert not (tmp_path / "out").exists()
@@ -403,8 +399,7 @@ def test_attention_pictures_that_fill_the_disk_leave_no_half_file(tmp_path, trai
 
 
 def run_with_cache(cache: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "GPTLAB_CACHE": cache})
+    return python(list(argv), env={**os.environ, "GPTLAB_CACHE": cache})
 
 
 def test_an_unusable_cache_folder_is_a_fallback_or_one_line(tmp_path, trained_run):

@@ -6,8 +6,6 @@ import io
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from safetensors.torch import load_file
 from data.prepare import prepare_text
 from data.tokenizer import load_tokenizer
 from generate import generate
+from tests.forked import python
 from training.config import load_config
 from training.loop import train
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
@@ -138,9 +137,7 @@ def test_a_damaged_pytorch_model_bin_is_one_clear_error(tmp_path, damage, messag
 
 def test_sampling_a_folder_without_gpt2s_vocabulary_is_one_clear_error(tmp_path):
     hf_model(tmp_path, **SHAPES[0])  # 100 tokens
-    result = subprocess.run([sys.executable, "sample.py", "--init-from", str(tmp_path),
-                             "--prompt", "Hello"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = python(["sample.py", "--init-from", str(tmp_path), "--prompt", "Hello"], timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (f"error: {tmp_path} has a vocabulary of 100 tokens, fewer "
                                      f"than GPT-2's 50,257: a Hugging Face folder is read with "
@@ -149,23 +146,20 @@ def test_sampling_a_folder_without_gpt2s_vocabulary_is_one_clear_error(tmp_path)
 
 def test_sample_cli_samples_from_a_gpt2_folder(tmp_path):
     hf_model(tmp_path, **SHAPES[1])
-    result = subprocess.run([sys.executable, "sample.py", "--init-from", str(tmp_path), "--prompt",
-                             "Hello, my name is", "--max-new-tokens", "20", "--temperature", "0"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = python(["sample.py", "--init-from", str(tmp_path), "--prompt", "Hello, my name is",
+                     "--max-new-tokens", "20", "--temperature", "0"], timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Hello, my name is") and len(result.stdout) > 20
 
 
 def test_benchmark_times_the_gpt2_folder_it_is_given(tmp_path):
     hf_model(tmp_path, **SHAPES[1])
-    result = subprocess.run([sys.executable, "sample.py", "--benchmark", "--init-from",
-                             str(tmp_path), "--lengths", "4", "--repeats", "1"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = python(["sample.py", "--benchmark", "--init-from", str(tmp_path), "--lengths", "4",
+                     "--repeats", "1"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{tmp_path}: ") and "uncached" in result.stdout
-    both = subprocess.run([sys.executable, "sample.py", "--benchmark", "--init-from",
-                           str(tmp_path), "--preset", "baby_gpt"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    both = python(["sample.py", "--benchmark", "--init-from", str(tmp_path), "--preset",
+                   "baby_gpt"], timeout=120)
     assert both.returncode == 1 and both.stderr.strip() == (
         "error: --preset times random weights of a named shape; drop --run, --checkpoint and "
         "--init-from, or drop --preset")
@@ -185,9 +179,7 @@ def test_training_fine_tunes_a_gpt2_folder(tmp_path):
 
 def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, trained_run):
     best = trained_run / "best.pt"
-    result = subprocess.run([sys.executable, "export.py", str(best),
-                             str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = python(["export.py", str(best), str(tmp_path / "hf")], timeout=120)
     assert result.returncode == 0, result.stderr
     ours = model_from_checkpoint(load_checkpoint(best))
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -200,9 +192,7 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, tra
     # a second export into the same folder is refused, and the first is left as it was; the
     # command's old name, gpt2.py, is the same command
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
-    again = subprocess.run([sys.executable, "gpt2.py", str(best),
-                            str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True,
-                           timeout=120)
+    again = python(["gpt2.py", str(best), str(tmp_path / "hf")], timeout=120)
     assert again.returncode == 1 and "Traceback" not in again.stderr
     assert again.stderr.strip() == (f"error: {tmp_path / 'hf'} is not empty; choose another "
                                     f"folder, or pass --force to replace its config.json, "
@@ -211,8 +201,6 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, tra
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     export_hf_gpt2(ours, tmp_path / "hf", force=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
-    unwritable = subprocess.run([sys.executable, "export.py", str(best),
-                                 "/proc/no-such-export"], cwd=REPO, capture_output=True,
-                                text=True, timeout=120)
+    unwritable = python(["export.py", str(best), "/proc/no-such-export"], timeout=120)
     assert unwritable.returncode == 1 and "Traceback" not in unwritable.stderr
     assert unwritable.stderr.startswith("error: cannot write /proc/no-such-export (")

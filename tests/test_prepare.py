@@ -22,6 +22,7 @@ from data.loader import get_batch, load_meta, load_split
 from data.prepare import CHAR_SEPARATOR, prepare
 from data.sources import DataError
 from data.tokenizer import GPT2Tokenizer, load_tokenizer
+from tests.forked import python
 from tests.signals import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,8 +207,8 @@ def test_ctrl_c_or_sigterm_stops_cleanly_in_one_line_and_the_same_command_resume
     assert not (tmp_path / "cut" / "meta.json").exists()
     assert not list((tmp_path / "cut").glob(".tokens_*"))  # no half-written shard left
     for out in ("cut", "whole"):
-        subprocess.run([*command, "--out", str(tmp_path / out)], cwd=REPO, check=True,
-                       capture_output=True)
+        made = python([*command[1:], "--out", str(tmp_path / out)])
+        assert made.returncode == 0, made.stderr
     assert files(tmp_path / "cut") == files(tmp_path / "whole")
 
 
@@ -231,9 +232,9 @@ def test_a_disk_that_fills_mid_write_stops_cleanly_and_resumes(tmp_path):
     # the same command with room to write resumes (batches of the CLI's default size)
     whole_cli = tmp_path / "whole_cli"
     for out in (full, whole_cli):
-        subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path), "--tokenizer",
-                        "gpt2", "--out", str(out), "--shard-tokens", "1000"], cwd=REPO, check=True,
-                       capture_output=True)
+        made = python(["-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2", "--out",
+                       str(out), "--shard-tokens", "1000"])
+        assert made.returncode == 0, made.stderr
     assert files(full) == files(whole_cli)
 
 
@@ -308,9 +309,8 @@ def test_a_lone_surrogate_escape_is_one_line_naming_the_line_and_nothing_is_left
     # "\ud83d" is half of an emoji's UTF-16 pair: valid JSON, but no character
     path = tmp_path / "in.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "half an emoji: \\ud83d"}\n')
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                             "--tokenizer", "gpt2", "--out", str(tmp_path / "out")], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = python(["-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2", "--out",
+                     str(tmp_path / "out")], timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
         f"error: {path} line 2 escapes half a character (\\ud83d without its pair), which no "
@@ -323,9 +323,7 @@ def test_a_compressed_file_cut_short_is_refused_not_read_as_whole(tmp_path, fmt)
     path = write_corpus(tmp_path / "in", make_documents(2000), fmt)
     data = path.read_bytes()
     path.write_bytes(data[:len(data) // 2])  # a download that stopped halfway
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = python(["-m", "data.prepare", "--input", str(path), "--out", str(tmp_path / "out")], timeout=120)
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert f"error: {path} cannot be decompressed" in result.stderr
     assert "fetch it again" in result.stderr
@@ -338,9 +336,7 @@ def test_a_folder_of_another_tool_is_refused_and_kept(tmp_path):
     theirs.mkdir()
     for name in ("train.bin", "val.bin", "notes.txt"):
         (theirs / name).write_bytes(b"their bytes")
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                             "--out", str(theirs)], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = python(["-m", "data.prepare", "--input", str(path), "--out", str(theirs)], timeout=120)
     assert result.returncode == 1
     assert result.stderr == (f"error: {theirs} holds files that are no dataset of ours "
                              f"(notes.txt, train.bin, val.bin); choose another --out, or add "
@@ -355,9 +351,8 @@ def test_a_second_preparation_into_a_folder_in_use_is_refused(tmp_path):
     first = run_prepare("shard_tokens=400, batch_bytes=3000", argv=[str(path), str(out)])
     while not list(out.glob("tokens_*.bin")) and first.poll() is None:
         time.sleep(0.005)
-    second = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                             "--tokenizer", "gpt2", "--out", str(out), "--force"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    second = python(["-m", "data.prepare", "--input", str(path), "--tokenizer", "gpt2", "--out",
+                     str(out), "--force"], timeout=120)
     assert first.poll() is None, "the first finished too soon; use a longer corpus"
     assert second.returncode == 1
     assert second.stderr == (f"error: {out} is being prepared by another command that is "
@@ -396,9 +391,7 @@ def test_a_damaged_parquet_page_is_named_as_such_and_nothing_is_written(tmp_path
     middle = len(data) // 2
     data[middle:middle + 200] = bytes(b ^ 0xFF for b in data[middle:middle + 200])
     path.write_bytes(bytes(data))
-    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path),
-                             "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = python(["-m", "data.prepare", "--input", str(path), "--out", str(tmp_path / "out")], timeout=120)
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: {path} is damaged after row ")
     assert "fetch or write the file again" in result.stderr and "space" not in result.stderr
@@ -426,6 +419,6 @@ def test_a_killed_worker_is_one_line_and_the_same_command_resumes_whole(tmp_path
     assert "run the same command again to resume" in stderr
     assert not (tmp_path / "cut" / "meta.json").exists()
     for out in ("cut", "whole"):
-        subprocess.run([*command, "--out", str(tmp_path / out)], cwd=REPO, check=True,
-                       capture_output=True, timeout=300)
+        made = python([*command[1:], "--out", str(tmp_path / out)])
+        assert made.returncode == 0, made.stderr
     assert files(tmp_path / "cut") == files(tmp_path / "whole")

@@ -2,13 +2,13 @@
 every path that loads weights (sample.py, evaluate.py, the C step)."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from data.loader import load_split
 from model import GPT, GPTConfig
+from tests.forked import python
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
 from weights.quantize import Int8Linear, quantize_int8, quantize_rows, weight_bytes
 
@@ -64,10 +64,8 @@ def test_int8_greedy_picks_the_fp32_token_at_nine_in_ten_teacher_forced_position
 
 def test_sample_cli_decodes_int8_with_the_c_step_as_eager_does(trained_run):
     def sample(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "sample.py", "--run", str(trained_run),
-                               "--dtype", "int8", "--temperature", "0", "--max-new-tokens",
-                               "60", "--prompt", "ROMEO:", *args],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        return python(["sample.py", "--run", str(trained_run), "--dtype", "int8", "--temperature",
+                       "0", "--max-new-tokens", "60", "--prompt", "ROMEO:", *args], timeout=120)
     default, eager = sample(), sample("--decode", "eager")
     assert default.returncode == 0 and default.stderr == "", default.stderr
     assert default.stdout == eager.stdout and len(default.stdout) == len("ROMEO:") + 60 + 1

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from tests.forked import python
 from weights.checkpoint import load_checkpoint, save_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -116,8 +117,7 @@ def test_a_streamed_answer_equals_the_whole_one(chat_server):
 
 
 def sample_py(*args: str, stdin: str | None = None) -> str:
-    result = subprocess.run([sys.executable, "sample.py", *args], input=stdin, cwd=REPO,
-                            capture_output=True, text=True)
+    result = python(["sample.py", *args], input=stdin)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

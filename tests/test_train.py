@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from data.loader import batch_sampler, load_meta, load_split
 from machine.perf import datasheet_peak_flops, peak_flops
 from model import GPT, GPTConfig
+from tests.forked import python
 from tests.layouts import LAYOUTS
 from training.config import ConfigError, load_config
 from training.loop import estimate_loss, train
@@ -237,8 +237,7 @@ def test_block_size_larger_than_the_data_is_rejected(tiny_config):
 
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}  # help lines unwrapped
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=300)
+    return python([str(REPO / "train.py"), *args], cwd=cwd, env=env)
 
 
 def test_every_preset_is_a_valid_config():
@@ -251,9 +250,8 @@ def test_every_preset_is_a_valid_config():
 
 def test_training_benchmark_reads_its_figures_back(tmp_path, corpus_file):
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--config", "config/tiny.toml",
-                           "--input", str(corpus_file), "--max-iters", "20", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = python(["-m", "benchmarks.train", "--config", "config/tiny.toml", "--input",
+                   str(corpus_file), "--max-iters", "20", "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
     assert figures["iters"] == 20 and figures["val_loss_step"] == 20
