@@ -43,12 +43,14 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist,
     or damaged dataset is one line from rank 0, for all."""
     data_dir = Path(cfg.data_dir)
 
-    def prepare_and_check() -> None:
+    def prepare_and_read() -> tuple[dict, dict[str, Tokens], Tokenizer]:
         if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
             tqdm.write(f"preparing {data_dir} (first run only)")
             prepare_builtin(data_dir.name, data_dir)
-        read_data(cfg, data_dir)
-    distributed.from_main(prepare_and_check, dist)
+        return read_data(cfg, data_dir)
+    if not dist.enabled:
+        return prepare_and_read()
+    distributed.from_main(lambda: bool(prepare_and_read()), dist)  # (memmaps stay home)
     return read_data(cfg, data_dir)
 
 
