@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PRELOADED = ("torch", "numpy", "typer", "tqdm", "tiktoken", "safetensors",
@@ -33,7 +34,7 @@ class CommandServer:
     def __init__(self) -> None:
         self.process = subprocess.Popen([sys.executable, __file__], cwd=REPO, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self.process.stdout.readline().strip() == "ready"
+        assert self.reply(timeout=120) == "ready"
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -48,15 +49,29 @@ class CommandServer:
                        **{name: str(path) for name, path in files.items()}}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
-            pid = int(self.process.stdout.readline())
-            ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-            if not ready:  # as subprocess.run does: kill it, then say so
+            pid = int(self.reply(timeout=30))
+            code = self.reply(timeout)
+            if code is None:  # as subprocess.run does: kill it, then say so
                 os.kill(pid, signal.SIGKILL)
-                self.process.stdout.readline()
+                self.reply(timeout=30)
                 raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
-            code = int(self.process.stdout.readline())
-            return subprocess.CompletedProcess([sys.executable, *argv], code,
+            return subprocess.CompletedProcess([sys.executable, *argv], int(code),
                                                files["out"].read_text(), files["err"].read_text())
+
+    def reply(self, timeout: float) -> str | None:
+        """The server's next line, or None if none came in time. Read a byte at a time from
+        the pipe itself: a buffered reader could hold the next line where select cannot see
+        it."""
+        fd, line = self.process.stdout.fileno(), b""
+        deadline = time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            byte = os.read(fd, 1)
+            assert byte, "the command server has gone"
+            line += byte
+        return line.decode().strip()
 
 
 _server: CommandServer | None = None
