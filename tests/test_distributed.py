@@ -18,6 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from data.prepare import prepare_text
 from tests.layouts import LAYOUTS, cli_args
 from tests.shared import built_once
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
@@ -260,6 +261,24 @@ def test_init_from_under_fsdp_equals_one_process(tmp_path, trained_run, chat_dat
     assert two.returncode == 0, failure(two)
     assert two.stdout.count("the vocabulary grows") == 1
     assert_same_run(tmp_path / "one" / "chat_sft", tmp_path / "two" / "chat_sft", 1e-5, tmp_path)
+
+
+def test_init_from_a_hugging_face_folder_under_fsdp_equals_one_process(tmp_path):
+    # each process reads the folder's safetensors one tensor at a time and keeps its rows
+    import transformers
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, n_positions=128)).save_pretrained(tmp_path / "gpt2")
+    prepare_text("To be, or not to be, that is the question.\n" * 200, "gpt2", tmp_path / "data",
+                 "test")
+    args = ("--init-from", str(tmp_path / "gpt2"), "--data-dir", str(tmp_path / "data"),
+            "--block-size", "32", "--max-iters", "2", "--eval-interval", "2", "--eval-iters", "2",
+            "--dtype", "float32", "--gradient-accumulation-steps", "2", "--log-interval", "1")
+    one = run(None, *args, "--out-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, failure(one)
+    two = run(2, *args, "--parallel", "fsdp", "--out-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, failure(two)
+    assert_same_run(tmp_path / "one" / "tiny", tmp_path / "two" / "tiny", 1e-5, tmp_path)
 
 
 def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path, char_data):
