@@ -58,20 +58,30 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """This machine's matmul throughput in FLOP/s: the median over a few timings of square
     matmuls. On a GPU each timing spans several large matmuls so that launch and sync
-    costs do not count."""
-    n, per_timing = (4096, 10) if device.type == "cuda" else (1024, 1)
+    costs do not count. On a CPU a matmul is 1024 wide, or narrower where that would take
+    over 50 ms: a CPU without bf16 or fp16 arithmetic emulates it at about a hundredth of
+    its fp32 rate, and six 1024-wide matmuls took 14 s of a bf16 run's start."""
     generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    times = []
-    for _ in range(6):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(per_timing):
-            a @ b
-        sync(device)
-        times.append((time.perf_counter() - t0) / per_timing)
-    return 2 * n**3 / statistics.median(times[1:])  # the first timing warms up
+
+    def timings(n: int, per_timing: int, count: int) -> list[float]:
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+        times = []
+        for _ in range(count):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(per_timing):
+                a @ b
+            sync(device)
+            times.append((time.perf_counter() - t0) / per_timing)
+        return times
+
+    n, per_timing = (4096, 10) if device.type == "cuda" else (1024, 1)
+    if device.type == "cpu":
+        rate = 2 * 256**3 / min(timings(256, 1, 2))  # a rough rate, to size the matmul by
+        while n > 256 and 2 * n**3 / rate > 0.05:
+            n //= 2
+    return 2 * n**3 / statistics.median(timings(n, per_timing, 6)[1:])  # the first warms up
 
 
 def reset_peak_memory(device: torch.device) -> None:
