@@ -42,16 +42,16 @@ def prepare_data(cfg: TrainConfig, dist: distributed.Dist,
     missing. Rank 0 prepares and reads it first, while the other processes wait: a missing
     or damaged dataset is one line from rank 0, for all."""
     data_dir = Path(cfg.data_dir)
+    read = None  # rank 0's (or a plain process's) reading; memmaps are not for a broadcast
 
-    def prepare_and_read() -> tuple[dict, dict[str, Tokens], Tokenizer]:
+    def prepare_and_read() -> None:
+        nonlocal read
         if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
             tqdm.write(f"preparing {data_dir} (first run only)")
             prepare_builtin(data_dir.name, data_dir)
-        return read_data(cfg, data_dir)
-    if not dist.enabled:
-        return prepare_and_read()
-    distributed.from_main(lambda: bool(prepare_and_read()), dist)  # (memmaps stay home)
-    return read_data(cfg, data_dir)
+        read = read_data(cfg, data_dir)
+    distributed.from_main(prepare_and_read, dist)
+    return read or read_data(cfg, data_dir)
 
 
 def read_data(cfg: TrainConfig, data_dir: Path) -> tuple[dict, dict[str, Tokens], Tokenizer]:
