@@ -2,7 +2,9 @@
 imports the heavy libraries once (no torch operation runs in it, so no thread exists to be
 lost in a fork), then forks a child per command, which runs the command's file or module as
 `python` would, with its own argv, cwd, environment, stdin, stdout, stderr and exit status.
-Our own modules are imported in the child, fresh, as a new interpreter imports them.
+Our own modules are imported in the child, fresh, as a new interpreter imports them. What
+an interpreter reads only as it starts (PYTHONUNBUFFERED, PYTHONFAULTHANDLER, malloc's and
+OpenMP's variables) is the server's: a test that needs its own starts a `python`.
 
 Usage (a test's commands that run to their end; a test that signals a command, limits its
 resources or gives it bytes that are not UTF-8 starts a `python` of its own):

@@ -235,9 +235,9 @@ def test_block_size_larger_than_the_data_is_rejected(tiny_config):
         train(cfg)
 
 
-def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}  # help lines unwrapped
-    return python([str(REPO / "train.py"), *args], cwd=cwd, env=env)
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}  # help lines unwrapped
+    return python(["train.py", *args], env=env)
 
 
 def test_every_preset_is_a_valid_config():
