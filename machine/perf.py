@@ -87,7 +87,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window for memory_mb."""
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        # before CUDA's first allocation there is no peak to reset (and torch refuses to)
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats(device)
     elif sys.platform == "linux":
         # the CPU allocator keeps no statistics, but Linux tracks the process's resident
         # high-water mark, and writing 5 to clear_refs lowers it to the current resident size

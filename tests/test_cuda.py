@@ -5,6 +5,7 @@ decoding gives the uncached tokens past block_size."""
 
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,22 +84,25 @@ def test_fsdp_trains_under_nccl_in_bf16_compiled_or_not(tmp_path, char_data, com
     assert losses[-1] < losses[0] - 0.5
 
 
-@pytest.fixture
+@contextmanager
 def full_fp32():
-    """fp32 matmuls in fp32, not TF32, which torch.optim.Muon turns on for the process."""
+    """fp32 matmuls in fp32, not TF32, which training turns on for the process (as nanoGPT
+    does)."""
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def test_a_checkpoint_written_on_the_gpu_runs_on_the_cpu(tiny_config, full_fp32):
+def test_a_checkpoint_written_on_the_gpu_runs_on_the_cpu(tiny_config):
     result = train_on_gpu(tiny_config, max_iters=20, eval_interval=10, dtype="bfloat16")
     checkpoint = str(result.run_dir / "best.pt")
     on_cpu, tokenizer, _ = load_model(checkpoint=checkpoint, device="cpu")
     on_gpu, _, _ = load_model(checkpoint=checkpoint, device="cuda")
     idx = torch.tensor([tokenizer.encode("ROMEO: Juliet loves the moon.")])
-    with torch.inference_mode():
+    with torch.inference_mode(), full_fp32():
         logits_cpu = on_cpu(idx)[0]
         logits_gpu = on_gpu(idx.cuda())[0].cpu()
     torch.testing.assert_close(logits_gpu, logits_cpu, rtol=1e-4, atol=1e-4)
@@ -110,7 +114,7 @@ def test_a_checkpoint_written_on_the_gpu_runs_on_the_cpu(tiny_config, full_fp32)
 
 
 @pytest.mark.parametrize("decode", ["auto", "eager", "compile", "compile without CUDA graphs"])
-def test_cached_decoding_gives_the_uncached_tokens_past_block_size(decode, full_fp32):
+def test_cached_decoding_gives_the_uncached_tokens_past_block_size(decode):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32))
     model = model.cuda().eval()
@@ -118,8 +122,9 @@ def test_cached_decoding_gives_the_uncached_tokens_past_block_size(decode, full_
             else decode_step(model, decode))
     # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2)).cuda()
-    uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
-    # twice with one step: the second generation's new cache makes a CUDA graph re-record
-    for _ in range(2):
-        cached = generate(model, prompts, 40, temperature=0.0, decode=step)
-        assert cached.shape == (3, 44) and torch.equal(cached, uncached)
+    with full_fp32():
+        uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
+        # twice with one step: the second generation's new cache makes a CUDA graph re-record
+        for _ in range(2):
+            cached = generate(model, prompts, 40, temperature=0.0, decode=step)
+            assert cached.shape == (3, 44) and torch.equal(cached, uncached)
