@@ -76,25 +76,31 @@ def run(command: list[str]) -> None:
 
 @contextmanager
 def started(command: list[str], port: int) -> Iterator[str]:
-    """A server process, once its /health answers 200; its base URL."""
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(600):
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[0]} ended with {process.returncode} before it served")
-            try:
-                if get("127.0.0.1", port, "/health") == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"{command[0]} did not answer /health within 5 minutes")
-        yield f"127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait()
+    """A server process, once its /health answers 200; its base URL. Its log goes to a
+    temporary file, whose end a failure shows."""
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+        def failed(why: str) -> RuntimeError:
+            log.seek(0)
+            return RuntimeError(f"{command[0]} {why}: {log.read().decode(errors='replace')[-2000:]}")
+
+        try:
+            for _ in range(600):
+                if process.poll() is not None:
+                    raise failed(f"ended with {process.returncode} before it served")
+                try:
+                    if get("127.0.0.1", port, "/health") == 200:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            else:
+                raise failed("did not answer /health within 5 minutes")
+            yield f"127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            process.wait()
 
 
 def get(host: str, port: int, path: str) -> int:
@@ -169,12 +175,13 @@ def percentile(sorted_values: list[float], p: int) -> float:
 
 
 def server_command(name: str, checkpoint: Path, llama: Path | None, port: int,
-                   slots: int, context: int) -> list[str]:
+                   slots: int, context: int, device: str, decode: str) -> list[str]:
     threads = str(torch.get_num_threads())
     if name.startswith("ours"):
         dtype = "int8" if name.endswith("int8") else "float32"
         return [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
-                "--parallel", str(slots), "--queue", "256", "--dtype", dtype]
+                "--parallel", str(slots), "--queue", "256", "--dtype", dtype,
+                "--device", device, "--decode", decode]
     if llama is None:
         raise ValueError(f"{name} needs --llama, the folder benchmarks/build_llama_server.sh "
                          f"built")
@@ -187,7 +194,9 @@ def server_command(name: str, checkpoint: Path, llama: Path | None, port: int,
 def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str = "1,4,16,64",
          max_tokens: Annotated[int, typer.Option(min=2)] = 64,
          slots: Annotated[int, typer.Option(min=1)] = 16, llama: Path | None = None,
-         port: int = 8431, json: Path | None = None) -> None:
+         port: int = 8431, json: Path | None = None,
+         device: Annotated[str, typer.Option(help="serve.py's --device.")] = "cpu",
+         decode: Annotated[str, typer.Option(help="serve.py's --decode.")] = "auto") -> None:
     """Print each server's figures at each level of concurrency."""
     with reported(ValueError, OSError, RuntimeError):
         names = servers.split(",")
@@ -198,13 +207,16 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
         if llama is not None and not (llama / "build" / "bin" / "llama-server").is_file():
             raise ValueError(f"{llama} has no build/bin/llama-server; run "
                              f"benchmarks/build_llama_server.sh {llama} first")
+        where = (torch.cuda.get_device_name() if device.startswith("cuda")
+                 else f"{torch.get_num_threads()} threads, {cpu_name()}")
         print(f"# GPT-2 small (random weights), {max_tokens} new tokens, {slots} slots, "
-              f"{torch.get_num_threads()} threads, {cpu_name()}")
+              f"{where}")
         figures = {}
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = write_model(Path(tmp))
             for name in names:
-                command = server_command(name, checkpoint, llama, port, slots, 128 + max_tokens)
+                command = server_command(name, checkpoint, llama, port, slots, 128 + max_tokens,
+                                         device, decode)
                 with started(command, port) as address:
                     timed_request(address, "warm", 4)  # the first request builds the C step
                     figures[name] = [level(address, c, max_tokens) for c in levels]

@@ -236,6 +236,8 @@ def main(
     input: Annotated[Path | None, typer.Option(
         help="Train on this text (char-level) instead of the preset's data_dir.")] = None,
     max_iters: Annotated[int | None, typer.Option(help="Override the preset's.")] = None,
+    eval_interval: Annotated[int | None, typer.Option(help="Override the preset's.")] = None,
+    eval_iters: Annotated[int | None, typer.Option(help="Override the preset's.")] = None,
     dtype: Annotated[str | None, typer.Option(help="Override the preset's.")] = None,
     device: Annotated[str | None, typer.Option(help="Override the preset's.")] = None,
     compile: Annotated[bool | None, typer.Option(
@@ -255,7 +257,9 @@ def main(
                 raise ValueError("--time-to-loss races on a text: add --input FILE")
             return race(input, ablation_recipes() if ablate else RECIPES, time_to_loss_target,
                         repeats, max_iters, json_path)
-        overrides = {"max_iters": max_iters, "dtype": dtype, "device": device, "compile": compile}
+        overrides = {"max_iters": max_iters, "eval_interval": eval_interval,
+                     "eval_iters": eval_iters, "dtype": dtype, "device": device,
+                     "compile": compile}
         figures = train_figures(config, input, {k: v for k, v in overrides.items()
                                                 if v is not None})
         for key, value in figures.items():
