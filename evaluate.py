@@ -21,7 +21,7 @@ import typer
 
 from data.sources import read_text
 from machine.device import resolve_device
-from machine.errors import reported, run_command
+from machine.errors import InputError, UserError, reported, run_command
 from machine.files import check_output_file, write_bytes_atomic
 from measure.answers import answer_score, demo_conversations, read_conversations
 from measure.scores import check_stride, evaluate
@@ -57,11 +57,9 @@ def main(
     debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
 ) -> None:
     """Score a model on a text: loss per token, perplexity and bits per character."""
-    # DataError, LoadError, CheckpointError, FolderError, DeviceError, our checks, and a
-    # path the file system refuses
-    with reported(ValueError, OSError, debug=debug):
+    with reported(debug=debug):
         if (input is None) == (answers is None):
-            raise ValueError("give --input TEXT to score a text, or --answers (a file or demo) "
+            raise UserError("give --input TEXT to score a text, or --answers (a file or demo) "
                              "to score a chat model's replies")
         if json_path is not None:  # checked now, not after the evaluation
             check_output_file(json_path, "--json")
@@ -74,8 +72,8 @@ def main(
         stride = check_stride(stride, model.config.block_size)
         try:
             scores = evaluate(model, tokenizer, text, stride, batch_size, progress=True)
-        except ValueError as e:  # text outside a character vocabulary, or too short
-            raise ValueError(f"{input}: {e}") from None
+        except InputError as e:  # text outside a character vocabulary, or too short
+            raise InputError(f"{input}: {e}") from None
         if json_path is not None:
             write_json(json_path, {**asdict(scores), "input": str(input), "model": source,
                                    "dtype": dtype, "block_size": model.config.block_size,
@@ -93,7 +91,7 @@ def write_json(path: Path, record: dict) -> None:
     try:
         write_bytes_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
     except OSError as e:
-        raise ValueError(f"cannot write --json {path} ({e.strerror}); choose another "
+        raise UserError(f"cannot write --json {path} ({e.strerror}); choose another "
                          f"path") from None
 
 
@@ -101,7 +99,7 @@ def score_answers(answers: str, run: str | None, checkpoint: str | None, init_fr
                   device: str, dtype: str, json_path: Path | None, text_options: bool) -> None:
     """--answers: a chat model's right last replies (measure/answers.py)."""
     if text_options:
-        raise ValueError("--stride and --batch-size are for scoring a text; drop them with "
+        raise UserError("--stride and --batch-size are for scoring a text; drop them with "
                          "--answers")
     records = demo_conversations() if answers == "demo" else read_conversations(Path(answers))
     model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)

@@ -90,7 +90,7 @@ def main(checkpoint: Annotated[str, typer.Argument(
              "--plain", help="Write plain checkpoints (last.pt, best.pt) of a run's sharded "
                              "ones (last.dcp, best.dcp), beside them.")] = False) -> None:
     """Export CHECKPOINT to FOLDER as a Hugging Face model folder."""
-    with reported(ValueError, OSError):  # OSError: the checkpoint's path
+    with reported():
         if plain:
             if folder is not None:
                 raise ExportError("--plain writes beside the sharded checkpoints; drop FOLDER")

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from data.chat import ASSISTANT_END, render_prompt, special_ids, with_system
 from data.tokenizer import TextStream, Tokenizer
 from machine.device import check_compile
+from machine.errors import InputError
 from model import GPT, KVCache
 
 DECODE_BACKENDS = ("auto", "eager", "compile", "c")
@@ -53,14 +54,14 @@ class DecodeStep(Protocol):
 # --- sampling ----------------------------------------------------------------------------
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError for sampling settings that mean nothing."""
+    """Raise InputError for sampling settings that mean nothing."""
     if not 0 <= temperature < float("inf"):  # also refuses nan
-        raise ValueError(f"temperature must be >= 0 (0 means greedy) and finite, got "
+        raise InputError(f"temperature must be >= 0 (0 means greedy) and finite, got "
                          f"{temperature}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}")
+        raise InputError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -159,7 +160,7 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     after moving the model to its device and dtype; the C step reads the weights in place,
     so it sees later updates of their values but not a move or a cast."""
     if decode not in DECODE_BACKENDS:
-        raise ValueError(f"decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+        raise InputError(f"decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
     if decode == "eager":
         return eager_step(model)
     if decode == "compile":
@@ -219,7 +220,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     check_sampling(temperature, top_k, top_p)
     B, n = idx.size()
     if n == 0:
-        raise ValueError("generate needs a prompt of at least one token")
+        raise InputError("generate needs a prompt of at least one token")
     block_size = model.config.block_size
     # the tokens the model sees, and room for the one sampled last: memory does not grow
     # with max_new_tokens, so a generation can go on for as long as it is read
@@ -277,7 +278,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         try:
             return tokenizer.encode(prompt)
         except ValueError as e:
-            raise ValueError(f"prompt: {e}") from None
+            raise InputError(f"prompt: {e}") from None
     if tokenizer.eot_token is not None:
         return [tokenizer.eot_token]
     try:
@@ -293,7 +294,7 @@ class StopText:
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
         if any(not s for s in stop):
-            raise ValueError("a stop string is empty, which would end every sample at once; "
+            raise InputError("a stop string is empty, which would end every sample at once; "
                              "drop it or give some text")
         self.text, self.stop, self.stopped = TextStream(tokenizer), stop, False
         self.held = ""  # decoded text not yet released
@@ -383,7 +384,7 @@ class Chat:
             kept = kept[1:]
             ids = self.rendered(kept, text)
         if len(ids) >= block_size:  # the conversation is left as it was
-            raise ValueError(f"this message takes {len(ids)} tokens with the chat tokens, "
+            raise InputError(f"this message takes {len(ids)} tokens with the chat tokens, "
                              f"and the model's context holds {block_size}; write a shorter one")
         same = next((i for i, (a, b) in enumerate(zip(self.ids, ids, strict=False)) if a != b),
                     min(len(self.ids), len(ids)))

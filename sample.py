@@ -23,21 +23,16 @@ from typing import Annotated, Any, BinaryIO
 import torch
 import typer
 
-from cdecode import BuildError
-from data.sources import decode_text
+from data.sources import DataError, decode_text
 from data.tokenizer import Tokenizer
 from generate import DECODE_BACKENDS, Chat, check_sampling, decode_step, generate_text, prompt_ids
 from machine.device import resolve_device
-from machine.errors import reported, run_command
+from machine.errors import UserError, reported, run_command
 from machine.files import check_output_file, probe_writable
 from model import GPT, LAYOUTS
 from training.config import check_seed
 from weights.loading import load_model, resolve_checkpoint
 from weights.quantize import check_weight_dtype
-
-
-class SampleError(ValueError):
-    """Input that sampling cannot use; the message says what to change."""
 
 
 def prompt_text(prompt: str, prompt_file: Path | None) -> str:
@@ -60,9 +55,9 @@ def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: flo
 def check_decode(decode: str, kv_cache: bool) -> None:
     """--decode names a backend, and one of its own only with the cache it steps through."""
     if decode not in DECODE_BACKENDS:
-        raise SampleError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+        raise UserError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
     if decode != "auto" and not kv_cache:
-        raise SampleError(f"--decode {decode} chooses the cached decode step; drop "
+        raise UserError(f"--decode {decode} chooses the cached decode step; drop "
                           f"--no-kv-cache or --decode")
 
 
@@ -71,7 +66,7 @@ def stop_strings(stop: list[str]) -> tuple[str, ...]:
     a backslash and an n, and a stop string almost always means a newline."""
     stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)
     if any(not s for s in stops):
-        raise SampleError("--stop is empty, which would end every sample at once; give "
+        raise UserError("--stop is empty, which would end every sample at once; give "
                           "some text or drop it")
     return stops
 
@@ -107,7 +102,7 @@ def attention_target(path: str) -> Path:
     try:
         probe_writable(target.parent)
     except OSError as e:
-        raise SampleError(f"--attention cannot write to {target.parent} ({e.strerror}); "
+        raise UserError(f"--attention cannot write to {target.parent} ({e.strerror}); "
                           f"choose another path") from None
     return target
 
@@ -122,7 +117,7 @@ def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path
         html = write_html(maps, labels, path.with_suffix(".html"))
         png = write_png(maps, labels, path.with_suffix(".png"))
     except OSError as e:  # a disk that filled since the check: no file is half-written
-        raise SampleError(f"--attention could not write {path} ({e.strerror})") from None
+        raise UserError(f"--attention could not write {path} ({e.strerror})") from None
     print(f"attention: {html} and {png}", file=sys.stderr)
 
 
@@ -133,10 +128,10 @@ def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str |
     """--benchmark: every decoding path timed on the model sample.py would load (a run, a
     checkpoint, a Hugging Face folder), or on a preset's shape."""
     if preset is not None and (run or checkpoint or init_from):
-        raise SampleError("--preset times random weights of a named shape; drop --run, "
+        raise UserError("--preset times random weights of a named shape; drop --run, "
                           "--checkpoint and --init-from, or drop --preset")
     if layout not in LAYOUTS:
-        raise SampleError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if json_path is not None:  # checked now, not after the benchmark
         check_output_file(json_path, "--json")
     # imported here: keeps the sampling path light
@@ -151,7 +146,7 @@ def open_chat(run: str | None, checkpoint: str | None, init_from: str | None, de
               dtype: str, prompted: bool, **settings: Any) -> Chat:
     """--chat's conversation with the model that sample.py would load."""
     if prompted:
-        raise SampleError("--chat reads its turns from stdin; drop --prompt, --prompt-file, "
+        raise UserError("--chat reads its turns from stdin; drop --prompt, --prompt-file, "
                           "--stop, --attention and --num-samples")
     model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
     return Chat(model, tokenizer, **settings)
@@ -168,7 +163,7 @@ def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
     for line in lines or sys.stdin.buffer:
         try:
             text = decode_text(line, "stdin").rstrip("\r\n")
-        except ValueError as e:
+        except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             continue
         command, _, argument = text.partition(" ")
@@ -291,7 +286,7 @@ def main(
     jumps forward to keep the most recent block_size // 2 tokens, rebuilding the KV cache in
     one prefill; --no-kv-cache uses the same window, so both give the same text."""
     # bad options, a model that cannot load, a C step that cannot build, a refused path
-    with reported(ValueError, BuildError, OSError, debug=debug):
+    with reported(debug=debug):
         check_settings(dtype, temperature, top_k, top_p, seed, decode, kv_cache)
         device = str(resolve_device(device))  # a DeviceError names what to use instead
         stops = stop_strings(stop or [])
@@ -314,7 +309,7 @@ def main(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
                               decode=step or "eager", **sampling), text, num_samples, stream)
     if attention_path is not None:
-        with reported(SampleError):
+        with reported():
             write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)
 
 

@@ -27,19 +27,14 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from cdecode import BuildError
 from generate import DECODE_BACKENDS, check_sampling
 from machine.device import resolve_device
-from machine.errors import reported, run_command
+from machine.errors import UserError, reported, run_command
 from serving.app import Service, create_app
 from serving.engine import Engine
 from weights.loading import load_model
 
 GRACE_SECONDS = 5  # after SIGTERM, how long running answers may take to finish
-
-
-class ServeError(ValueError):
-    """An option or a place serve.py cannot use; the message says what to change."""
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -51,12 +46,12 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise ServeError(f"port {port} on {host} is in use (another server?); stop it or "
+            raise UserError(f"port {port} on {host} is in use (another server?); stop it or "
                              f"choose another --port") from None
         if e.errno == errno.EACCES:
-            raise ServeError(f"port {port} needs privileges this user lacks; choose a port "
+            raise UserError(f"port {port} needs privileges this user lacks; choose a port "
                              f"above 1023") from None
-        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror or e}); check "
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); check "
                          f"--host") from None
     sock.listen(128)
     return sock
@@ -149,10 +144,10 @@ def main(
     debug: DebugOption = False,
 ) -> None:
     """Serve a model over OpenAI's API (chat and text completions) with a chat page at /."""
-    with reported(ValueError, BuildError, OSError, debug=debug):
+    with reported(debug=debug):
         check_sampling(temperature, top_k, top_p)
         if decode not in DECODE_BACKENDS:
-            raise ServeError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+            raise UserError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
         device = str(resolve_device(device))
         sock = listen(host, port)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)

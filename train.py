@@ -19,19 +19,10 @@ from typing import Annotated, Any
 
 import typer
 
-from data.assets import AssetError
-from data.sources import DataError
-from machine.device import DeviceError
 from machine.errors import reported, run_command
 from training import distributed
-from training.config import ConfigError, cli_parameters, load_config
-from training.loop import Interrupted, TrainingError, train
-from weights.checkpoint import CheckpointError
-
-# what the command reports in one line (Interrupted, a TrainingError, as "interrupted:");
-# OSError: a path the file system refuses
-USER_ERRORS = (ConfigError, DataError, AssetError, CheckpointError, DeviceError, TrainingError,
-               OSError)
+from training.config import cli_parameters, load_config
+from training.loop import train
 
 
 def build_cli() -> typer.Typer:
@@ -43,16 +34,10 @@ def build_cli() -> typer.Typer:
     def command(**kwargs: Any) -> None:
         config, resume, debug = kwargs.pop("config"), kwargs.pop("resume"), kwargs.pop("debug")
         overrides = {key: value for key, value in kwargs.items() if value is not None}
-        is_main = distributed.environment().is_main  # under torchrun, rank 0 reports
-        # under torchrun every rank reads the same config and fails the same way, or meets
-        # rank 0's error (distributed.from_main): rank 0 says so once; other errors may
-        # differ between ranks, so each says its own
-        def said_by_main(e: BaseException) -> bool:
-            return not is_main and (isinstance(e, ConfigError | Interrupted)
-                                    or getattr(e, "from_main", False))
-
+        rank = distributed.environment().rank  # under torchrun, rank 0 reports
+        is_main = rank == 0
         try:
-            with reported(*USER_ERRORS, debug=debug, quiet=said_by_main):
+            with reported(debug=debug, rank=rank):
                 cfg = load_config(config, overrides)
                 if not cfg.run_name:
                     cfg.run_name = config.stem if config else "run"

@@ -26,7 +26,7 @@ def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          n_kv_head: Annotated[int, typer.Option(min=0)] = 0, baselines: bool = True,
          prompt_len: Annotated[int, typer.Option(min=1)] = PROMPT_LEN) -> None:
     """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
-    with reported(ValueError, OSError):  # a bad shape, length, path or device
+    with reported():  # a bad shape, length, path or device
         check_paths(json_path=json)
         run_benchmark(None, preset, device, dtype, parse_lengths(lengths), repeats, json,
                       decode, batch, layout, n_kv_head, baselines, prompt_len)

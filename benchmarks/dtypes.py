@@ -75,7 +75,7 @@ def main(run: str = "runs/quickstart", input: Path | None = None,
          repeats: Annotated[int, typer.Option(min=1)] = 5,
          json_path: Annotated[Path | None, typer.Option("--json")] = None) -> None:
     """Weight MB, decode tokens/s and loss for each weight dtype (see the module docstring)."""
-    with reported(ValueError, OSError):  # a bad path or run, before the work
+    with reported():  # a bad path or run, before the work
         check_paths(input, json_path)
         path = resolve_checkpoint(run, None)
         ckpt = load_checkpoint(path)

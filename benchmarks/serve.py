@@ -36,7 +36,7 @@ import typer
 
 from benchmarks import check_paths
 from machine.device import cpu_name
-from machine.errors import reported, run_command
+from machine.errors import UserError, reported, run_command
 from model import GPT, GPTConfig
 from weights.checkpoint import FORMAT, VERSION, save_checkpoint
 
@@ -183,7 +183,7 @@ def server_command(name: str, checkpoint: Path, llama: Path | None, port: int,
                 "--parallel", str(slots), "--queue", "256", "--dtype", dtype,
                 "--device", device, "--decode", decode]
     if llama is None:
-        raise ValueError(f"{name} needs --llama, the folder benchmarks/build_llama_server.sh "
+        raise UserError(f"{name} needs --llama, the folder benchmarks/build_llama_server.sh "
                          f"built")
     model = gguf(checkpoint, llama, name.split("-")[1])
     return [str(llama / "build" / "bin" / "llama-server"), "-m", str(model), "--port", str(port),
@@ -198,14 +198,14 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
          device: Annotated[str, typer.Option(help="serve.py's --device.")] = "cpu",
          decode: Annotated[str, typer.Option(help="serve.py's --decode.")] = "auto") -> None:
     """Print each server's figures at each level of concurrency."""
-    with reported(ValueError, OSError, RuntimeError):
+    with reported():
         names = servers.split(",")
         if not set(names) <= set(SERVERS):
-            raise ValueError(f"--servers takes some of {', '.join(SERVERS)}, got {servers!r}")
+            raise UserError(f"--servers takes some of {', '.join(SERVERS)}, got {servers!r}")
         levels = [int(c) for c in clients.split(",")]
         check_paths(json_path=json)
         if llama is not None and not (llama / "build" / "bin" / "llama-server").is_file():
-            raise ValueError(f"{llama} has no build/bin/llama-server; run "
+            raise UserError(f"{llama} has no build/bin/llama-server; run "
                              f"benchmarks/build_llama_server.sh {llama} first")
         where = (torch.cuda.get_device_name() if device.startswith("cuda")
                  else f"{torch.get_num_threads()} threads, {cpu_name()}")

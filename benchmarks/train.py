@@ -42,7 +42,7 @@ from benchmarks import check_paths
 from data.prepare import prepare_text
 from data.sources import read_text
 from machine.device import cpu_flags, native_bf16, resolve_device
-from machine.errors import reported, run_command
+from machine.errors import UserError, reported, run_command
 from machine.files import write_bytes_atomic
 from machine.perf import memory_mb, reset_peak_memory
 from training.config import load_config
@@ -250,11 +250,11 @@ def main(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
     """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
-    with reported(ValueError, OSError):  # a bad path or setting, before the work
+    with reported():  # a bad path or setting, before the work
         check_paths(input, json_path)
         if time_to_loss_target is not None:
             if input is None:
-                raise ValueError("--time-to-loss races on a text: add --input FILE")
+                raise UserError("--time-to-loss races on a text: add --input FILE")
             return race(input, ablation_recipes() if ablate else RECIPES, time_to_loss_target,
                         repeats, max_iters, json_path)
         overrides = {"max_iters": max_iters, "eval_interval": eval_interval,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from machine.device import cpu_identity
+from machine.errors import UserError
 from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 from model import GPT, KVCache
 
@@ -41,7 +42,7 @@ WEIGHT_DEFINES = {torch.float32: [], torch.bfloat16: ["-DWEIGHT_BF16"],
                   torch.int8: ["-DWEIGHT_INT8"]}
 
 
-class BuildError(RuntimeError):
+class BuildError(UserError):
     """The C step cannot be built or cannot run this model; the message says what to do."""
 
 

@@ -23,10 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from machine.errors import UserError
 from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 
 
-class AssetError(ValueError):
+class AssetError(UserError):
     """A third-party file that could not be fetched or failed its check; the message says
     what to do."""
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from data.tokenizer import CHAT_SPECIALS, Tokenizer
+from machine.errors import InputError
 
 BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS
 ROLES = ("system", "user", "assistant")
@@ -54,7 +55,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class ConversationError(ValueError):
+class ConversationError(InputError):
     """A conversation that cannot be rendered; the message says what is wrong with it."""
 
 
@@ -110,7 +111,7 @@ def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """The chat tokens' ids; ValueError if the tokenizer lacks them (a base model's)."""
     missing = [t for t in CHAT_SPECIALS if t not in tokenizer.specials]
     if missing:
-        raise ValueError(f"the tokenizer has no {', '.join(missing)}: it is a base model's; "
+        raise InputError(f"the tokenizer has no {', '.join(missing)}: it is a base model's; "
                          f"fine-tune it on conversations first (docs/chat.md)")
     return {t: tokenizer.specials[t] for t in CHAT_SPECIALS}
 

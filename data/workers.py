@@ -27,13 +27,14 @@ from data.documents import Batch, batch_texts, json_field, json_lines
 from data.shards import token_dtype
 from data.sources import DataError
 from data.tokenizer import load_tokenizer
+from machine.errors import UserError
 
 CHAR_SEPARATOR = "\n\n"  # between two documents, for the char tokenizer (GPT-2's: <|endoftext|>)
 
 worker: dict[str, Any] = {}
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(UserError):
     """A tokenizer process ended without giving its result back (killed: most often by the
     kernel's out-of-memory killer). Nothing written is lost: the run resumes."""
 
@@ -108,7 +109,7 @@ def tokenize_conversations(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
                 raise ValueError(f"it has no {batch.field!r} field (name the conversations' "
                                  f"field with --text-field)")
             ids, _ = render_conversation(tokenizer, check_conversation(messages))
-        except ValueError as e:  # the JSON (DataError), ConversationError, or the encoding
+        except (DataError, ValueError) as e:  # the JSON, a ConversationError, the encoding
             if not batch.skip_bad:
                 problem = str(e) if isinstance(e, DataError) else f"{where}: {e}; fix it"
                 raise DataError(f"{problem}, or add --skip-bad to leave out such "

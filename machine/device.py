@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
+from machine.errors import UserError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Linux /proc/cpuinfo flags of the x86 units that multiply bf16 in hardware
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError):
     """A device or dtype this machine does not have; the message names the alternative."""
 
 

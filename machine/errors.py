@@ -2,13 +2,16 @@
 a traceback.
 
 Usage:
-    from machine.errors import reported, run_command
-    with reported(ValueError, OSError, debug=debug):   # "error: <what and the fix>", exit 1
+    from machine.errors import UserError, reported, run_command
+    raise UserError("--json is a folder; give a file")   # what is wrong, then the fix
+    with reported(debug=debug):                    # "error: <what and the fix>", exit 1
         run_the_command()
-    run_command(app)                                    # a command's entry point
+    run_command(app)                               # a command's entry point
 
-A command names the kinds of error that are its user's to fix (a bad option, a missing
-file, a full disk); anything else is a bug, and keeps its traceback. --debug shows the
+A UserError is a problem its user can fix (a bad option, a missing file, a damaged
+checkpoint); its subclasses name where it arose (training.config.ConfigError,
+data.sources.DataError, ...). An OSError that reaches a command is the file system refusing
+one of the user's paths. Anything else is a bug and keeps its traceback; --debug shows the
 traceback of a reported error too.
 """
 
@@ -19,6 +22,27 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """An error the user can fix; its message says what is wrong, then what to do. A
+    command prints "LABEL: message" and exits with exit_code. `everywhere`: under torchrun
+    every process meets this error alike (the same config, the same checkpoint), so rank 0
+    alone reports it."""
+    label = "error"
+    exit_code = 1
+    everywhere = False
+
+    def __init__(self, message: str = "", *, everywhere: bool | None = None) -> None:
+        super().__init__(message)
+        if everywhere is not None:
+            self.everywhere = everywhere
+
+
+class InputError(UserError, ValueError):
+    """A value that a function cannot take, with a message written for the user who gave
+    it (a sampling setting, a prompt, a length). A ValueError too, as Python's callers of a
+    library expect."""
 
 
 def error_line(error: Exception) -> str:
@@ -35,18 +59,16 @@ def error_line(error: Exception) -> str:
 
 
 @contextmanager
-def reported(*kinds: type[BaseException], debug: bool = False,
-             quiet: Callable[[BaseException], bool] = lambda error: False) -> Iterator[None]:
-    """Report an error of one of `kinds` raised in the block as "LABEL: <one line>" and exit
-    with its code. An error may carry its own: `label` (default "error") and `exit_code`
-    (default 1). `quiet(error)` true prints nothing and exits all the same: the processes
-    under torchrun that rank 0 speaks for."""
+def reported(debug: bool = False, rank: int = 0) -> Iterator[None]:
+    """Report a UserError (or an OSError) raised in the block as "LABEL: <one line>" and
+    exit with its code. On a process of torchrun's other than rank 0, an error that every
+    process meets is left to rank 0 to say; the process exits with its code all the same."""
     try:
         yield
-    except kinds as e:
+    except (UserError, OSError) as e:
         if debug:
             raise
-        if not quiet(e):
+        if rank == 0 or not getattr(e, "everywhere", False):
             print(f"{getattr(e, 'label', 'error')}: {error_line(e)}", file=sys.stderr)
         raise SystemExit(getattr(e, "exit_code", 1)) from None
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from machine.errors import UserError
+
 
 def cache_dir() -> Path:
     """Where fetched and built files are kept between runs."""
@@ -124,7 +126,7 @@ def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -
     return None
 
 
-class OutputError(ValueError):
+class OutputError(UserError):
     """An output path that cannot be written; the message names the option and the fix."""
 
 

@@ -36,6 +36,7 @@ import torch
 
 from cdecode import CDecodeStep
 from generate import DecodeStep, cache_length, compiled_step, decode_step, stream
+from machine.errors import InputError
 from machine.files import write_bytes_atomic
 from machine.perf import available_memory, memory_mb, reset_peak_memory, sync
 from model import GPT, LAYOUTS, GPTConfig
@@ -54,7 +55,7 @@ def parse_lengths(text: str) -> list[int]:
     except ValueError:
         lengths = []
     if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths takes counts of new tokens separated by commas, each at "
+        raise InputError(f"--lengths takes counts of new tokens separated by commas, each at "
                          f"least 1, like 64,248,1024; got {text!r}")
     return lengths
 
@@ -139,9 +140,13 @@ def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
     if preset is None:
         return model_from_checkpoint(load_checkpoint(checkpoint)), str(checkpoint)
     torch.manual_seed(0)
-    shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
-             "n_kv_head": n_kv_head}
-    model = GPT(GPTConfig(**shape)).eval()
+    try:
+        shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
+                 "n_kv_head": n_kv_head}
+        config = GPTConfig(**shape)
+    except ValueError as e:  # an unknown preset, or an n_kv_head that does not divide n_head
+        raise InputError(f"--preset {preset}: {e}") from None
+    model = GPT(config).eval()
     return model, (f"preset {preset}, {layout} layout, n_kv_head {model.config.n_kv_head} "
                    f"(random weights)")
 
@@ -159,7 +164,7 @@ def check_cache_memory(kv_bytes: int, batch: int, prompt_len: int, lengths: list
     need = batch * cache_length(prompt_len, max(lengths), block_size) * kv_bytes
     available = available_memory(torch.device(device))
     if available is not None and need > available:
-        raise ValueError(f"--batch {batch} needs {need / 1e9:,.1f} GB for its KV cache, but "
+        raise InputError(f"--batch {batch} needs {need / 1e9:,.1f} GB for its KV cache, but "
                          f"{device} has {available / 1e9:,.1f} GB free; lower --batch")
 
 

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
+from machine.errors import InputError
 from machine.perf import available_memory
 from model import GPT, GPTConfig
 
@@ -59,13 +60,13 @@ def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, 
 def check_stride(stride: int | None, block_size: int) -> int:
     """The stride to use: block_size // 2 by default; refuse one that leaves tokens unscored."""
     if block_size < 2:  # a window predicts its own tokens after the first: here, none
-        raise ValueError(f"this model's block_size is {block_size}, and a window must hold a "
+        raise InputError(f"this model's block_size is {block_size}, and a window must hold a "
                          f"token and the one it predicts; evaluate.py scores models with "
                          f"block_size 2 or more")
     if stride is None:  # not given; 0 is given, and refused below
         stride = block_size // 2
     if not 1 <= stride < block_size:
-        raise ValueError(f"stride must be at least 1 and below block_size ({block_size}), so "
+        raise InputError(f"stride must be at least 1 and below block_size ({block_size}), so "
                          f"that windows overlap and no token goes unscored; got {stride}")
     return stride
 
@@ -89,7 +90,7 @@ def check_batch_memory(n_windows: int, stride: int, vocab_size: int,
     CPU to a standstill."""
     need, available = logits_bytes(n_windows, stride, vocab_size), available_memory(device)
     if available is not None and need > available:
-        raise ValueError(f"a batch of {n_windows:,} windows needs {need / 1e9:,.1f} GB for "
+        raise InputError(f"a batch of {n_windows:,} windows needs {need / 1e9:,.1f} GB for "
                          f"its logits, but {device.type} has {available / 1e9:,.1f} GB free; "
                          f"lower --batch-size, or leave it out")
 
@@ -104,7 +105,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
     batch_size = batch_size or default_batch_size(model.config, stride)
     ids = tokenizer.encode(text)
     if len(ids) < 2:
-        raise ValueError(f"the text is {len(ids)} token(s) long; scoring needs at least 2")
+        raise InputError(f"the text is {len(ids)} token(s) long; scoring needs at least 2")
     device = model.lm_head.weight.device
     tokens = torch.tensor(ids, device=device)
     spans = list(windows(len(ids), block_size, stride))

@@ -9,8 +9,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def project_modules() -> dict[str, Path]:
-    files = [p for p in REPO.rglob("*.py")
-             if not {".venv", "tests", ".git"} & set(p.relative_to(REPO).parts)]
+    # not tests/, and not hidden folders (.venv, .git, a user's own)
+    files = [p for p in REPO.rglob("*.py") if not any(
+        part == "tests" or part.startswith(".") for part in p.relative_to(REPO).parts)]
     names = {}
     for path in files:
         parts = list(path.relative_to(REPO).with_suffix("").parts)

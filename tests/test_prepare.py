@@ -242,7 +242,7 @@ def test_another_command_into_a_dataset_folder_is_refused_and_force_replaces(tmp
     path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
     first = prepare(list_inputs([path]), "char", tmp_path / "out", "c")
     assert prepare(list_inputs([path]), "char", tmp_path / "out", "c") == first  # done already
-    with pytest.raises(ValueError, match="holds another dataset; choose another --out, or add "
+    with pytest.raises(DataError, match="holds another dataset; choose another --out, or add "
                                          "--force to replace it"):
         prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c")
     assert load_meta(tmp_path / "out") == first

@@ -22,11 +22,14 @@ from typing import Annotated, Any
 import typer
 
 from machine.device import DTYPES
+from machine.errors import UserError
 from model import GPTConfig
 
 
-class ConfigError(ValueError):
-    """A configuration the trainer cannot run; the message names the key."""
+class ConfigError(UserError):
+    """A configuration the trainer cannot run; the message names the key. Every process
+    under torchrun reads the same configuration, and fails alike."""
+    everywhere = True
 
 
 # Training starts from a smaller shape than GPTConfig's defaults; every other field of the

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from machine.errors import UserError
 from model import GPT, GPTConfig
 
 
@@ -94,12 +95,22 @@ def any_true(flag: bool, info: Dist, device: torch.device) -> bool:
     return bool(all_sum(torch.tensor([float(flag)], device=device), info).item() > 0)
 
 
+class FailedOnMain(UserError):
+    """What the other processes raise when rank 0's part of the work failed: rank 0
+    reports the error; they leave with its exit code, saying nothing."""
+    everywhere = True
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.label = getattr(error, "label", "error")
+        self.exit_code = getattr(error, "exit_code", 1)
+
+
 def from_main(make: Callable[[], Any], info: Dist) -> Any:
-    """Rank 0 calls make(); every process returns its value, or raises its error. Without
-    the error in the broadcast, a failure on rank 0 alone (a run folder it cannot take, data
-    it cannot prepare) would leave the others in the next collective until gloo gives up
-    with a traceback. An error raised here on another rank has `from_main` set: rank 0
-    reports it."""
+    """Rank 0 calls make(); every process returns its value, or raises: rank 0 its error,
+    the others FailedOnMain. Without the error in the broadcast, a failure on rank 0 alone
+    (a run folder it cannot take, data it cannot prepare) would leave the others in the
+    next collective until gloo gives up with a traceback."""
     if not info.enabled:
         return make()
     box: list[Any] = [None, None]  # (value, error)
@@ -110,9 +121,9 @@ def from_main(make: Callable[[], Any], info: Dist) -> Any:
             box[1] = e
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        if not info.is_main:
-            box[1].from_main = True
-        raise box[1]
+        if info.is_main:
+            raise box[1]
+        raise FailedOnMain(box[1])
     return box[0]
 
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from data.loader import Sampler
 from generate import generate
 from machine.device import resolve_device
+from machine.errors import UserError
 from machine.files import quiet_writer_threads
 from machine.perf import peak_flops
 from training import checkpoints, distributed
@@ -38,7 +39,7 @@ from viz.attention_maps import log_attention
 from weights.checkpoint import CheckpointError, TrainState
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError):
     """Training cannot go on (a non-finite loss, a failed write); the last good checkpoint
     is kept."""
 
@@ -46,6 +47,7 @@ class TrainingError(RuntimeError):
 class Interrupted(TrainingError):
     """SIGINT or SIGTERM arrived; a checkpoint of the last finished step was written."""
     label = "interrupted"  # what train.py's one line starts with, in place of "error"
+    everywhere = True  # every process saves and leaves together
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
@@ -186,21 +188,17 @@ def save(s: Session, losses: dict[str, float], is_best: bool) -> None:
     tensors = checkpoints.shard_tensors(s.raw_model, s.optimizers) if sharded else None
     broken = checkpoints.broken_tensor(state, tensors, s.dist)
     if broken is not None:  # a loss that turned NaN between log points: no other trace
-        error = TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no "
-                              f"checkpoint was written and the last good one is kept: "
-                              f"lower learning_rate or set grad_clip")
-        error.from_main = not s.dist.is_main  # every process knows: rank 0 says it
-        raise error
+        raise TrainingError(f"{broken} holds NaN or inf at iter {s.iter_num}, so no "
+                            f"checkpoint was written and the last good one is kept: "
+                            f"lower learning_rate or set grad_clip", everywhere=True)
     try:
         s.checkpoint = checkpoints.write(s.run_dir, state, tensors, s.raw_model, s.optimizers,
                                          s.dist, is_best)
     except (OSError, CheckpointError) as e:  # a full disk, mid-write too
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
-        error = TrainingError(f"could not write a checkpoint in {s.run_dir} ({reason}) at "
-                              f"iter {s.iter_num}; {resume_hint(s)}")
-        # a sharded save fails on every process alike (DCP gathers the failures): rank 0 says it
-        error.from_main = sharded and not s.dist.is_main
-        raise error from None
+        # a sharded save fails on every process alike (DCP gathers the failures)
+        raise TrainingError(f"could not write a checkpoint in {s.run_dir} ({reason}) at "
+                            f"iter {s.iter_num}; {resume_hint(s)}", everywhere=sharded) from None
     s.saved_iter = s.iter_num
 
 

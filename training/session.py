@@ -91,8 +91,8 @@ def pretrained_weights(cfg: TrainConfig, meta: dict,
     a checkpoint or a run folder, its context cropped to block_size, checked against the
     data it will see. The base sets the model's shape and layout, and the data must be
     tokenized as it was, or (a chat dataset) with the chat tokens added: those get new rows."""
-    from weights.hf import model_type
-    from weights.loading import base_weights
+    from weights.hf import FolderError, model_type
+    from weights.loading import LoadError, base_weights
     try:
         if (Path(cfg.init_from) / "config.json").is_file() and model_type(cfg.init_from) == "gpt2" \
                 and not cfg.model_config(meta["vocab_size"]).is_gpt2:
@@ -103,7 +103,7 @@ def pretrained_weights(cfg: TrainConfig, meta: dict,
                                                         cfg.model.dropout)
     except ConfigError:
         raise
-    except ValueError as e:  # FolderError, LoadError, CheckpointError
+    except (FolderError, LoadError, CheckpointError) as e:
         raise ConfigError(f"init_from: {e}") from None
     base = tokenizer.to_meta()
     if meta["tokenizer"] not in (base, with_specials(base, CHAT_SPECIALS)):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from data.tokenizer import tokenizer_problem
+from machine.errors import UserError
 from machine.files import atomic_write, fsync_dir, record_problem
 from model import GPT, GPTConfig
 
@@ -79,7 +80,7 @@ class TrainState:
                    tokenizer=ckpt["tokenizer"], rng=ckpt["rng"])
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint file that cannot be used; the message says which and why."""
 
 
@@ -125,7 +126,7 @@ def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     fsync_dir(dst.parent)
 
 
-class UnreadableFile(ValueError):
+class UnreadableFile(Exception):
     """A file that a safe torch.load cannot read; the message says why, in a few words."""
 
 

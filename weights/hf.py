@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from machine.errors import UserError
 from machine.files import fsync_dir, write_bytes_atomic
 from weights.checkpoint import UnreadableFile, safe_load
 from weights.lazy import Lazy, mapped
@@ -29,11 +30,11 @@ from weights.lazy import Lazy, mapped
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class FolderError(ValueError):
+class FolderError(UserError):
     """A Hugging Face folder that cannot be used; the message says what is wrong."""
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """A folder that an export must not or cannot write into; the message says why."""
 
 

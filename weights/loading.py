@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from data.tokenizer import GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from machine.errors import UserError
 from model import GPT, GPTConfig
 from weights.checkpoint import (
     CheckpointError,
@@ -31,7 +32,7 @@ from weights.lazy import Lazy, build, cropped, expected, grown, mapped
 from weights.quantize import cast_weights, check_weight_dtype
 
 
-class LoadError(ValueError):
+class LoadError(UserError):
     """No model where the user pointed; the message says what is there and what to do."""
 
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from machine.device import DTYPES
+from machine.errors import InputError
 from model import GPT
 
 WEIGHT_DTYPES = (*DTYPES, "int8")  # what --dtype accepts where weights are loaded for inference
@@ -36,7 +37,7 @@ WEIGHT_DTYPES = (*DTYPES, "int8")  # what --dtype accepts where weights are load
 def check_weight_dtype(dtype: str) -> None:
     """Refuse a --dtype that is not one of WEIGHT_DTYPES, naming those that are."""
     if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+        raise InputError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,14 @@ from typing import Any, NamedTuple
 import torch
 
 from machine.files import atomic_write, fsync_dir, write_failure
-from weights.checkpoint import FORMAT, VERSION, CheckpointError, check_contents, safe_load
+from weights.checkpoint import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    UnreadableFile,
+    check_contents,
+    safe_load,
+)
 
 SHARDS = "shards"  # the run folder's subfolder of saved checkpoints
 STATE = "state.pt"  # a checkpoint folder's small, unsharded part
@@ -120,7 +127,7 @@ def read_state(path: Path, resume: bool = False) -> dict[str, Any]:
                               f"checkpoint")
     try:
         state = safe_load(state_path)
-    except ValueError as e:
+    except UnreadableFile as e:
         raise CheckpointError(f"{state_path} is truncated or damaged ({e})") from None
     return check_contents(state, state_path, resume, sharded=True)
 
