@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -374,13 +374,12 @@ class GPT(nn.Module):
         if not self.lm_head.weight.is_meta:  # on the meta device: shard, then initialise
             self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self, assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        """GPT-2's: N(0, 0.02) for matrices and tables, the residual projections scaled down
-        with depth (each block adds two to the residual stream, whose variance would grow),
-        zero biases, LayerNorm at its identity. `assign(param, full value)` puts each value
-        in place (a shard of it, sharded)."""
-        assign = assign or (lambda param, value: param.copy_(value))
+    def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with its initial value, one at a time: GPT-2's N(0, 0.02) for
+        matrices and tables, the residual projections scaled down with depth (each block
+        adds two to the residual stream, whose variance would grow), zero biases, LayerNorm
+        at its identity. Drawn from a generator of the model's own (init_seed), so a model
+        built whole and one filled shard by shard (training/fsdp.py) start alike."""
         generator = torch.Generator().manual_seed(self.init_seed)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
@@ -389,9 +388,12 @@ class GPT(nn.Module):
                 else:
                     std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
                     value = torch.empty(param.shape).normal_(0.0, std, generator=generator)
-                assign(param, value)
-        if self.config.pos_embedding == "rope":  # computed, not drawn; garbage after to_empty
-            self.rope_cos[:], self.rope_sin[:] = rope_tables(self.config)
+                yield param, value
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for param, value in self.initial_values():
+            param.copy_(value)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the tables that are only looked up: the

@@ -4,77 +4,366 @@ Usage:
     python train.py --config config/quickstart.toml               # char-level Shakespeare, CPU
     python train.py --config config/quickstart.toml --max-iters 500 --n-layer 2
     python train.py --config config/quickstart.toml --resume      # continue runs/quickstart
+    torchrun --standalone --nproc_per_node=2 train.py --config config/quickstart.toml
     tensorboard --logdir runs
 
-Every field of TrainConfig (training/config.py) is also a command-line option. A run writes
-runs/<run_name>/: TensorBoard events, last.pt (every evaluation) and best.pt (best val loss).
+    from train import train                  # from Python: a TrainConfig in, a TrainResult out
+    result = train(load_config("config/tiny.toml", {"max_iters": 100}))
+
+Settings come from TrainConfig's defaults (training/config.py), then the TOML file, then the
+command line. train() reads in nanoGPT's order: where the process computes, the data, the
+model and its optimizers, then the loop. What a plain run does not use is imported where it
+is needed: FSDP (training/fsdp.py), sharded checkpoints, data preparation, a base model to
+fine-tune (training/init_from.py). A run writes runs/<run_name>/: TensorBoard events,
+last.pt at every evaluation and best.pt at the best val loss.
 """
 
 from __future__ import annotations
 
-import inspect
+import math
 import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
+import torch
 import typer
+from tqdm import tqdm
 
+from data.loader import BatchStream, Sampler, Tokens, batch_sampler, load_dataset
+from data.sources import BUILTIN
+from data.tokenizer import Tokenizer
+from machine.device import check_compile, resolve_device
 from machine.errors import reported, run_command
+from machine.perf import peak_flops
+from model import GPT, GPTConfig
 from training import distributed
-from training.config import cli_parameters, load_config
-from training.loop import train
+from training.checkpoints import read_saved, restore, save, snapshot
+from training.config import ConfigError, TrainConfig, command_line, load_config
+from training.log import RunLog
+from training.memory import check_memory, out_of_memory
+from training.optimizer import configure_optimizers, lr_multiplier, set_lr
+from training.precision import choose_dtype
+from training.runs import Interrupted, TrainingError, check_resumable, run_folder, stop_signals
 
 
-def build_cli() -> typer.Typer:
-    """A typer command with --config, --resume, --debug and one option per TrainConfig field
-    (default None: only what is given on the command line overrides the config file)."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                      context_settings={"help_option_names": ["-h", "--help"]})
+@dataclass
+class TrainResult:
+    run_dir: Path
+    iter_num: int
+    best_val_loss: float
+    final_losses: dict[str, float]
+    wall_time: float
+    checkpoint: Path | None  # last.pt, or last.dcp: sharded, under FSDP; None: none saved
+    chat: bool = False  # trained on conversations: a model to talk to (sample.py --chat)
 
-    def command(**kwargs: Any) -> None:
-        config, resume, debug = kwargs.pop("config"), kwargs.pop("resume"), kwargs.pop("debug")
-        overrides = {key: value for key, value in kwargs.items() if value is not None}
-        rank = distributed.environment().rank  # under torchrun, rank 0 reports
-        is_main = rank == 0
-        try:
-            with reported(debug=debug, rank=rank):
-                cfg = load_config(config, overrides)
-                if not cfg.run_name:
-                    cfg.run_name = config.stem if config else "run"
-                result = train(cfg, resume)
-        except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (training/runs.stop_signals)
-            if is_main:
-                typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
-                           "checkpoint, if any, is intact", err=True)
-            raise typer.Exit(128 + signal.SIGINT) from None
-        if is_main:
-            ext = result.checkpoint.suffix if result.checkpoint else ".pt"  # .dcp: under FSDP
-            plain = f"python export.py {result.run_dir} --plain, then " if ext == ".dcp" else ""
-            typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
-                       f"best val loss {result.best_val_loss:.4f}\n"
-                       f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"
-                       f"next: {plain}python sample.py --run {result.run_dir}"
-                       f"{' --chat' if result.chat else ''}   |   "
-                       f"tensorboard --logdir {result.run_dir.parent}")
 
-    params = [
-        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
-                          annotation=Annotated[Path | None, typer.Option(
-                              help="TOML preset; see config/. Its keys are the options below.")]),
-        inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False,
-                          annotation=Annotated[bool, typer.Option(
-                              help="Continue runs/<run_name> from its last.pt.")]),
-        inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False,
-                          annotation=Annotated[bool, typer.Option(
-                              help="Show tracebacks for configuration and data errors.")]),
-        *cli_parameters(),
-    ]
-    command.__signature__ = inspect.Signature(params)
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    command.__doc__ = "Train a GPT. Settings: TrainConfig defaults < --config file < options."
-    app.command()(command)
-    return app
+def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
+    """Train the model cfg describes on its data; with resume, go on from the run folder's
+    last checkpoint. Under torchrun every process runs this."""
+    t_start = time.time()
+    # signals from the start: a Ctrl-C while the data is prepared, or during the first
+    # evaluation, is answered after the first step, with a save
+    with distributed.process_group(cfg.device) as dist, stop_signals() as stop:
+        # --- where this process computes ------------------------------------------------
+        device = resolve_device(cfg.device, dist.local_rank)
+        sharded = check_parallel(cfg, dist)
+        if cfg.compile:  # a compiler that cannot work here, said before anything is written
+            check_compile(device, instead="drop --compile")
+        torch.manual_seed(cfg.seed)
+        if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        # --- the data: token ids in memory-mapped shards --------------------------------
+        meta, splits, tokenizer = load_data(cfg, dist)
+        sample_ids = (setting_ids("sample_prompt", cfg.sample_prompt, tokenizer)
+                      if cfg.sample_tokens else [])
+        probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
+                     if cfg.attention_probe else splits["val"][:32].tolist())
+        check_memory(cfg, meta["vocab_size"], device, dist)
+
+        with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
+                RunLog(run, cfg, dist, tokenizer, probe_ids,
+                       attention=cfg.log_attention and not sharded) as log:
+            # --- the model and its optimizers: new, or as the checkpoint left them ------
+            saved, checkpoint = read_saved(run.path, device, mmap=sharded) if resume \
+                else (None, None)
+            dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
+            raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
+            run.check_room(raw_model, dist)
+            optimizers = configure_optimizers(raw_model, cfg, device, dtype)
+            # float16 needs its loss scaled, or small gradients round to zero; bf16 does not
+            scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+            # the model's block_size: a base model to fine-tune may have its own
+            samplers = {split: batch_sampler(data, meta, raw_model.config.block_size,
+                                             cfg.batch_size, log.say)
+                        for split, data in splits.items()}
+            batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
+            iter_num, best_val_loss = 0, math.inf
+            if saved is not None:
+                check_resumable(saved, raw_model, meta, cfg, checkpoint)
+                iter_num, best_val_loss = restore(saved, checkpoint, raw_model, optimizers,
+                                                  scaler, batches, device)
+                run.saved(checkpoint, iter_num)
+                del saved  # its tensors are copied into the model and optimizers: free them
+            model = raw_model  # what the step calls: maybe compiled, maybe wrapped in DDP
+            if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
+                model = torch.compile(model)
+            if dist.enabled and not sharded:  # gradients averaged across processes in backward
+                from torch.nn.parallel import DistributedDataParallel
+                # the gradients live in DDP's buckets rather than beside them: no second copy
+                model = DistributedDataParallel(
+                    model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+            # FSDP on a GPU gathers the weights in bf16 (its mixed precision): no autocast
+            autocast = (nullcontext() if dtype == torch.float32 or sharded and device.type == "cuda"
+                        else torch.autocast(device.type, dtype=dtype))
+
+            # --- the loop -----------------------------------------------------------------
+            log.start(iter_num, raw_model.config.n_head)
+            peak, peak_source = peak_flops(device, dtype)
+            processes = (f" x {dist.world_size} process{'es' * (dist.world_size > 1)}"
+                         if dist.enabled else "")
+            log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {cfg.tokens_per_iter:,} "
+                    f"tokens/iter, device {device}{processes}, optimizer {cfg.optimizer}, "
+                    f"writing to {run.path}/")
+            log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
+            log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process "
+                    f"({peak_source})")
+
+            def evaluate(it: int) -> dict[str, float]:
+                """Both splits' losses, a text sample and the attention pictures, logged."""
+                model.eval()  # no dropout while measuring or sampling
+                losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
+                text = sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist)
+                log.evaluation(it, losses, text, raw_model)
+                model.train()
+                if not math.isfinite(losses["val"]):
+                    raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last "
+                                        f"good checkpoint is kept: lower learning_rate or set "
+                                        f"grad_clip")
+                return losses
+
+            losses = evaluate(iter_num) if iter_num == 0 else {}
+            x, y = batches.next()
+            accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's
+            t_log, iters_since_log = time.perf_counter(), 0
+            loss_sum = torch.zeros((), device=device)
+            while iter_num < cfg.max_iters:
+                # warmup, then cosine decay; each param group has its own peak
+                lr_scale = lr_multiplier(iter_num, cfg)
+                set_lr(optimizers, lr_scale)
+                for micro_step in range(accum_steps):
+                    # under torchrun, reduce gradients only after the last micro-batch
+                    last = micro_step == accum_steps - 1
+                    with distributed.gradient_sync(model, dist, sync=last):
+                        with autocast:
+                            _, loss = model(to_device(x, device), to_device(y, device))
+                        loss = loss / accum_steps  # the step's mean over its micro-batches
+                        x, y = batches.next()  # drawn while a GPU works on the forward pass
+                        scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                for opt in optimizers:
+                    scaler.unscale_(opt)  # so that clipping sees the true gradients
+                grad_norm = distributed.whole(torch.nn.utils.clip_grad_norm_(
+                    raw_model.parameters(), cfg.grad_clip or math.inf))
+                for opt in optimizers:
+                    scaler.step(opt)
+                scaler.update()
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                iter_num += 1
+                iters_since_log += 1
+                log.step()
+
+                if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                    # .item() waits for the device: only here, every log_interval steps
+                    train_loss = (distributed.all_sum(loss_sum, dist).item()
+                                  / (iters_since_log * dist.world_size))
+                    if not math.isfinite(train_loss):
+                        raise TrainingError(f"training loss became {train_loss} at iter "
+                                            f"{iter_num}; the last good checkpoint is kept: "
+                                            f"lower learning_rate or set grad_clip")
+                    tokens_per_sec = (iters_since_log * cfg.tokens_per_iter
+                                      / (time.perf_counter() - t_log))
+                    mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
+                    log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
+                              grad_norm.item(), tokens_per_sec, mfu)
+                    t_log, iters_since_log = time.perf_counter(), 0
+                    loss_sum = torch.zeros_like(loss_sum)
+
+                evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+                is_best = False
+                if evaluated:
+                    losses = evaluate(iter_num)
+                    is_best = losses["val"] < best_val_loss
+                    best_val_loss = min(best_val_loss, losses["val"])
+                stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
+                if evaluated or stopping:  # a step saved unmeasured has a val loss of NaN
+                    state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
+                                     best_val_loss, losses["val"] if evaluated else math.nan,
+                                     cfg.to_dict(), meta["tokenizer"], device)
+                    save(run, state, raw_model, optimizers, dist, is_best)
+                    t_log = time.perf_counter()  # evaluation time is not training throughput
+                if stopping:
+                    raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
+                                      f"{iter_num}; saved {run.checkpoint}; continue with "
+                                      f"the same command and {run.resume_flags}", stop.signal)
+            log.finish(best_val_loss, iter_num)
+    return TrainResult(run.path, iter_num, best_val_loss, losses, time.time() - t_start,
+                       run.checkpoint, bool(meta.get("chat")))
+
+
+def check_parallel(cfg: TrainConfig, dist: distributed.Dist) -> bool:
+    """Whether this run shards its model (FSDP); ConfigError where the processes and the
+    settings do not fit together."""
+    if cfg.gradient_accumulation_steps % dist.world_size != 0:
+        raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
+                          f"must be divisible by the number of processes ({dist.world_size})")
+    if cfg.parallel != "fsdp":
+        return False
+    if not dist.enabled:
+        raise ConfigError("parallel = fsdp shards the model across torchrun's processes; "
+                          "launch with torchrun --nproc_per_node=N, or drop --parallel")
+    if cfg.dtype == "float16":
+        raise ConfigError("parallel = fsdp trains in float32 or bfloat16; float16's loss "
+                          "scaling is not wired for sharded gradients: use --dtype bfloat16")
+    return True
+
+
+def load_data(cfg: TrainConfig, dist: distributed.Dist,
+              ) -> tuple[dict, dict[str, Tokens], Tokenizer]:
+    """The dataset's meta.json, its splits memory-mapped, and its tokenizer; a built-in
+    dataset is prepared on first use. Rank 0 prepares and reads it first, while the other
+    processes wait: a missing or damaged dataset is one line from rank 0, for all."""
+    data_dir = Path(cfg.data_dir)
+    read = None  # rank 0's reading: memmaps are not for a broadcast
+
+    def prepare_and_read() -> None:
+        nonlocal read
+        if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
+            tqdm.write(f"preparing {data_dir} (first run only)")
+            from data.prepare import prepare_builtin  # tokenizers and workers: only now
+            prepare_builtin(data_dir.name, data_dir)
+        read = load_dataset(data_dir, cfg.model.block_size)
+    distributed.from_main(prepare_and_read, dist)
+    return read or load_dataset(data_dir, cfg.model.block_size)
+
+
+def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a text setting (sample_prompt, attention_probe); a ConfigError names
+    the setting when the text cannot be encoded or encodes to nothing."""
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    if not ids:
+        raise ConfigError(f"{name} encodes to no tokens; give some text")
+    return ids
+
+
+def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
+                dist: distributed.Dist, sharded: bool, saved: Any) -> GPT:
+    """A new model of the config's shape, or the base model to fine-tune (init_from), on the
+    device, sharded under parallel = fsdp. A resumed fine-tuning has the checkpoint's shape,
+    and its weights replace the base's, which is then not read at all."""
+    config, base = cfg.model_config(meta["vocab_size"]), None
+    if cfg.init_from and saved is not None:
+        config = GPTConfig(**saved.model_args)
+    elif cfg.init_from:
+        from training.init_from import base_model  # a Hugging Face folder, a run ...
+        config, base = base_model(cfg, meta, dist)
+    if sharded:
+        from training.fsdp import shard_model
+        param_dtype = dtype if device.type == "cuda" and dtype != torch.float32 else None
+        return shard_model(config, device, param_dtype, cfg.compile, base)
+    if base is not None:
+        from weights.lazy import build
+        return build(config, base).to(device)
+    return GPT(config).to(device)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # pinned memory lets the copy overlap with compute
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+@torch.no_grad()
+def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
+                  device: torch.device, autocast: Any,
+                  dist: distributed.Dist | None = None) -> dict[str, float]:
+    """Mean loss over eval_iters batches per split (call it in eval mode). The batches are
+    the same at every evaluation (a fixed seed), so the curve shows the model changing,
+    not the sample. Under torchrun the processes share the batches out and average."""
+    dist = dist or distributed.Dist()
+    # a sharded model's forward is a collective: every process runs as many, the last
+    # batch again (and not counted) where eval_iters does not divide among them
+    rounds = -(-cfg.eval_iters // dist.world_size) * dist.world_size
+    out = {}
+    for name, draw in samplers.items():
+        generator = torch.Generator().manual_seed(cfg.seed + 1)
+        total = torch.zeros(2, device=device)  # (sum of losses, batches)
+        for k in range(rounds if distributed.is_sharded(model) else cfg.eval_iters):
+            if k < cfg.eval_iters:
+                x, y = draw(generator)
+            if k % dist.world_size == dist.rank:
+                with autocast:
+                    _, loss = model(to_device(x, device), to_device(y, device))
+                counted = float(k < cfg.eval_iters)
+                total += torch.stack([loss.float() * counted,
+                                      torch.full((), counted, device=device)])
+        loss_sum, count = distributed.all_sum(total, dist).tolist()
+        out[name] = loss_sum / count
+    return out
+
+
+def sample(model: GPT, ids: list[int], tokenizer: Tokenizer, cfg: TrainConfig,
+           device: torch.device, autocast: Any, dist: distributed.Dist) -> str | None:
+    """An evaluation's text sample, from sample_prompt with the same seed every time, or
+    None where nothing is sampled. A sharded model samples on every process (its forward is
+    a collective), in eager steps (the C step reads whole weights); rank 0 keeps the text."""
+    fsdp = distributed.is_sharded(model)
+    if not cfg.sample_tokens or not (dist.is_main or fsdp):
+        return None
+    from generate import generate
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    # a CPU samples in the weights' fp32, with the C step, which ignores autocast
+    with autocast if device.type != "cpu" else nullcontext():
+        out = generate(model, prompt, cfg.sample_tokens, generator=generator,
+                       decode="eager" if fsdp else "auto")
+    return tokenizer.decode(out[0].tolist()) if dist.is_main else None
+
+
+def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bool) -> None:
+    """Train a GPT. Settings: TrainConfig's defaults < --config FILE < options."""
+    rank = distributed.environment().rank  # under torchrun, rank 0 reports
+    try:
+        with reported(debug=debug, rank=rank):
+            cfg = load_config(config, overrides)
+            if not cfg.run_name:
+                cfg.run_name = config.stem if config else "run"
+            result = train(cfg, resume)
+    except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (training/runs.py)
+        if rank == 0:
+            typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
+                       "checkpoint, if any, is intact", err=True)
+        raise typer.Exit(128 + signal.SIGINT) from None
+    if rank == 0:
+        sharded = result.checkpoint is not None and result.checkpoint.suffix == ".dcp"
+        ext = ".dcp" if sharded else ".pt"
+        plain = f"python export.py {result.run_dir} --plain, then " if sharded else ""
+        typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
+                   f"best val loss {result.best_val_loss:.4f}\n"
+                   f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"
+                   f"next: {plain}python sample.py --run {result.run_dir}"
+                   f"{' --chat' if result.chat else ''}   |   "
+                   f"tensorboard --logdir {result.run_dir.parent}")
 
 
 if __name__ == "__main__":
-    run_command(build_cli())
+    run_command(command_line(main))

@@ -33,7 +33,7 @@ import typer
 
 from model import GPT
 from training import distributed
-from training.config import load_config
+from training.config import TrainConfig, load_config
 from training.optimizer import configure_optimizers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,12 +50,19 @@ def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size:
     overrides = {"block_size": block_size, "batch_size": batch_size}
     cfg = load_config(config, {"parallel": parallel, "dtype": "float32",
                                **{key: value for key, value in overrides.items() if value}})
-    info = distributed.setup(use_cuda=False)
+    with distributed.process_group("cpu") as info:
+        return measure(cfg, info, config, parallel, steps, vocab_size)
+
+
+def measure(cfg: TrainConfig, info: distributed.Dist, config: Path, parallel: str, steps: int,
+            vocab_size: int) -> dict:
+    """Build the case's model, take its steps, and return its figures."""
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)
     shape = cfg.model_config(vocab_size)
     if parallel == "fsdp" and info.enabled:
-        model = distributed.shard_model(shape, device, None, compile=False)
+        from training.fsdp import shard_model
+        model = shard_model(shape, device, None, compile=False)
         step_model: torch.nn.Module = model
     else:
         model = GPT(shape)
@@ -83,7 +90,6 @@ def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size:
         "ms_per_iter": 1000 * statistics.median(times[1:]),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
     }
-    distributed.teardown(info, finished=True)
     return figures
 
 

@@ -45,8 +45,8 @@ from machine.device import cpu_flags, native_bf16, resolve_device
 from machine.errors import UserError, reported, run_command
 from machine.files import write_bytes_atomic
 from machine.perf import memory_mb, reset_peak_memory
+from train import train
 from training.config import load_config
-from training.loop import train
 from weights.checkpoint import load_checkpoint
 
 QUICKSTART = Path("config/quickstart.toml")

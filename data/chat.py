@@ -29,7 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
+from data.sources import DataError
 from data.tokenizer import CHAT_SPECIALS, Tokenizer
 from machine.errors import InputError
 
@@ -156,3 +158,55 @@ def assistant_mask(ids: np.ndarray, start_id: int, end_id: int) -> np.ndarray:
     starts = np.cumsum(ids == start_id) - (ids == start_id)  # opened before this token
     ends = np.cumsum(ids == end_id) - (ids == end_id)  # closed before this token
     return starts > ends
+
+
+class Conversations:
+    """The conversations of a chat split, drawn whole: each row of a batch is one
+    conversation from its <|bos|>, and the targets outside the assistant's turns are -1,
+    which the loss ignores (data/chat.py's mask, read back from the ids).
+
+    Padded, not packed: rows are as long as the batch's longest conversation, the rest of
+    a shorter row filled with <|bos|> and its targets -1. Each row then attends to its own
+    conversation only, from position 0 as in the chat REPL, with no attention mask to
+    build; conversations are short, so the padding costs little (docs/chat.md measures
+    it). A conversation longer than block_size + 1 tokens is cut, and one whose first
+    learned token falls past the cut is left out, so every row has targets.
+
+    `ids` is the whole split (`where` names it), read into memory once: chat datasets are
+    small next to pretraining's."""
+
+    def __init__(self, ids: np.ndarray, where: str, specials: dict[str, int],
+                 block_size: int) -> None:
+        self.ids = ids.astype(np.int64)
+        self.bos, self.block_size = specials[BOS], block_size
+        learned = assistant_mask(self.ids, specials[ASSISTANT_START], specials[ASSISTANT_END])
+        self.targets = np.where(learned, self.ids, -1)
+        starts = np.flatnonzero(self.ids == self.bos)
+        ends = np.append(starts[1:], len(self.ids))
+        keep = [self.learns_within(s, e, learned) for s, e in zip(starts, ends, strict=True)]
+        self.spans = [(int(s), int(min(e, s + block_size + 1)))
+                      for s, e, k in zip(starts, ends, keep, strict=True) if k]
+        cut = sum(1 for s, e in zip(starts, ends, strict=True) if e - s > block_size + 1)
+        left_out = len(starts) - len(self.spans)
+        # what the cut costs, for the run to say: None when every conversation fits
+        self.note = (f"note: {cut:,} of {len(starts):,} conversations in {where} are "
+                     f"longer than block_size + 1 ({block_size + 1}) tokens and are cut, "
+                     f"{left_out:,} of them before any reply, which leaves them out"
+                     if cut else None)
+        if not self.spans:
+            raise DataError(f"{where} has no conversation with an assistant turn within "
+                            f"block_size ({block_size}) tokens; raise block_size")
+
+    def learns_within(self, start: int, end: int, learned: np.ndarray) -> bool:
+        return bool(learned[start + 1:min(end, start + self.block_size + 1)].any())
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        picks = torch.randint(len(self.spans), (batch_size,), generator=generator).tolist()
+        spans = [self.spans[i] for i in picks]
+        T = max(end - start for start, end in spans) - 1
+        x = np.full((batch_size, T), self.bos, dtype=np.int64)
+        y = np.full((batch_size, T), -1, dtype=np.int64)
+        for row, (start, end) in enumerate(spans):
+            x[row, :end - start - 1] = self.ids[start:end - 1]
+            y[row, :end - start - 1] = self.targets[start + 1:end]
+        return torch.from_numpy(x), torch.from_numpy(y)

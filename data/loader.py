@@ -4,6 +4,7 @@ Usage:
     from data.loader import load_meta, load_split, get_batch
     meta = load_meta("data/shakespeare_char")
     train = load_split("data/shakespeare_char", "train")   # Tokens: memory-mapped shards
+    meta, splits, tokenizer = load_dataset("data/shakespeare_char", block_size=64)
     x, y = get_batch(train, block_size=64, batch_size=12, generator=torch.Generator())
     draw = batch_sampler(train, meta, block_size=64, batch_size=12)  # windows, or conversations
     x, y = draw(torch.Generator())
@@ -14,7 +15,7 @@ from one shard into the next, since the shards are consecutive pieces of one str
 never cross from train into val.
 
 A chat dataset (prepared with --chat) is drawn by whole conversations instead: see
-Conversations.
+data/chat.Conversations.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.chat import ASSISTANT_END, ASSISTANT_START, BOS, assistant_mask
 from data.shards import open_shards
 from data.sources import DataError
-from data.tokenizer import load_tokenizer, tokenizer_problem
+from data.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 from machine.files import record_problem
 
 SPLITS = ("train", "val")
@@ -134,6 +134,22 @@ def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> To
     return Tokens(stream_range(pieces, *span), meta["vocab_size"], str(data_dir))
 
 
+def load_dataset(data_dir: str | Path, block_size: int) -> tuple[dict, dict[str, Tokens], Tokenizer]:
+    """A prepared dataset: its meta.json, its splits memory-mapped, and its tokenizer. Each
+    split must be longer than block_size, or no window can be drawn from it."""
+    meta = load_meta(data_dir)
+    splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
+    for split, data in splits.items():
+        if len(data) <= block_size:
+            raise DataError(f"block_size ({block_size}) must be smaller than the {split} split "
+                            f"({len(data)} tokens); lower block_size or use more text")
+    try:
+        tokenizer = load_tokenizer(meta["tokenizer"])
+    except ValueError as e:
+        raise DataError(f"{data_dir}/meta.json: {e}; prepare the dataset again") from None
+    return meta, splits, tokenizer
+
+
 def get_batch(data: Tokens, block_size: int, batch_size: int,
               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """batch_size random windows: inputs x and next-token targets y, both (B, block_size) int64."""
@@ -146,63 +162,15 @@ def get_batch(data: Tokens, block_size: int, batch_size: int,
 Sampler = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 
 
-class Conversations:
-    """The conversations of a chat split, drawn whole: each row of a batch is one
-    conversation from its <|bos|>, and the targets outside the assistant's turns are -1,
-    which the loss ignores (data/chat.py's mask, read back from the ids).
-
-    Padded, not packed: rows are as long as the batch's longest conversation, the rest of
-    a shorter row filled with <|bos|> and its targets -1. Each row then attends to its own
-    conversation only, from position 0 as in the chat REPL, with no attention mask to
-    build; conversations are short, so the padding costs little (docs/chat.md measures
-    it). A conversation longer than block_size + 1 tokens is cut, and one whose first
-    learned token falls past the cut is left out, so every row has targets.
-
-    The split is read into memory once: chat datasets are small next to pretraining's."""
-
-    def __init__(self, data: Tokens, specials: dict[str, int], block_size: int) -> None:
-        self.ids = data[0:len(data)].astype(np.int64)
-        self.bos, self.block_size = specials[BOS], block_size
-        learned = assistant_mask(self.ids, specials[ASSISTANT_START], specials[ASSISTANT_END])
-        self.targets = np.where(learned, self.ids, -1)
-        starts = np.flatnonzero(self.ids == self.bos)
-        ends = np.append(starts[1:], len(self.ids))
-        keep = [self.learns_within(s, e, learned) for s, e in zip(starts, ends, strict=True)]
-        self.spans = [(int(s), int(min(e, s + block_size + 1)))
-                      for s, e, k in zip(starts, ends, keep, strict=True) if k]
-        cut = sum(1 for s, e in zip(starts, ends, strict=True) if e - s > block_size + 1)
-        left_out = len(starts) - len(self.spans)
-        # what the cut costs, for the run to say: None when every conversation fits
-        self.note = (f"note: {cut:,} of {len(starts):,} conversations in {data.where} are "
-                     f"longer than block_size + 1 ({block_size + 1}) tokens and are cut, "
-                     f"{left_out:,} of them before any reply, which leaves them out"
-                     if cut else None)
-        if not self.spans:
-            raise DataError(f"{data.where} has no conversation with an assistant turn within "
-                            f"block_size ({block_size}) tokens; raise block_size")
-
-    def learns_within(self, start: int, end: int, learned: np.ndarray) -> bool:
-        return bool(learned[start + 1:min(end, start + self.block_size + 1)].any())
-
-    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        picks = torch.randint(len(self.spans), (batch_size,), generator=generator).tolist()
-        spans = [self.spans[i] for i in picks]
-        T = max(end - start for start, end in spans) - 1
-        x = np.full((batch_size, T), self.bos, dtype=np.int64)
-        y = np.full((batch_size, T), -1, dtype=np.int64)
-        for row, (start, end) in enumerate(spans):
-            x[row, :end - start - 1] = self.ids[start:end - 1]
-            y[row, :end - start - 1] = self.targets[start + 1:end]
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-
 def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
                   say: Callable[[str], None] | None = None) -> Sampler:
     """How this split's batches are drawn: random windows of a corpus, or whole
     conversations of a chat dataset (`say` is told which are cut to fit block_size)."""
     if not meta.get("chat"):
         return lambda generator: get_batch(data, block_size, batch_size, generator)
-    conversations = Conversations(data, load_tokenizer(meta["tokenizer"]).specials, block_size)
+    from data.chat import Conversations  # the chat tokens and their mask: only for chat data
+    specials = load_tokenizer(meta["tokenizer"]).specials
+    conversations = Conversations(data[0:len(data)], data.where, specials, block_size)
     if conversations.note and say is not None:
         say(conversations.note)
     return lambda generator: conversations.batch(batch_size, generator)

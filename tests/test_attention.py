@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from model import GPT, GPTConfig
 from tests.forked import python
-from training.loop import train
+from train import train
 from viz.attention_maps import attention_maps, head_entropy, write_html
 
 REPO = Path(__file__).resolve().parent.parent

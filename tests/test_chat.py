@@ -16,6 +16,7 @@ from data.chat import (
     ASSISTANT_END,
     ASSISTANT_START,
     ConversationError,
+    Conversations,
     assistant_mask,
     check_conversation,
     render_conversation,
@@ -23,7 +24,7 @@ from data.chat import (
     special_ids,
 )
 from data.documents import list_inputs
-from data.loader import Conversations, load_meta, load_split
+from data.loader import load_meta, load_split
 from data.prepare import prepare
 from data.sources import DataError
 from data.tokenizer import (
@@ -132,11 +133,15 @@ def test_a_conversation_that_ends_without_a_reply_is_named(tmp_path, char_data):
         prepare(list_inputs([path]), str(char_data), tmp_path / "out", "c", chat=True)
 
 
+def conversations_of(split, specials: dict[str, int], block_size: int) -> Conversations:
+    return Conversations(split[0:len(split)], split.where, specials, block_size)
+
+
 def test_batches_hold_whole_conversations_and_learn_the_replies_only(chat_data, char_data):
     meta = load_meta(chat_data)
     tokenizer = load_tokenizer(meta["tokenizer"])
     assert meta["chat"] and meta["vocab_size"] == load_meta(char_data)["vocab_size"] + 5
-    conversations = Conversations(load_split(chat_data, "val", meta), tokenizer.specials, 64)
+    conversations = conversations_of(load_split(chat_data, "val", meta), tokenizer.specials, 64)
     x, y = conversations.batch(8, torch.Generator().manual_seed(0))
     bos = tokenizer.specials["<|bos|>"]
     assert (x[:, 0] == bos).all() and x.size(1) < 64  # padded to the longest, not block_size
@@ -152,8 +157,8 @@ def test_batches_hold_whole_conversations_and_learn_the_replies_only(chat_data, 
 def test_conversations_longer_than_the_context_are_cut_and_said(chat_data):
     meta = load_meta(chat_data)
     tokenizer = load_tokenizer(meta["tokenizer"])
-    whole = Conversations(load_split(chat_data, "val", meta), tokenizer.specials, 64)
-    cut = Conversations(load_split(chat_data, "val", meta), tokenizer.specials, 12)
+    whole = conversations_of(load_split(chat_data, "val", meta), tokenizer.specials, 64)
+    cut = conversations_of(load_split(chat_data, "val", meta), tokenizer.specials, 12)
     assert whole.note is None and len(cut.spans) == len(whole.spans)
     assert "are longer than block_size + 1 (13) tokens and are cut, 0 of them before" in cut.note
     assert max(end - start for start, end in cut.spans) == 13

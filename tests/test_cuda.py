@@ -14,8 +14,8 @@ import torch
 from benchmarks.train import read_scalars
 from generate import compiled_step, decode_step, generate
 from model import GPT, GPTConfig
+from train import TrainResult, train
 from training.config import TrainConfig
-from training.loop import TrainResult, train
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_model
 

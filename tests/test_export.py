@@ -16,8 +16,8 @@ from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from data.tokenizer_json import tokenizer_files
 from tests.forked import python
 from tests.layouts import LAYOUTS
+from train import train
 from training.config import ConfigError, load_config
-from training.loop import train
 from weights.checkpoint import load_checkpoint
 
 transformers = pytest.importorskip("transformers")  # test-only dependency

@@ -22,8 +22,9 @@ import torch
 import model as model_module
 from model import GPT, GPTConfig
 from tests.forked import python
+from train import train
 from training.config import ConfigError, load_config
-from training.loop import TrainingError, train
+from training.runs import TrainingError
 from weights.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -463,7 +464,7 @@ def test_output_to_a_full_disk_is_one_line_and_what_was_written_is_kept(tmp_path
     (60_000, r"error: this run needs at least [\d.]+ GB \(.* batch_size 60000 x block_size 32\), "
              r"but cpu has [\d.]+ GB left under this process's limit of 2\.0 GB \(ulimit -v\)"),
     # the check's lower bound passes, and the allocator fails in the step
-    (12_000, r"error: a step of batch_size 12000 x block_size 32 ran out of memory on cpu, "
+    (12_000, r"error: training with batch_size 12000 x block_size 32 ran out of memory on cpu, "
              r"with [\d.]+ GB left under this process's limit of 2\.0 GB \(ulimit -v\); "
              r"lower batch_size"),
 ])

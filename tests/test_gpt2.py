@@ -16,8 +16,8 @@ from data.prepare import prepare_text
 from data.tokenizer import load_tokenizer
 from generate import generate
 from tests.forked import python
+from train import train
 from training.config import load_config
-from training.loop import train
 from weights.checkpoint import load_checkpoint, model_from_checkpoint
 from weights.gpt2 import export_hf_gpt2, load_hf_gpt2
 from weights.hf import FolderError

@@ -15,12 +15,13 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from data.loader import batch_sampler, load_meta, load_split
+from data.sources import DataError
 from machine.perf import datasheet_peak_flops, peak_flops
 from model import GPT, GPTConfig
 from tests.forked import python
 from tests.layouts import LAYOUTS
+from train import estimate_loss, train
 from training.config import ConfigError, load_config
-from training.loop import estimate_loss, train
 from weights.checkpoint import (
     CheckpointError,
     link_checkpoint,
@@ -231,7 +232,7 @@ def test_bad_configs_are_rejected_with_the_key_named(tmp_path, toml, overrides, 
 
 def test_block_size_larger_than_the_data_is_rejected(tiny_config):
     cfg = tiny_config.updated(block_size=10**6)
-    with pytest.raises(ConfigError, match=r"block_size \(1000000\) must be smaller than the train split"):
+    with pytest.raises(DataError, match=r"block_size \(1000000\) must be smaller than the train split"):
         train(cfg)
 
 
@@ -283,7 +284,7 @@ def test_cli_trains_and_resumes(tmp_path, char_data):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--n-layers", "2"), "No such option: --n-layers"),
+    (("--n-layers", "2"), "No such option '--n-layers'"),
     (("--config", "nope.toml"), "error: config file nope.toml not found; presets are in config/"),
     (("--data-dir", "no/such/dir"), "error: no prepared dataset in no/such/dir"),
     (("--resume", "--run-name", "never"), "error: nothing to resume"),

@@ -1,12 +1,14 @@
-"""A run's checkpoints, in the two formats: last.pt (one file, from rank 0) and, under
-FSDP, last.dcp (each process writes its shards: weights/sharded.py). Either resumes on any
-number of processes, sharded or not.
+"""A run's checkpoints: what one holds (weights/checkpoint.py's TrainState), writing it,
+and putting a run back as it left off. Two formats: last.pt, one file from rank 0, and
+under FSDP last.dcp, each process writing its own shards (training/fsdp.py, imported only
+then). Either resumes on any number of processes, sharded or not.
 
 Usage:
-    from training.checkpoints import write, read_saved, fill_from_shards
-    write(run_dir, state, tensors, model, optimizers, dist, is_best)  # every process calls
-    saved, shards = read_saved(run_dir, device, mmap=fsdp)       # a TrainState, and where
-    fill_from_shards(saved, shards, model, optimizers)           # its tensors are, if sharded
+    from training.checkpoints import snapshot, save, read_saved, restore
+    state = snapshot(model, optimizers, scaler, batches, iter_num, ...)   # a TrainState
+    save(run, state, model, optimizers, dist, is_best)     # every process calls it
+    saved, path = read_saved(run.path, device, mmap=False)  # --resume: a TrainState
+    iter_num, best_val_loss = restore(saved, path, model, optimizers, scaler, batches, device)
 
 A run folder's checkpoint is last.dcp if it has one (only a run under FSDP writes it, and it
 removes an older last.pt), else last.pt; best.* likewise.
@@ -18,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from data.loader import BatchStream
 from model import GPT
 from training import distributed
-from weights import sharded
+from training.runs import Run, TrainingError
 from weights.checkpoint import (
     CheckpointError,
     TrainState,
@@ -28,133 +31,139 @@ from weights.checkpoint import (
     load_checkpoint,
     non_finite,
     save_checkpoint,
+    state_dict_mismatch,
 )
+
+SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need not import it
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint a resumed run starts from: last.dcp, else last.pt, else None."""
-    for path in (run_dir / f"last{sharded.SUFFIX}", run_dir / "last.pt"):
+    for path in (run_dir / f"last{SHARDED}", run_dir / "last.pt"):
         if path.exists():
             return path
     return None
 
 
-def parameter_names(model: GPT, optimizers: list[torch.optim.Optimizer]) -> list[list[str]]:
-    """Each optimizer's parameters by name, in its order: what a state saved by name maps
-    back to positions with (the tied head is the token table's parameter, named once)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [[names[id(p)] for group in opt.param_groups for p in group["params"]]
-            for opt in optimizers]
+def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
+             batches: BatchStream, iter_num: int, dtype: torch.dtype, best_val_loss: float,
+             val_loss: float, config: dict, tokenizer: dict, device: torch.device) -> TrainState:
+    """What a checkpoint of the run holds now. The batch state is the stream's before the
+    batch still pending was drawn, so a resumed run draws exactly the batches this run would
+    have drawn next. A sharded model's weights and moments are not in it: each process saves
+    its own shards of them (see save)."""
+    rng = {"torch": torch.get_rng_state(), "batches": batches.state}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    plain = not distributed.is_sharded(model)
+    return TrainState(
+        model_args=vars(model.config).copy(),
+        model=model.state_dict() if plain else {},
+        optimizer=[opt.state_dict() for opt in optimizers] if plain else [],
+        scaler=scaler.state_dict(), iter_num=iter_num, dtype=str(dtype).removeprefix("torch."),
+        best_val_loss=best_val_loss, val_loss=val_loss, config=config, tokenizer=tokenizer,
+        rng=rng)
 
 
-def shard_tensors(model: GPT, optimizers: list[torch.optim.Optimizer],
-                  ) -> dict[str, torch.Tensor]:
-    """The tensors a sharded checkpoint holds, as this process holds them: the weights as
-    model.NAME, each optimizer's state as optimizer.I.PARAM.KEY."""
-    tensors = {f"model.{name}": value for name, value in model.state_dict().items()
-               if not (model.config.tie_embeddings and name == "lm_head.weight")}  # wte's
-    for i, (opt, names) in enumerate(zip(optimizers, parameter_names(model, optimizers),
-                                         strict=True)):
-        params = [p for group in opt.param_groups for p in group["params"]]
-        for p, name in zip(params, names, strict=True):
-            for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"optimizer.{i}.{name}.{key}"] = value
-    return tensors
-
-
-def broken_tensor(state: TrainState, tensors: dict[str, torch.Tensor] | None,
-                  dist: distributed.Dist) -> str | None:
-    """The name of a tensor about to be saved that holds NaN or inf, on every process, or
-    None. Sharded: each process checks its own shards and every process hears of any."""
-    if tensors is None:
-        return distributed.from_main(
+def save(run: Run, state: TrainState, model: GPT, optimizers: list[torch.optim.Optimizer],
+         dist: distributed.Dist, is_best: bool) -> None:
+    """Write last.pt from rank 0, or under FSDP last.dcp from every process, and best too
+    (the same checkpoint, a second name) when is_best; then record it as the run's. Nothing
+    is written of a state that holds NaN or inf, and every process hears of it, so that all
+    of them stop together; a failed write (a full disk) leaves the previous checkpoint."""
+    sharded = distributed.is_sharded(model)
+    if sharded:
+        from training.fsdp import first_of_any, local, shard_tensors, write_sharded
+        tensors = shard_tensors(model, optimizers)
+        broken = first_of_any(non_finite({k: local(v) for k, v in tensors.items()}), dist)
+    else:
+        broken = distributed.from_main(
             lambda: non_finite({"model": state.model, "optimizer": state.optimizer}), dist)
-    return distributed.first_of_any(non_finite({k: distributed.local(v)
-                                                for k, v in tensors.items()}), dist)
-
-
-def write(run_dir: Path, state: TrainState, tensors: dict[str, torch.Tensor] | None,
-          model: GPT, optimizers: list[torch.optim.Optimizer], dist: distributed.Dist,
-          is_best: bool) -> Path:
-    """Save the run: last.pt from rank 0 (tensors None), or last.dcp from every process
-    (tensors: this process's shards); best too, as the same checkpoint, when is_best.
-    Returns last's path."""
-    if tensors is None:
-        if dist.is_main:
-            save_checkpoint(state, run_dir / "last.pt")
-            sharded.unlink_sharded_twin(run_dir, "last")
-            if is_best:  # the same file under a second name: no second write
-                link_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
-                sharded.unlink_sharded_twin(run_dir, "best")
-        return run_dir / "last.pt"
-    rest = {k: v for k, v in state.to_dict().items() if k not in ("model", "optimizer")}
-    rest["shards"] = {"optimizers": [
-        {"params": opt_names, "param_groups": opt.state_dict()["param_groups"]}
-        for opt, opt_names in zip(optimizers, parameter_names(model, optimizers), strict=True)]}
-    folder = distributed.from_main(lambda: sharded.new_folder(run_dir, state.iter_num), dist)
+    if broken is not None:  # a loss that turned NaN between log points: no other trace
+        raise TrainingError(f"{broken} holds NaN or inf at iter {state.iter_num}, so no "
+                            f"checkpoint was written and the last good one is kept: "
+                            f"lower learning_rate or set grad_clip", everywhere=True)
     try:
-        sharded.write_shards(tensors, rest, folder, dist.is_main)
-    except BaseException:  # a full disk: no half-written save is left behind
-        if dist.is_main:
-            sharded.tidy(run_dir)
-        raise
+        if sharded:
+            checkpoint = write_sharded(run.path, state, tensors, model, optimizers, dist, is_best)
+        else:
+            checkpoint = write_plain(run.path, state, dist, is_best)
+    except (OSError, CheckpointError) as e:  # a full disk, mid-write too
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
+        # a sharded save fails on every process alike (DCP gathers the failures)
+        raise TrainingError(f"could not write a checkpoint in {run.path} ({reason}) at "
+                            f"iter {state.iter_num}; {run.resume_hint()}",
+                            everywhere=sharded) from None
+    run.saved(checkpoint, state.iter_num)
+
+
+def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_best: bool) -> Path:
+    """last.pt from rank 0, and best.pt as a second name for it."""
     if dist.is_main:
-        sharded.link(run_dir, "last", folder)
-        if is_best:
-            sharded.link(run_dir, "best", folder)
-        sharded.tidy(run_dir)
-    return run_dir / f"last{sharded.SUFFIX}"
+        save_checkpoint(state, run_dir / "last.pt")
+        unlink_sharded(run_dir, "last")
+        if is_best:  # the same file under a second name: no second write
+            link_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
+            unlink_sharded(run_dir, "best")
+    return run_dir / "last.pt"
 
 
-def read_saved(run_dir: Path, device: torch.device, mmap: bool,
-               ) -> tuple[TrainState, Path | None]:
-    """The state a resumed run starts from, and the sharded checkpoint its weights and
-    optimizer state are still to be read from (fill_from_shards), or None when they came
-    with it. mmap: map a plain last.pt rather than read it, so that each of several
-    processes touches only the parts it keeps (its shards)."""
+def unlink_sharded(run_dir: Path, name: str) -> None:
+    """A plain save of NAME.pt makes an older sharded NAME.dcp stale: it goes."""
+    if (run_dir / f"{name}{SHARDED}").is_symlink():
+        from weights import sharded
+        sharded.unlink_sharded_twin(run_dir, name)
+
+
+def read_saved(run_dir: Path, device: torch.device, mmap: bool) -> tuple[TrainState, Path]:
+    """The state a resumed run starts from, and its checkpoint. A sharded checkpoint's
+    weights and optimizer state are not read yet: restore() reads each process's part of
+    them. mmap: map a plain last.pt rather than read it, so that each of several processes
+    touches only the parts it keeps (its shards)."""
     path = last_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"nothing to resume in {run_dir}")
-    if path.suffix == sharded.SUFFIX:
+    if path.suffix == SHARDED:
+        from weights import sharded
         state = sharded.read_state(path, resume=True)
         return TrainState.from_checkpoint({**state, "model": {}, "optimizer": []}), path
     ckpt = load_checkpoint(path, "cpu" if mmap else device, resume=True, mmap=mmap)
-    return TrainState.from_checkpoint(ckpt), None
+    return TrainState.from_checkpoint(ckpt), path
 
 
-def fill_from_shards(saved: TrainState, path: Path, model: GPT,
-                     optimizers: list[torch.optim.Optimizer]) -> None:
-    """Read a sharded checkpoint's weights and optimizer state into saved, laid out as this
-    process holds them (its shards of each, or the whole where the model is not sharded),
-    reading nothing else: the state last.pt would have given, for restore()."""
-    shapes = sharded.tensor_shapes(path)
-    current = model.state_dict()
-    params = dict(model.named_parameters())
-    targets = {}
-    for key, (shape, dtype) in shapes.items():
-        kind, _, name = key.partition(".")
-        if kind == "model":
-            like = current.get(name)
-        else:  # optimizer.I.PARAM.KEY: shaped as its parameter, or a count (AdamW's step)
-            like = params.get(name.partition(".")[2].rpartition(".")[0])
-        if like is not None and like.shape == shape:
-            targets[key] = torch.empty_like(like, dtype=dtype)
-        elif kind == "model":
-            raise CheckpointError(f"cannot resume: {path} holds {name} of shape {tuple(shape)}, "
-                                  f"not this model's; the run's settings differ from its own")
-        else:
-            targets[key] = torch.empty(shape, dtype=dtype)
-    sharded.read_shards(targets, path, shapes)
-    saved.model = {key.removeprefix("model."): value for key, value in targets.items()
-                   if key.startswith("model.")}
-    if model.config.tie_embeddings:  # one table, as unsharded
-        saved.model["lm_head.weight"] = saved.model["transformer.wte.weight"]
-    names = parameter_names(model, optimizers)
-    saved.optimizer = [
-        {"state": {index: entry for index, name in enumerate(opt_names)
-                   if (entry := {key.rpartition(".")[2]: value for key, value in targets.items()
-                                 if key.startswith(f"optimizer.{i}.{name}.")})},
-         "param_groups": opt.state_dict()["param_groups"]}
-        for i, (opt, opt_names) in enumerate(zip(optimizers, names, strict=True))]
-
+def restore(saved: TrainState, checkpoint: Path, model: GPT,
+            optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
+            batches: BatchStream, device: torch.device) -> tuple[int, float]:
+    """Put the run back as its checkpoint left it: weights, optimizer state, random
+    streams and batches. Returns the iteration and the best val loss it had reached."""
+    if checkpoint.suffix == SHARDED:  # each process reads its own shards
+        from training.fsdp import fill_from_shards
+        fill_from_shards(saved, checkpoint, model, optimizers)
+    problem = state_dict_mismatch(model.state_dict(), saved.model, "model_args")
+    if problem:
+        raise CheckpointError(f"cannot resume: the weights in {checkpoint} do not match its "
+                              f"model_args ({problem}); the file is damaged: start a new run "
+                              f"without --resume")
+    if distributed.is_sharded(model):
+        from training.fsdp import sharded_like, sharded_optimizer_state
+        current = model.state_dict()  # each process takes its part of each whole tensor
+        model.load_state_dict({k: sharded_like(v, current[k]) for k, v in saved.model.items()})
+        states = [sharded_optimizer_state(s, opt) for s, opt in zip(saved.optimizer, optimizers,
+                                                                    strict=True)]
+    else:
+        model.load_state_dict(saved.model)
+        states = saved.optimizer
+    for opt, state in zip(optimizers, states, strict=True):
+        # the state (moments, momentum, step counts) is the run's; the settings (peak lr,
+        # decay, betas, momentum) are the config's, which a resumed run may change
+        settings = [{k: v for k, v in group.items() if k != "params"}
+                    for group in opt.param_groups]
+        opt.load_state_dict(state)
+        for group, setting in zip(opt.param_groups, settings, strict=True):
+            group.update(setting)
+    scaler.load_state_dict(saved.scaler)
+    torch.set_rng_state(saved.rng["torch"])
+    if device.type == "cuda" and "cuda" in saved.rng:
+        torch.cuda.set_rng_state(saved.rng["cuda"].cpu(), device)
+    batches.restore(saved.rng["batches"])
+    return saved.iter_num, saved.best_val_loss

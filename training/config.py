@@ -1,25 +1,27 @@
-"""The training configuration: one typed dataclass, read from TOML, validated.
+"""The training configuration: one typed dataclass, read from TOML, validated, and the
+command line that sets it.
 
 Usage:
-    from training.config import load_config
+    from training.config import load_config, command_line
     cfg = load_config("config/quickstart.toml", overrides={"max_iters": 100})
+    run_command(command_line(main))   # train.py: an option per field, --help grouped
 
 Precedence: dataclass defaults < the TOML file < command-line overrides. Unknown keys,
 wrong types and impossible values raise ConfigError with a one-line message naming the key.
-The defaults below are the only defaults: train.py's --help is generated from them.
+The defaults below are the only defaults: train.py's options and --help come from them.
 """
 
 from __future__ import annotations
 
 import difflib
-import inspect
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+import click
 
 from machine.device import DTYPES
 from machine.errors import UserError
@@ -214,15 +216,59 @@ def load_config(path: str | Path | None = None,
     return TrainConfig(**checked, model=model)
 
 
-def cli_parameters() -> list[inspect.Parameter]:
-    """One typer option per field, for a command's signature. Each defaults to None, so
-    that only what is given on the command line overrides the config file."""
-    params = []
+# train.py --help lists the options under these headings, in this order
+SECTIONS = {
+    "Data": ("data_dir", "init_from"),
+    "Model (model.py's GPTConfig)": tuple(MODEL_FIELDS),
+    "Optimization": ("batch_size", "gradient_accumulation_steps", "max_iters", "optimizer",
+                     "learning_rate", "min_lr", "embedding_lr", "muon_lr", "muon_momentum",
+                     "warmup_iters", "lr_decay_iters", "decay_lr", "weight_decay", "beta1",
+                     "beta2", "grad_clip"),
+    "Evaluation and logging": ("eval_interval", "eval_iters", "log_interval", "sample_prompt",
+                               "sample_tokens", "log_attention", "attention_probe"),
+    "The run": ("out_dir", "run_name", "device", "dtype", "compile", "parallel", "seed"),
+}
+CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its field options under the headings of SECTIONS, in
+    plain text that fits a terminal: full option names, and each one's default."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        fields = {name for names in SECTIONS.values() for name in names}
+        with formatter.section("Options"):
+            formatter.write_dl([r for name, r in records.items() if name not in fields and r])
+        for title, names in SECTIONS.items():
+            with formatter.section(title):
+                formatter.write_dl([records[name] for name in names])
+
+
+def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None],
+                 ) -> click.Command:
+    """A command that calls main(config file, overrides, resume, debug) with --config,
+    --resume, --debug and one option per field (--n-layer for n_layer, --compile and
+    --no-compile for a switch). Each option defaults to None, so that only what is given on
+    the command line overrides the config file; its help shows the field's own default."""
+    params: list[click.Parameter] = [
+        click.Option(["--config"], type=click.Path(path_type=Path), metavar="FILE",
+                     help="TOML preset (see config/); its keys are the options below."),
+        click.Option(["--resume"], is_flag=True,
+                     help="Continue runs/<run_name> from its last checkpoint."),
+        click.Option(["--debug"], is_flag=True,
+                     help="Show tracebacks for configuration and data errors."),
+    ]
     for name in FIELDS:
-        default = field_default(name)
-        panel = "Model fields (model.py's GPTConfig)" if name in MODEL_FIELDS else "Config fields"
-        option = typer.Option(help=f"{field_help(name)} [default: {default!r}]",
-                              show_default=False, rich_help_panel=panel)
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[type(default) | None, option]))
-    return params
+        default, flag = field_default(name), "--" + name.replace("_", "-")
+        shown = repr(default) if isinstance(default, str) else str(default).lower() \
+            if isinstance(default, bool) else default
+        params.append(click.Option(
+            [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag], name,
+            type=CLICK_TYPES[type(default)], default=None,
+            help=f"{field_help(name)}  [default: {shown}]"))
+
+    def callback(config: Path | None, resume: bool, debug: bool, **fields: Any) -> None:
+        main(config, {k: v for k, v in fields.items() if v is not None}, resume, debug)
+    return SectionedCommand("train.py", params=params, callback=callback, help=main.__doc__,
+                            context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,9 +1,9 @@
 """Whether a run fits in memory: refused before its first step, not swapped to a standstill.
 
 Usage:
-    from training.memory import check_memory, steps_in_memory
+    from training.memory import check_memory, out_of_memory
     check_memory(cfg, vocab_size, device, dist)   # ConfigError naming what needs how much
-    with steps_in_memory(cfg, device): ...        # the allocator's failure, in one line
+    with out_of_memory(cfg, device, dist): ...    # the allocator's failure, in one line
 """
 
 from __future__ import annotations
@@ -50,7 +50,14 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
                  dist: distributed.Dist) -> None:
     """Refuse a run whose weights and one micro-batch cannot fit in memory, before any step:
     on a CPU it would swap the machine to a standstill rather than fail. A fine-tuned
-    model's shape is its folder's, known only once loaded, so init_from is not checked."""
+    model's shape is its folder's, known only once loaded, so init_from is not checked.
+    Rank 0's verdict holds for all: processes that start apart would see different free
+    memory, and one refusing alone would leave the others waiting in a collective."""
+    distributed.from_main(lambda: check_fits(cfg, vocab_size, device, dist), dist)
+
+
+def check_fits(cfg: TrainConfig, vocab_size: int, device: torch.device,
+               dist: distributed.Dist) -> None:
     room = memory_room(device)
     if room is None or cfg.init_from:
         return
@@ -69,21 +76,23 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
                  f"x block_size {cfg.model.block_size}")
         if processes > 1:
             parts = f"{processes} processes, each {parts}"
-        shard = (", or shard it across the processes with --parallel fsdp"
-                 if dist.enabled and cfg.parallel != "fsdp" else "")
         raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({parts}), but "
                           f"{device.type} has {available / 1e9:,.1f} GB {bound}; lower batch_size "
                           f"(raising gradient_accumulation_steps keeps the tokens per step) or "
-                          f"the model's size{shard}")
+                          f"the model's size{shard_hint(cfg, dist)}")
+
+
+def shard_hint(cfg: TrainConfig, dist: distributed.Dist) -> str:
+    """Where sharding the model would help: several processes that each hold all of it."""
+    return (", or shard it across the processes with --parallel fsdp"
+            if dist.enabled and cfg.parallel != "fsdp" else "")
 
 
 @contextmanager
-def steps_in_memory(cfg: TrainConfig, device: torch.device,
-                    what: str | None = None) -> Iterator[None]:
-    """A step that the check let through and the allocator then failed (the bound above is
-    a lower one, and other processes take memory too) ends as the check's refusal would: one
-    line naming the batch (or `what` ran out: the model's setup), what bounds the memory,
-    and the fix, not the allocator's trace."""
+def out_of_memory(cfg: TrainConfig, device: torch.device, dist: distributed.Dist) -> Iterator[None]:
+    """A run that the check let through and the allocator then failed (the bound above is a
+    lower one, and other processes take memory too) ends as the check's refusal would: one
+    line naming the batch, what bounds the memory, and the fix, not the allocator's trace."""
     try:
         yield
     except RuntimeError as e:  # torch.OutOfMemoryError is one; a CPU's is a plain one
@@ -91,8 +100,8 @@ def steps_in_memory(cfg: TrainConfig, device: torch.device,
             raise
         room = memory_room(device)
         bound = f", with {room[0] / 1e9:,.1f} GB {room[1]}" if room else ""
-        fix = ("lower batch_size (raising gradient_accumulation_steps keeps the tokens per "
-               "step) or the model's size" if what is None else "lower the model's size, or "
-               "shard it across processes (torchrun, --parallel fsdp)")
-        what = what or f"a step of batch_size {cfg.batch_size} x block_size {cfg.model.block_size}"
-        raise ConfigError(f"{what} ran out of memory on {device.type}{bound}; {fix}") from None
+        raise ConfigError(f"training with batch_size {cfg.batch_size} x block_size "
+                          f"{cfg.model.block_size} ran out of memory on {device.type}{bound}; "
+                          f"lower batch_size (raising gradient_accumulation_steps keeps the "
+                          f"tokens per step) or the model's size{shard_hint(cfg, dist)}",
+                          everywhere=False) from None

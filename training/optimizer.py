@@ -38,7 +38,7 @@ import torch
 
 from model import GPT
 from training.config import TrainConfig
-from training.distributed import each_on_one_process, is_dtensor
+from training.distributed import is_dtensor
 
 
 def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
@@ -79,6 +79,7 @@ class Muon(torch.optim.Muon):
             # orthogonalized on one process and its rows handed back; plain ones go one at a
             # time, as the generator yields them
             if any(is_dtensor(p) for p in params):
+                from training.fsdp import each_on_one_process
                 orthogonal = iter(each_on_one_process(list(updates), newton_schulz))
             else:
                 orthogonal = map(newton_schulz, updates)

@@ -1,13 +1,14 @@
-"""The run folder: which one a run writes to, whether it can, whether a checkpoint in it
-can be resumed, and how a run stops cleanly.
+"""The run folder: which one a run writes to, its lock, whether a checkpoint in it can be
+resumed, and how a run stops cleanly when a signal asks it to.
 
 Usage:
-    from training.runs import choose_run_dir, check_writable, check_resumable, stop_signals
-    folder = choose_run_dir(cfg, resume=False)  # runs/quickstart (or -2), locked
-    check_writable(folder.path, checkpoint_bytes)
-    check_resumable(saved, model, meta, cfg, folder.path / "last.pt")  # saved: a TrainState
-    with stop_signals() as stop: ...            # stop["signal"] once Ctrl-C arrives
-    folder.release()                            # when the run ends
+    from training.runs import run_folder, stop_signals
+    with stop_signals() as stop, run_folder(cfg, resume, dist) as run:
+        run.path                      # runs/quickstart (or -2, -3 ...), locked by rank 0
+        if stop.asked(dist, device, at_log_point=True): ...   # Ctrl-C, SIGTERM or SIGHUP came
+        run.resume_hint()             # what is on disk to go on from, and the command
+
+A run never writes into another run's folder, old or live; --resume continues one.
 """
 
 from __future__ import annotations
@@ -17,14 +18,86 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from machine.errors import UserError
 from machine.files import FolderLock, lock_folder, probe_writable
 from model import GPT
+from training import distributed
 from training.config import ConfigError, TrainConfig
 from weights.checkpoint import TrainState
 
 LOCK = ".lock"
+
+
+class TrainingError(UserError):
+    """Training cannot go on (a non-finite loss, a failed write); the last good checkpoint
+    is kept."""
+
+
+class Interrupted(TrainingError):
+    """SIGINT, SIGTERM or SIGHUP arrived; a checkpoint of the last finished step was
+    written."""
+    label = "interrupted"  # what train.py's one line starts with, in place of "error"
+    everywhere = True  # every process saves and leaves together
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for death by signal
+
+
+@dataclass
+class Run:
+    """The folder a run writes to, and the checkpoint it last wrote or resumed from."""
+    path: Path
+    resume_flags: str  # what the same command needs to continue this run
+    checkpoint: Path | None = None  # last.pt, or last.dcp under FSDP
+    saved_iter: int | None = None
+
+    def saved(self, checkpoint: Path, iter_num: int) -> None:
+        self.checkpoint, self.saved_iter = checkpoint, iter_num
+
+    def resume_hint(self) -> str:
+        """What is on disk to go on from after a failure, and how."""
+        if self.checkpoint is None:
+            return "no checkpoint was written yet; free space and start again"
+        return (f"{self.checkpoint} (iter {self.saved_iter}) is intact; continue with the "
+                f"same command and {self.resume_flags}")
+
+    def check_room(self, model: GPT, dist: distributed.Dist) -> None:
+        """Fail before training rather than at the first checkpoint: the folder must take a
+        file, and the disk must hold last.pt, best.pt and one temporary copy (fp32 weights
+        and AdamW's two moments)."""
+        need = 3 * 3 * 4 * sum(p.numel() for p in model.parameters())
+        distributed.from_main(lambda: check_writable(self.path, need), dist)
+
+
+@contextmanager
+def run_folder(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Iterator[Run]:
+    """runs/<run_name>, chosen by choose_run_dir and locked by rank 0 until the run ends;
+    every process gets the Run. A run that fails before it writes a file takes away what
+    taking the folder made."""
+    lock: FolderLock | None = None
+
+    def take() -> Path:
+        nonlocal lock
+        lock = choose_run_dir(cfg, resume)
+        return lock.path
+    path = distributed.from_main(take, dist)
+    given = path.name == (cfg.run_name or "run")
+    run = Run(path, "--resume" if given else f"--run-name {path.name} --resume")
+    before = set(path.iterdir()) if lock is not None else set()
+    try:
+        yield run
+    except BaseException:
+        if lock is not None:  # a run that wrote no file leaves the folder as it found it
+            lock.release(undo=set(path.iterdir()) <= before)
+        raise
+    if lock is not None:
+        lock.release()
 
 
 def saved_nothing(run_dir: Path) -> bool:
@@ -37,16 +110,13 @@ def saved_nothing(run_dir: Path) -> bool:
                                for f in files)
 
 
-RunFolder = FolderLock  # a run folder whose lock this process holds
-
-
-def lock_run_dir(run_dir: Path) -> RunFolder | None:
+def lock_run_dir(run_dir: Path) -> FolderLock | None:
     """Make run_dir and take its lock (machine.files.lock_folder), or None if another live
     run holds it. Hold it for as long as the run writes to the folder."""
     return lock_folder(run_dir, LOCK)
 
 
-def choose_run_dir(cfg: TrainConfig, resume: bool) -> RunFolder:
+def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     """runs/<run_name>, its lock held. A new run never writes into another run's folder, old
     or live: it takes the next free -2, -3, ... name instead. A resumed run must find its
     last.pt there and no live run. A folder where a run saved nothing is taken over, its
@@ -58,9 +128,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> RunFolder:
                           f"or --out-dir")
     try:
         if resume:
-            if not any((base / name).exists() for name in ("last.pt", "last.dcp")):
-                raise ConfigError(f"nothing to resume: {base / 'last.pt'} not found; "
-                                  f"drop --resume to start a new run")
+            check_resumable_folder(base)
             folder = lock_run_dir(base)
             if folder is None:
                 raise ConfigError(f"{base} is in use by a run that is still going; wait "
@@ -86,31 +154,54 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> RunFolder:
                       f"another --run-name")
 
 
+def check_resumable_folder(run_dir: Path) -> None:
+    """A run folder that --resume can continue: one with a checkpoint."""
+    if not any((run_dir / name).exists() for name in ("last.pt", "last.dcp")):
+        raise ConfigError(f"nothing to resume: {run_dir / 'last.pt'} not found; drop "
+                          f"--resume to start a new run")
+
+
 def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
-    """Fail before training rather than at the first checkpoint: the folder must take a
-    file, and the disk must hold last.pt, best.pt and one temporary copy."""
+    """The folder takes a file now, and the disk has room for checkpoint_bytes."""
     try:
         probe_writable(run_dir)
     except OSError as e:
-        raise ConfigError(f"cannot write to {run_dir} ({e.strerror}); choose another --out-dir") from None
+        raise ConfigError(f"cannot write to {run_dir} ({e.strerror}); choose another "
+                          f"--out-dir") from None
     free = shutil.disk_usage(run_dir).free
-    if free < 3 * checkpoint_bytes:
+    if free < checkpoint_bytes:
         raise ConfigError(f"{run_dir} has {free / 1e6:.0f} MB free but checkpoints need about "
-                          f"{3 * checkpoint_bytes / 1e6:.0f} MB; free space or choose another --out-dir")
+                          f"{checkpoint_bytes / 1e6:.0f} MB; free space or choose another "
+                          f"--out-dir")
+
+
+class StopRequest:
+    """The signal that asked the run to save and leave, if one came."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def asked(self, dist: distributed.Dist, device: torch.device, at_log_point: bool) -> bool:
+        """Whether a signal asked this run to stop. Processes must agree on when to leave;
+        under torchrun they compare notes only at log points, where the loop waits for the
+        device anyway, never on every step."""
+        if not dist.enabled:
+            return self.signal is not None
+        return at_log_point and distributed.any_true(self.signal is not None, dist, device)
 
 
 @contextmanager
-def stop_signals() -> Iterator[dict[str, int]]:
+def stop_signals() -> Iterator[StopRequest]:
     """While active, SIGINT, SIGTERM and SIGHUP (the terminal or SSH session closed) only
-    set stop["signal"], so the loop can finish its
-    step and save. A second Ctrl-C interrupts at once, as usual."""
-    stop: dict[str, int] = {}
+    set stop.signal, so the loop can finish its step and save. A second Ctrl-C interrupts
+    at once, as usual."""
+    stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop  # signal handlers can only be set from the main thread
         return
 
     def handler(signum: int, frame: object) -> None:
-        stop["signal"] = signum
+        stop.signal = signum
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     previous = {s: signal.signal(s, handler)
@@ -152,3 +243,7 @@ def check_resumable(saved: TrainState, model: GPT, meta: dict, cfg: TrainConfig,
             raise ConfigError(f"cannot resume: {key} is {getattr(cfg, key)!r} in the config "
                               f"but {value!r} in {path}, and {why}; drop the option or start "
                               f"a new run")
+    if saved.iter_num > cfg.max_iters:
+        raise ConfigError(f"{path} is at iter {saved.iter_num}, past max_iters "
+                          f"({cfg.max_iters}), so there is nothing to train; raise "
+                          f"--max-iters to continue it")

@@ -1,0 +1,152 @@
+"""What a run shows while it trains: TensorBoard's scalars, text samples and attention
+pictures, a progress bar on a terminal, a plain line per log point elsewhere (a log file,
+nohup, a pipe). Rank 0 alone shows anything.
+
+Usage:
+    from training.log import RunLog
+    with RunLog(run, cfg, dist, tokenizer, probe_ids, attention=True) as log:
+        log.start(iter_num, n_head)                           # TensorBoard's events, the bar
+        log.say("a line above the bar")
+        log.step()                                            # after every step
+        log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
+        log.evaluation(it, losses, sample_text, model)        # losses, the sample, attention
+        log.finish(best_val_loss)
+
+A write that fails (a full disk) ends the run with one line that says which checkpoint is
+intact and how to resume from it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from contextlib import suppress
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from data.tokenizer import Tokenizer
+from machine.files import quiet_writer_threads
+from model import GPT
+from training.config import TrainConfig
+from training.distributed import Dist
+from training.runs import Run, TrainingError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+
+class RunLog:
+    def __init__(self, run: Run, cfg: TrainConfig, dist: Dist, tokenizer: Tokenizer,
+                 probe_ids: list[int], attention: bool) -> None:
+        self.run, self.cfg, self.is_main = run, cfg, dist.is_main
+        self.tokenizer, self.probe_ids, self.attention = tokenizer, probe_ids, attention
+        self.writer: SummaryWriter | None = None
+        self.pictures = None
+        self.bar: tqdm | None = None
+        self.quiet = quiet_writer_threads()
+
+    def start(self, iter_num: int, n_head: int) -> None:
+        """Open the run's TensorBoard events and its progress bar, at iter_num: a resumed
+        run drops the events its predecessor logged after its last checkpoint. n_head: the
+        model's (a fine-tuned base's may differ from the config's)."""
+        self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
+        if not self.is_main:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # a second to import: rank 0 only
+        self.writer = SummaryWriter(self.run.path, purge_step=iter_num + 1 if iter_num else None)
+        if not iter_num:
+            settings = "\n".join(f"{k} = {v!r}" for k, v in self.cfg.to_dict().items())
+            self.writer.add_text("config", text_block(settings))
+        if self.attention:
+            from viz.attention_maps import LayerPictures, token_labels
+            self.pictures = LayerPictures(token_labels(self.tokenizer, self.probe_ids), n_head)
+        # a live bar on a terminal; elsewhere a plain line per log point (see point)
+        self.bar = tqdm(total=self.cfg.max_iters, initial=iter_num, unit="it",
+                        dynamic_ncols=True, disable=not sys.stderr.isatty())
+
+    def __enter__(self) -> RunLog:
+        self.quiet.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.quiet.__exit__(kind, error, traceback)
+        if self.bar is not None:
+            self.bar.close()
+        for closeable in (self.writer, self.pictures):
+            if closeable is not None:
+                with suppress(OSError):  # after a failure, quietly: it is reported already
+                    closeable.close()
+        if isinstance(error, OSError) and self.writer is not None:  # its events or pictures
+            raise TrainingError(f"could not write to {self.run.path} ({error.strerror}) at "
+                                f"iter {self.iter_num}; {self.run.resume_hint()}") from None
+
+    def say(self, message: str) -> None:
+        """A line above the progress bar, from rank 0 alone."""
+        if self.is_main:
+            tqdm.write(message)
+
+    def step(self) -> None:
+        self.iter_num += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def point(self, it: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
+              mfu: float) -> None:
+        """The figures of the steps since the last point."""
+        if self.writer is None:
+            return
+        for tag, value in (("train/loss_step", loss), ("train/lr", lr),
+                           ("train/grad_norm", grad_norm), ("perf/tokens_per_sec", tokens_per_sec),
+                           ("perf/mfu", mfu)):
+            self.writer.add_scalar(tag, value, it)
+        if not self.bar.disable:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{mfu:.0%}")
+            return
+        elapsed = time.perf_counter() - self.t_start
+        left = elapsed / (it - self.start_iter) * (self.cfg.max_iters - it)
+        tqdm.write(f"iter {it}/{self.cfg.max_iters}: loss {loss:.4f}, {tokens_per_sec:,.0f} "
+                   f"tokens/s, MFU {mfu:.1%}, {duration(left)} left")
+
+    def evaluation(self, it: int, losses: dict[str, float], sample: str | None,
+                   model: GPT) -> None:
+        """Both splits' losses, the text sample and the attention pictures of this step."""
+        self.say(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        if self.writer is None:
+            return
+        for split, loss in losses.items():
+            self.writer.add_scalar(f"loss/{split}", loss, it)
+        if sample is not None:
+            self.writer.add_text("sample", text_block(sample), it)
+        if self.pictures is not None:
+            from viz.attention_maps import log_attention
+            log_attention(self.writer, model, self.probe_ids, self.pictures, it)
+
+    def finish(self, best_val_loss: float, it: int) -> None:
+        """The run's settings beside its result, and the last events written."""
+        if self.writer is None:
+            return
+        self.writer.add_hparams(self.cfg.to_dict(), {"hparam/best_val_loss": best_val_loss},
+                                run_name=".", global_step=it)
+        self.writer.close()  # its last writes can fail too: here, where they are reported
+
+
+def text_block(text: str) -> str:
+    """TensorBoard renders text as markdown; indenting keeps line breaks and spacing."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def duration(seconds: float) -> str:
+    """A short duration for an ETA: 42s, 3m05s, 1h02m."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
