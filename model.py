@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction
+
 
 def switch(default: object, help: str) -> Any:
     """A GPTConfig field and its one-line description: train.py's --help shows it."""
@@ -213,43 +215,9 @@ class CausalSelfAttention(nn.Module):
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, without a gain: before a Linear,
     a gain would only rescale the Linear's columns, which the Linear can learn itself."""
-    if x.is_cuda:  # one fused kernel each way
+    if x.is_cuda:  # torch's fused kernel; elsewhere the one with its gradient written out
         return F.rms_norm(x, (x.size(-1),), eps=eps)
     return RMSNormFunction.apply(x, eps)
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """rms_norm with its gradient written out: for y = x r, r = 1 / rms(x), the input's
-    gradient is r (g - y mean(g y)). Elsewhere than CUDA, F.rms_norm is made of small ops,
-    and autograd's way back through them passes over the tensor about eight times."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
-        y = xf * r
-        ctx.save_for_backward(y, r)
-        return y.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        y, r = ctx.saved_tensors
-        gf = g.float()
-        return torch.addcmul(gf * r, y, r * (gf * y).mean(-1, keepdim=True), value=-1).to(g.dtype), None
-
-
-class ReLUSquared(torch.autograd.Function):
-    """relu(h)^2, whose gradient is 2 relu(h): one saved tensor and two products on the way
-    back, where autograd's through relu and a product takes five passes."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(r := F.relu(h))
-        return r * r
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return (g * ctx.saved_tensors[0]).mul_(2)
 
 
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:

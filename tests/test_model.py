@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, ReLUSquared, RMSNormFunction, explicit_attention, sdpa_attention
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction
+from model import GPT, GPTConfig, explicit_attention, sdpa_attention
 from tests.layouts import LAYOUTS
 
 
