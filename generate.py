@@ -115,10 +115,10 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> DecodeStep:
     "reduce-overhead"), unless cuda_graphs is False: one launch for the whole step instead
     of one per kernel, which is what bounds a small model's decoding there."""
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
-        # the written-out attention path (its weights are dropped): for a single query,
-        # inductor turns QK^T and AV into loops fused with the softmax, where SDPA stays a
-        # library call, and a slow one in bf16 on CPUs without bf16 arithmetic
-        return model(idx, kv_cache=kv_cache, input_pos=input_pos, attn_weights=[])[0]
+        # the written-out attention path: for a single query, inductor turns QK^T and AV
+        # into loops fused with the softmax, where SDPA stays a library call, and a slow one
+        # in bf16 on CPUs without bf16 arithmetic
+        return model(idx, kv_cache=kv_cache, input_pos=input_pos, attention="explicit")[0]
 
     device = model.lm_head.weight.device
     if device.type == "cuda" and cuda_graphs:

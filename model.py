@@ -183,11 +183,13 @@ class CausalSelfAttention(nn.Module):
         kv_dim = config.n_kv_head * config.head_dim
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # the explicit path's weights pass through it, where a forward hook can read them
+        self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+                attention: str = "sdpa") -> torch.Tensor:
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
@@ -202,12 +204,10 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
 
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_weights is None:
-            y = sdpa_attention(q, k, v, mask, dropout_p)
+        if attention == "sdpa":
+            y = sdpa_attention(q, k, v, mask, self.dropout if self.training else 0.0)
         else:
-            y, att = explicit_attention(q, k, v, mask, dropout_p)
-            attn_weights.append(att)
+            y = explicit_attention(q, k, v, mask, self.attn_dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -251,20 +251,17 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None,
-                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(QK^T / sqrt(d_k)) V written out, returning the (B, nh, T_q, T_k) weights too."""
-    t_q, t_k = q.size(2), k.size(2)
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d_k)) V written out, the (B, nh, T_q, T_k) weights passed through
+    `dropout` (a layer's attn_dropout) on their way to V."""
     group = q.size(1) // k.size(1)  # query heads per key/value head (GQA)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if mask is None:
-        mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
-    att = att.masked_fill(~mask, float("-inf"))
-    att = F.softmax(att, dim=-1)
-    y = F.dropout(att, p=dropout_p) @ v  # (B, nh, T_q, hd)
-    return y, att
+    att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+    return dropout(att) @ v  # (B, nh, T_q, hd)
 
 
 class MLP(nn.Module):
@@ -310,8 +307,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attn_weights)
+                attention: str = "sdpa") -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attention)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -389,19 +386,20 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attn_weights: list[torch.Tensor] | None = None,
-                logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
 
         kv_cache: write this pass's keys/values into the cache and attend over all it holds.
         input_pos: (T,) positions of idx's tokens in the window, 0.. by default, or (B, T),
             a row's own; with a cache, the caller advances them, below block_size.
-        attn_weights: a list, to run the explicit attention path and receive each layer's
-            (B, n_head, T, T_k) weights in it.
+        attention: "sdpa" (the fused kernel) or "explicit" (written out; its weights pass
+            through each layer's attn.attn_dropout, where a forward hook can read them).
         logits_from: without targets, logits for positions logits_from: only (-1: the last,
             all that sampling needs); with a large vocabulary the output layer is much work.
         """
         B, T = idx.size()
+        if attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
         if input_pos is None:
             if T > self.config.block_size:
                 raise ValueError(
@@ -418,7 +416,7 @@ class GPT(nn.Module):
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, rope, kv_cache, input_pos, attn_weights)
+            x = block(x, rope, kv_cache, input_pos, attention)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.logits(x)  # (B, T, vocab)

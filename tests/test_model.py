@@ -57,19 +57,25 @@ def test_sdpa_path_equals_explicit_path(layout):
     tiny_model = layout_model(layout)
     idx = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(4))
     fused, _ = tiny_model(idx)
-    weights = []
-    explicit, _ = tiny_model(idx, attn_weights=weights)
+    explicit, _ = tiny_model(idx, attention="explicit")
     torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-5)
-    assert len(weights) == 2 and weights[0].shape == (3, 4, 16, 16)
 
 
-def test_attention_rows_sum_to_one_and_hide_the_future(tiny_model):
+def test_the_explicit_paths_weights_pass_attn_dropout_sum_to_one_and_hide_the_future(tiny_model):
     weights = []
-    tiny_model(torch.randint(0, 50, (2, 12)), attn_weights=weights)
+    for block in tiny_model.transformer.h:
+        block.attn.attn_dropout.register_forward_hook(lambda module, args, out: weights.append(out))
+    tiny_model(torch.randint(0, 50, (2, 12)), attention="explicit")
+    assert len(weights) == 2 and weights[0].shape == (2, 4, 12, 12)  # a layer each, (B, nh, T, T)
     for att in weights:
         torch.testing.assert_close(att.sum(-1), torch.ones(att.shape[:-1]))
         future = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)
         assert torch.all(att[..., future] == 0)
+
+
+def test_an_unknown_attention_path_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="attention must be sdpa or explicit, got 'flash'"):
+        tiny_model(torch.zeros(1, 4, dtype=torch.long), attention="flash")
 
 
 def test_attention_functions_agree_under_a_cache_mask():
@@ -78,10 +84,17 @@ def test_attention_functions_agree_under_a_cache_mask():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 10, 10))
     mask = torch.arange(5, 8)[:, None] >= torch.arange(10)
-    y_explicit, att = explicit_attention(q, k, v, mask, dropout_p=0.0)
+    seen = []  # the weights, as they pass through the dropout on their way to V
+
+    def keep(att: torch.Tensor) -> torch.Tensor:
+        seen.append(att)
+        return att
+
+    y_explicit = explicit_attention(q, k, v, mask, keep)
     torch.testing.assert_close(sdpa_attention(q, k, v, mask, dropout_p=0.0), y_explicit)
+    att = seen[0]
     assert torch.all(att[..., 0, 6:] == 0) and torch.all(att[..., 2, 8:] == 0)
-    y_prefix, _ = explicit_attention(q, k[:, :, :8], v[:, :, :8], mask[:, :8], dropout_p=0.0)
+    y_prefix = explicit_attention(q, k[:, :, :8], v[:, :, :8], mask[:, :8], torch.nn.Identity())
     torch.testing.assert_close(y_explicit, y_prefix)  # stale slots change nothing
 
 
