@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -317,8 +317,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         # one draw from torch's RNG, before any module's own init draws, seeds the weights'
-        # generator: a model built on the meta device and sharded (distributed.shard_model)
-        # fills its shards from the same full draws, and starts as this one built whole
+        # generator: a model built on the meta device and sharded (training/fsdp.py) fills
+        # its shards from the same full draws, and starts as this one built whole
         self.init_seed = int(torch.randint(2**62, (), device="cpu"))
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -336,27 +336,27 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             # the output projection reads tokens with the same table that embeds them
             self.transformer.wte.weight = self.lm_head.weight
-        if not self.lm_head.weight.is_meta:  # on the meta device: shard, then initialise
+        if not self.lm_head.weight.is_meta:  # on the meta device: filled once sharded (training/fsdp.py)
             self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self, assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        """GPT-2's: N(0, 0.02) for matrices and tables, the residual projections scaled down
-        with depth (each block adds two to the residual stream, whose variance would grow),
-        zero biases, LayerNorm at its identity. `assign(param, full value)` puts each value
-        in place (a shard of it, sharded)."""
-        assign = assign or (lambda param, value: param.copy_(value))
+    def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter and its full initial value, GPT-2's: N(0, 0.02), zero biases, LayerNorm
+        at identity, and the residual projections scaled down with depth, since each block adds
+        two terms to the residual stream, whose variance would grow. A tied table comes twice
+        (as wte's, then lm_head's) and keeps the second value."""
         generator = torch.Generator().manual_seed(self.init_seed)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
                 if name == "bias" or isinstance(module, nn.LayerNorm):
-                    value = torch.full(param.shape, float(name == "weight"))
+                    yield param, torch.full(param.shape, float(name == "weight"))
                 else:
                     std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
-                    value = torch.empty(param.shape).normal_(0.0, std, generator=generator)
-                assign(param, value)
-        if self.config.pos_embedding == "rope":  # computed, not drawn; garbage after to_empty
-            self.rope_cos[:], self.rope_sin[:] = rope_tables(self.config)
+                    yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for param, value in self.initial_values():
+            param.copy_(value)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the tables that are only looked up: the

@@ -134,6 +134,20 @@ def test_the_gradients_written_out_equal_autograds(dtype):
         assert ours.abs().max() > 0.1  # not an empty comparison
 
 
+def test_a_model_built_on_the_meta_device_gets_the_same_initial_values():
+    # FSDP builds the model on the meta device and fills each shard from initial_values
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    whole = GPT(config)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(config)
+    values = {id(param): value for param, value in meta.initial_values()}  # the last value stays
+    state = whole.state_dict()
+    for name, param in meta.named_parameters():
+        assert torch.equal(values[id(param)], state[name]), name
+
+
 def test_initial_loss_is_close_to_uniform_guess():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32))
