@@ -57,10 +57,9 @@ def test_no_import_cycles():
 def test_the_model_file_imports_only_the_machine_of_the_project():
     modules = project_modules()
     assert {dep.split(".")[0] for dep in imports(modules["model"], modules)} <= {"machine"}
-    # about two screens: GPT-2's layout, its switches (each with the help train.py's --help
-    # shows; nanochat's among them), the CPU's bf16 attention, and the cache's positions per
-    # row that a server's batch needs, read in one sitting
-    assert len(modules["model"].read_text().splitlines()) < 480
+    # GPT-2's layout, its switches (each with the help train.py's --help shows) and the KV
+    # cache, read in one sitting; the CPU's gradients written out live in machine/
+    assert len(modules["model"].read_text().splitlines()) <= 400
 
 
 def test_every_source_file_says_what_it_is_for_and_how_to_use_it():
