@@ -215,9 +215,8 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     if decode == "c":
         return CDecodeStep(model)
     weight = model.lm_head.weight
-    # the C step computes in the weights' dtype; under autocast (a caller sampling inside
-    # torch.autocast; training/loop.py's evaluations on a CPU sample outside it) only eager honours
-    # the autocast dtype
+    # the C step computes in the weights' dtype: under autocast, only eager computes in
+    # autocast's
     if weight.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return eager_step(model)
     try:
