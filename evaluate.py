@@ -25,6 +25,7 @@ from machine.errors import InputError, UserError, reported, run_command
 from machine.files import check_output_file, write_bytes_atomic
 from measure.answers import answer_score, demo_conversations, read_conversations
 from measure.scores import check_stride, evaluate
+from options import CheckpointOption, DebugOption, DeviceOption, DtypeOption, InitFromOption, RunOption
 from weights.loading import load_model
 
 
@@ -36,25 +37,19 @@ def main(
         help="Instead: count the conversations whose last reply the model gives exactly "
              "(greedy), from a JSON Lines file of {\"messages\": [...]}, or 'demo' for the "
              "built-in held-out set (docs/chat.md).")] = None,
-    run: Annotated[str | None, typer.Option(
-        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to score; "
-             "default: the newest run.")] = None,
-    checkpoint: Annotated[str | None, typer.Option(help="Checkpoint file to score.")] = None,
-    init_from: Annotated[str | None, typer.Option(
-        help="Score a Hugging Face GPT-2 or NanoChat folder (config.json, weights, "
-             "tokenizer.json) instead.")] = None,
-    dtype: Annotated[str, typer.Option(
-        help="Weights dtype: float32, bfloat16, float16 or int8 (weight-only, see "
-             "weights/quantize.py).")] = "float32",
+    run: RunOption = None,
+    checkpoint: CheckpointOption = None,
+    init_from: InitFromOption = None,
+    dtype: DtypeOption = "float32",
     stride: Annotated[int | None, typer.Option(
         help="Tokens between window starts; default block_size // 2.")] = None,
     batch_size: Annotated[int | None, typer.Option(
         min=1, help="Windows per forward pass; default: as many as keep the logits under "
                     "256 MB, at most 16.")] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")] = "cpu",
+    device: DeviceOption = "cpu",
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Also write the scores to this JSON file.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks for input errors.")] = False,
+    debug: DebugOption = False,
 ) -> None:
     """Score a model on a text: loss per token, perplexity and bits per character."""
     with reported(debug=debug):

@@ -12,11 +12,12 @@ Usage:
 
 The pieces, in the order a token meets them (gpt-fast's layout):
 - prefill: the prompt's window in one forward pass, which fills the KV cache;
-- decode: one token per step, attending over the cache, run by a decode backend:
-  "eager" (model.forward), "compile" (torch.compile's inductor, replayed as a CUDA graph on
-  a GPU) or "c" (the hand-written C step of cdecode/). "auto", the default everywhere, is
-  the C step on a CPU when it builds (else eager, with one line on stderr saying why and
-  what to do), and eager elsewhere;
+- decode: one token per step, attending over the cache, run by a decode step that says what
+  it can do besides (DecodeStep), built by one of DECODE_BACKENDS: "eager" (model.forward),
+  "compile" (torch.compile's inductor, replayed as a CUDA graph on a GPU) or "c" (the
+  hand-written C step of cdecode/). "auto", the default everywhere, is the C step on a CPU
+  when it builds (else eager, with one line on stderr saying why and what to do), and eager
+  elsewhere;
 - sampling: temperature, top-k and top-p as small pure functions;
 - the context window (see `stream`), the same for cached and uncached generation;
 - text: tokens decoded as they come, cut at end-of-text or a stop string.
@@ -27,7 +28,8 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,16 +41,60 @@ from machine.device import check_compile
 from machine.errors import InputError
 from model import GPT, KVCache
 
-DECODE_BACKENDS = ("auto", "eager", "compile", "c")
+# the decode backends that decode_step builds, and what each is: the --decode choices of
+# sample.py and serve.py, and their help (options.py)
+DECODE_BACKENDS = {
+    "auto": "the C step on a CPU when it builds, else eager",
+    "eager": "the model's forward",
+    "compile": "torch.compile: seconds to tens of seconds to build on a CPU; a CUDA graph on a GPU",
+    "c": "cdecode/decode_step.c, built by the system C compiler",
+}
+
+
+def check_decode(decode: str, name: str = "decode") -> None:
+    """Raise InputError unless `decode` names one of DECODE_BACKENDS; `name` is the setting
+    as its user knows it (a command's "--decode")."""
+    if decode not in DECODE_BACKENDS:
+        raise InputError(f"{name} must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
 
 
 class DecodeStep(Protocol):
-    """One cached decode step: (B, 1) token ids at window position input_pos (1,), or each
-    at its own (B, 1) (a server's batch), in; their keys and values written into the cache,
-    (B, 1, vocab_size) logits out."""
+    """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
+    window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
+    their keys and values into the cache, and returns (B, 1, vocab_size) logits.
 
-    def __call__(self, idx: torch.Tensor, kv_cache: KVCache,
-                 input_pos: torch.Tensor) -> torch.Tensor: ...
+    name: what it is, as a benchmark's rows call it: "eager", "compiled" or "C step".
+    prefills: the most tokens, at consecutive positions input_pos (T,), that one call may
+        take, with the logits of the last (1 for a plain step); `prefill` gives a longer
+        window to the model's forward.
+    steps_rows: whether a call may step only some rows of the cache, the B rows named by
+        `rows`, leaving the others untouched. Without it, B is the cache's batch and every
+        call steps every row, one shape at every step (as a compiled step needs).
+    """
+
+    name: str
+    prefills: int
+    steps_rows: bool
+
+    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """A DecodeStep that runs `forward` (the model's, eager or compiled) on every row of the
+    cache, one token at a time."""
+    name: str
+    forward: Callable[[torch.Tensor, KVCache, torch.Tensor], torch.Tensor]
+    prefills: int = 1
+    steps_rows: bool = False
+
+    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is not None:
+            raise ValueError(f"the {self.name} decode step steps every row of the cache; "
+                             f"it takes no rows")
+        return self.forward(idx, kv_cache, input_pos)
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -102,23 +148,23 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 # --- decode backends ---------------------------------------------------------------------
 
-def eager_step(model: GPT) -> DecodeStep:
+def eager_step(model: GPT) -> ModelStep:
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
         return model(idx, kv_cache=kv_cache, input_pos=input_pos)[0]
-    return step
+    return ModelStep("eager", step)
 
 
-def compiled_step(model: GPT, cuda_graphs: bool = True) -> DecodeStep:
+def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
     """The decode step through torch.compile. Every step has the same shapes (see KVCache),
     so it builds one graph per cache size and batch size, on the first step: seconds to tens
     of seconds on a CPU. On a CUDA GPU the step is also replayed as a CUDA graph (gpt-fast's
     "reduce-overhead"), unless cuda_graphs is False: one launch for the whole step instead
     of one per kernel, which is what bounds a small model's decoding there."""
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
-        # the written-out attention path (its weights are dropped): for a single query,
-        # inductor turns QK^T and AV into loops fused with the softmax, where SDPA stays a
-        # library call, and a slow one in bf16 on CPUs without bf16 arithmetic
-        return model(idx, kv_cache=kv_cache, input_pos=input_pos, attn_weights=[])[0]
+        # the written-out attention path: for a single query, inductor turns QK^T and AV
+        # into loops fused with the softmax, where SDPA stays a library call, and a slow one
+        # in bf16 on CPUs without bf16 arithmetic
+        return model(idx, kv_cache=kv_cache, input_pos=input_pos, attention="explicit")[0]
 
     device = model.lm_head.weight.device
     if device.type == "cuda" and cuda_graphs:
@@ -135,9 +181,9 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> DecodeStep:
                 marked.add(kv_cache)
             # the logits live in the graph's memory, which its next replay overwrites
             return graphed(idx, kv_cache, input_pos).clone()
-        return replay
+        return ModelStep("compiled", replay)
     if device.type != "cpu":
-        return torch.compile(step, fullgraph=True, dynamic=False)
+        return ModelStep("compiled", torch.compile(step, fullgraph=True, dynamic=False))
     options = {
         # drive the graph from generated C++, not Python: no per-kernel Python calls
         "cpp_wrapper": True,
@@ -146,7 +192,7 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> DecodeStep:
         # residual add instead of being one library call each
         "post_grad_fusion_options": {"decompose_mm_pass": {}},
     }
-    return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+    return ModelStep("compiled", torch.compile(step, fullgraph=True, dynamic=False, options=options))
 
 
 @functools.cache
@@ -156,11 +202,10 @@ def say_once(message: str) -> None:
 
 
 def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
-    """The decode backend `decode` (see DECODE_BACKENDS) for `model`, built now. Build it
-    after moving the model to its device and dtype; the C step reads the weights in place,
+    """The decode step of backend `decode` (see DECODE_BACKENDS) for `model`, built now. Build
+    it after moving the model to its device and dtype; the C step reads the weights in place,
     so it sees later updates of their values but not a move or a cast."""
-    if decode not in DECODE_BACKENDS:
-        raise InputError(f"decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+    check_decode(decode)
     if decode == "eager":
         return eager_step(model)
     if decode == "compile":
@@ -170,9 +215,8 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     if decode == "c":
         return CDecodeStep(model)
     weight = model.lm_head.weight
-    # the C step computes in the weights' dtype; under autocast (a caller sampling inside
-    # torch.autocast; training/loop.py's evaluations on a CPU sample outside it) only eager honours
-    # the autocast dtype
+    # the C step computes in the weights' dtype: under autocast, only eager computes in
+    # autocast's
     if weight.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return eager_step(model)
     try:
@@ -187,11 +231,11 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
 def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
             start: int = 0) -> torch.Tensor:
     """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
-    the last token's logits (B, 1, vocab_size). A step that can prefill (the C step) takes
-    up to its `prefills` tokens, reading each weight once for all of them; the model's
-    matrix products take longer runs."""
+    the last token's logits (B, 1, vocab_size). The step takes up to its `prefills` tokens
+    (the C step reads each weight once for all of them); the model's matrix products take
+    longer windows."""
     positions = torch.arange(start, start + idx.size(1), device=idx.device)
-    if idx.size(1) <= getattr(step, "prefills", 0):
+    if idx.size(1) <= step.prefills:
         return step(idx, cache, positions)
     return model(idx, kv_cache=cache, input_pos=positions, logits_from=-1)[0]
 

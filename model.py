@@ -7,24 +7,23 @@ Usage:
     cache = model.new_kv_cache(batch_size=1)                    # for generate.py's decoding
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
 
-The model alone: no I/O, no CLI, no training state, no sampling (that is generate.py). Names
-follow GPT-2 (`wte`, `wpe`, `c_attn`, `c_proj`, `c_fc`, `ln_1`, `ln_2`, `ln_f`) so its
-checkpoints map one to one. The defaults are GPT-2's layout; each switch of GPTConfig turns
-on one idea of the models since (nanochat's, the modded-nanogpt speedruns'): rotary positions,
-RMSNorm, QK-norm, ReLU^2, an output layer of its own and grouped-query attention.
+The model alone: no I/O, CLI, training state or sampling. GPT-2's names and, by default, layout;
+each switch of GPTConfig turns on one idea of later models (nanochat, the modded-nanogpt speedruns).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction
 
 
 def switch(default: object, help: str) -> Any:
@@ -54,8 +53,7 @@ class GPTConfig:
     rope_theta: float = switch(10000.0, "rope's base: pair i turns by p / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
-        # a shape read from a file (a checkpoint, a Hugging Face config.json) may hold 1.0
-        # or "12" where a count belongs: refused here, by name, not deep inside the model
+        # a file (a checkpoint, a config.json) may hold 1.0 or "12" for a count: refuse it here
         for f in fields(self):
             value, (kind, described) = getattr(self, f.name), FIELD_TYPES[f.type]
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
@@ -91,8 +89,7 @@ class GPTConfig:
 
     @property
     def is_gpt2(self) -> bool:
-        """GPT-2's layout, what a Hugging Face GPT-2 folder can hold: every switch at its
-        default, every head its own keys and values, the MLP 4 n_embd wide."""
+        """GPT-2's layout, all a Hugging Face GPT-2 folder holds: default switches, no GQA, 4x MLP."""
         return (all(getattr(self, name) == default for name, default in SWITCH_DEFAULTS.items())
                 and self.n_kv_head == self.n_head and self.mlp_hidden == 4 * self.n_embd)
 
@@ -104,17 +101,15 @@ class GPTConfig:
         return cls(**PRESETS[name])
 
 
-# the switches of the layout (the other fields are the shape), at GPT-2's values
+# the switches of the layout (the other fields are the shape) at GPT-2's values
 SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
-    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap",
-    "norm_eps")}
+    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap", "norm_eps")}
 FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
            "mlp": ("gelu", "relu2")}
 
-# the layouts that sample.py --benchmark and the presets name: GPT-2's, every switch on but
-# GQA (which buys cache memory, not loss; see docs/performance.md), and nanochat's
+# the named layouts: GPT-2's, every switch on but GQA (which saves cache memory, not loss), nanochat's
 MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
 LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
     **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
@@ -130,27 +125,23 @@ PRESETS = {
 
 
 class KVCache:
-    """Preallocated keys and values of every layer, written in place at the window positions
-    each forward is given (`input_pos`: the caller keeps the position, not the cache). Every
-    forward attends over the whole buffer under a mask, which also hides what a re-prefill
-    left behind, so a decode step has one shape at every position: torch.compile builds it
-    once."""
+    """Preallocated keys and values of every layer, written in place at the positions each
+    forward is given; the caller keeps the position. Attention reads the whole buffer under
+    a mask, so a decode step has one shape at every position (torch.compile builds it once)."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
-        # one tensor per layer rather than one stacked buffer: compiled code writes into
-        # separate inputs in place, but copied the whole buffer to write into a view of it
+        # a tensor per layer: to write into a view of one stacked buffer, compiled code copies it all
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store (B, n_kv_head, T, head_dim) keys/values at input_pos: (T,), the same for
-        every row, or (B, T), each row at its own (a server's batch of sequences). Return all
-        keys and values, (B, n_kv_head, max_len, head_dim), and the (T, max_len) or
-        (B, 1, T, max_len) mask of what each query may see."""
+        """Store (B, n_kv_head, T, head_dim) keys/values at input_pos, (T,) for every row or
+        (B, T) for each its own (a server's batch); return all keys and values, (B, n_kv_head,
+        max_len, head_dim), and the (T, max_len) or (B, 1, T, max_len) mask of allowed keys."""
         if input_pos.dim() == 1:
             self.k[layer][:, :, input_pos] = k
             self.v[layer][:, :, input_pos] = v
@@ -162,8 +153,7 @@ class KVCache:
         return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
 
     def rows(self, start: int, stop: int) -> KVCache:
-        """The cache of rows start..stop-1, sharing this one's memory: a server fills one
-        sequence's row with a prefill of its own."""
+        """Rows start..stop-1, sharing this cache's memory: a server prefills one row alone."""
         view = copy.copy(self)
         view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
         return view
@@ -172,25 +162,25 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.dropout = layer_idx, config.dropout
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        self.dropout = config.dropout
-        # one fused projection for queries, keys and values: a single matmul instead of
-        # three; with GQA the keys and values have n_kv_head heads each
-        kv_dim = config.n_kv_head * config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
+        # queries, keys and values from one matmul; with GQA, keys and values have fewer heads
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
+                                bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # the explicit path's weights pass through it, where a forward hook can read them
+        self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+                attention: str = "sdpa") -> torch.Tensor:
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
-        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys, normalized and rotated alike
-        if self.qk_norm:  # bounds the logits q.k, which lets the lr go higher
+        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys are normed and rotated alike
+        if self.qk_norm:  # bounds the logits q.k, which allows a higher learning rate
             qk = rms_norm(qk, self.eps)
         if self.rope:
             qk = apply_rope(qk, *rope)
@@ -199,13 +189,10 @@ class CausalSelfAttention(nn.Module):
         mask = None  # None: plain causal attention over these T tokens
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
-
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_weights is None:
-            y = sdpa_attention(q, k, v, mask, dropout_p)
+        if attention == "sdpa":
+            y = sdpa_attention(q, k, v, mask, self.dropout if self.training else 0.0)
         else:
-            y, att = explicit_attention(q, k, v, mask, dropout_p)
-            attn_weights.append(att)
+            y = explicit_attention(q, k, v, mask, self.attn_dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -213,48 +200,13 @@ class CausalSelfAttention(nn.Module):
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, without a gain: before a Linear,
     a gain would only rescale the Linear's columns, which the Linear can learn itself."""
-    if x.is_cuda:  # one fused kernel each way
+    if x.is_cuda:  # torch's fused kernel; elsewhere the one with its gradient written out
         return F.rms_norm(x, (x.size(-1),), eps=eps)
     return RMSNormFunction.apply(x, eps)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """rms_norm with its gradient written out: for y = x r, r = 1 / rms(x), the input's
-    gradient is r (g - y mean(g y)). Elsewhere than CUDA, F.rms_norm is made of small ops,
-    and autograd's way back through them passes over the tensor about eight times."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
-        y = xf * r
-        ctx.save_for_backward(y, r)
-        return y.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        y, r = ctx.saved_tensors
-        gf = g.float()
-        return torch.addcmul(gf * r, y, r * (gf * y).mean(-1, keepdim=True), value=-1).to(g.dtype), None
-
-
-class ReLUSquared(torch.autograd.Function):
-    """relu(h)^2, whose gradient is 2 relu(h): one saved tensor and two products on the way
-    back, where autograd's through relu and a product takes five passes."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(r := F.relu(h))
-        return r * r
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return (g * ctx.saved_tensors[0]).mul_(2)
-
-
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, (block_size, head_dim) each, laid out for
-    apply_rope: cos repeated for both halves of a head, sin with its first half negated."""
+    """cos and sin of every position's angles, (block_size, head_dim) each, laid out for apply_rope."""
     freqs = config.rope_theta ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
     angles = torch.arange(config.block_size).double()[:, None] * freqs  # (block_size, hd/2)
     cos, sin = angles.cos().float(), angles.sin().float()
@@ -262,41 +214,35 @@ def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i + hd/2}) of (B, T, heads, hd) by its position's angle:
-    (x1 cos - x2 sin, x2 cos + x1 sin), with rope_tables' rows at the tokens' positions,
-    (T, 1, hd). A query at p and a key at s then meet through p - s alone."""
+    """Rotate each pair (x_i, x_{i + hd/2}) of (B, T, heads, hd) by its position's angle, with
+    rope_tables' rows at the tokens' positions: a query at p and a key at s meet through p - s."""
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)  # fp32 tables: in fp32
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention; mask is a bool of allowed pairs, (T_q, T_k) or a row's own (B, 1,
-    T_q, T_k), None for causal. Keys and values may have fewer heads than the queries
-    (GQA): each serves a group of them."""
+    """Fused attention; mask: the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k), None for
+    causal. Keys and values may have fewer heads than the queries (GQA)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # torch's CPU kernel is 1.3-2x slower in bf16 than fp32 on sequences this short (its
-        # backward, docs/performance.md); autocast would cast the inputs straight back
+        # torch's CPU kernel is slower in bf16 than fp32 here (docs/model.md); autocast would undo it
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None,
-                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(QK^T / sqrt(d_k)) V written out, returning the (B, nh, T_q, T_k) weights too."""
-    t_q, t_k = q.size(2), k.size(2)
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d_k)) V written out, the (B, nh, T_q, T_k) weights passed through
+    `dropout` (a layer's attn_dropout) on their way to V."""
     group = q.size(1) // k.size(1)  # query heads per key/value head (GQA)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if mask is None:
-        mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
-    att = att.masked_fill(~mask, float("-inf"))
-    att = F.softmax(att, dim=-1)
-    y = F.dropout(att, p=dropout_p) @ v  # (B, nh, T_q, hd)
-    return y, att
+    att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+    return dropout(att) @ v  # (B, nh, T_q, hd)
 
 
 class MLP(nn.Module):
@@ -342,8 +288,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attn_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attn_weights)
+                attention: str = "sdpa") -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attention)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -351,9 +297,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        # one draw from torch's RNG, before any module's own init draws, seeds the weights'
-        # generator: a model built on the meta device and sharded (distributed.shard_model)
-        # fills its shards from the same full draws, and starts as this one built whole
+        # seeds the weights' own generator: a model built on the meta device draws the same values
         self.init_seed = int(torch.randint(2**62, (), device="cpu"))
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -364,31 +308,27 @@ class GPT(nn.Module):
         if config.pos_embedding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         if config.pos_embedding == "rope":  # computed once; not weights, so not saved
-            cos, sin = rope_tables(config)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            for name, table in zip(("rope_cos", "rope_sin"), rope_tables(config), strict=True):
+                self.register_buffer(name, table, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            # the output projection reads tokens with the same table that embeds them
+        if config.tie_embeddings:  # the output layer reads tokens with the table that embeds them
             self.transformer.wte.weight = self.lm_head.weight
-        if not self.lm_head.weight.is_meta:  # on the meta device: shard, then initialise
+        if not self.lm_head.weight.is_meta:  # on the meta device: filled once sharded (training/fsdp.py)
             self.init_weights()
 
     def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter with its initial value, one at a time: GPT-2's N(0, 0.02) for
-        matrices and tables, the residual projections scaled down with depth (each block
-        adds two to the residual stream, whose variance would grow), zero biases, LayerNorm
-        at its identity. Drawn from a generator of the model's own (init_seed), so a model
-        built whole and one filled shard by shard (training/fsdp.py) start alike."""
+        """Each parameter and its full initial value, GPT-2's: N(0, 0.02), zero biases, LayerNorm
+        at identity, and the residual projections scaled down with depth, since each block adds
+        two terms to the residual stream, whose variance would grow. A tied table comes twice
+        (as wte's, then lm_head's) and keeps the second value."""
         generator = torch.Generator().manual_seed(self.init_seed)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
                 if name == "bias" or isinstance(module, nn.LayerNorm):
-                    value = torch.full(param.shape, float(name == "weight"))
+                    yield param, torch.full(param.shape, float(name == "weight"))
                 else:
                     std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
-                    value = torch.empty(param.shape).normal_(0.0, std, generator=generator)
-                yield param, value
+                    yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -396,9 +336,7 @@ class GPT(nn.Module):
             param.copy_(value)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without the tables that are only looked up: the
-        position table, and the token table when untied (tied, it is the output layer too,
-        does its share of the compute and stays counted)."""
+        """Parameter count, by default without the tables only looked up: wpe, and wte untied."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
@@ -406,58 +344,45 @@ class GPT(nn.Module):
             n -= self.transformer.wte.weight.numel()
         return n
 
-    def crop_block_size(self, block_size: int) -> None:
-        """Shorten the context, e.g. of a pretrained model, by cutting the position table."""
-        assert block_size <= self.config.block_size
-        self.config.block_size = block_size
-        if "wpe" in self.transformer:
-            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
-        if self.config.pos_embedding == "rope":
-            self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
-
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B:
-        6 per parameter plus the attention scores, 12 * n_layer * n_embd * seq_len."""
+        """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
         seq_len = seq_len or self.config.block_size
         return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attn_weights: list[torch.Tensor] | None = None,
-                logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
 
         kv_cache: write this pass's keys/values into the cache and attend over all it holds.
         input_pos: (T,) positions of idx's tokens in the window, 0.. by default, or (B, T),
             a row's own; with a cache, the caller advances them, below block_size.
-        attn_weights: a list, to run the explicit attention path and receive each layer's
-            (B, n_head, T, T_k) weights in it.
-        logits_from: without targets, logits for positions logits_from: only (-1: the last,
-            all that sampling needs); with a large vocabulary the output layer is much work.
+        attention: "sdpa" (the fused kernel) or "explicit" (written out; its weights pass
+            through each layer's attn.attn_dropout, where a forward hook can read them).
+        logits_from: without targets, logits from this position on only (-1: the last).
         """
         B, T = idx.size()
+        if attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
         if input_pos is None:
             if T > self.config.block_size:
-                raise ValueError(
-                    f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(input_pos)
         if self.config.embed_norm:
             x = rms_norm(x, self.config.norm_eps)
-        # without positions, the causal mask alone carries order
-        rope = None
+        rope = None  # without positions, the causal mask alone carries order
         if self.config.pos_embedding == "rope":  # (T, 1, hd) or (B, T, 1, hd): heads alike
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, rope, kv_cache, input_pos, attn_weights)
+            x = block(x, rope, kv_cache, input_pos, attention)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.logits(x)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   ignore_index=-1)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
             return logits, loss
         return self.logits(x[:, logits_from:, :]), None
 
@@ -467,8 +392,7 @@ class GPT(nn.Module):
         return cap * torch.tanh(logits.float() / cap) if cap else logits
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty cache on this model's device, in the dtype its keys and values come out
-        in: the float weights' (int8 models give float32), or autocast's when it is on."""
+        """An empty cache on this model's device, in the dtype its keys come out in (float32 for int8)."""
         p = self.transformer.wte.weight
         dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
         if torch.is_autocast_enabled(p.device.type):

@@ -25,11 +25,23 @@ import typer
 
 from data.sources import DataError, decode_text
 from data.tokenizer import Tokenizer
-from generate import DECODE_BACKENDS, Chat, check_sampling, decode_step, generate_text, prompt_ids
+from generate import Chat, check_decode, check_sampling, decode_step, generate_text, prompt_ids
 from machine.device import resolve_device
-from machine.errors import UserError, reported, run_command
+from machine.errors import InputError, UserError, reported, run_command
 from machine.files import check_output_file, probe_writable
 from model import GPT, LAYOUTS
+from options import (
+    CheckpointOption,
+    DebugOption,
+    DecodeOption,
+    DeviceOption,
+    DtypeOption,
+    InitFromOption,
+    RunOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
+)
 from training.config import check_seed
 from weights.loading import load_model, resolve_checkpoint
 from weights.quantize import check_weight_dtype
@@ -49,14 +61,8 @@ def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: flo
     check_weight_dtype(dtype)  # here, not only in load_model: --benchmark loads none
     check_sampling(temperature, top_k, top_p)
     check_seed(seed)
-    check_decode(decode, kv_cache)
-
-
-def check_decode(decode: str, kv_cache: bool) -> None:
-    """--decode names a backend, and one of its own only with the cache it steps through."""
-    if decode not in DECODE_BACKENDS:
-        raise UserError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
-    if decode != "auto" and not kv_cache:
+    check_decode(decode, "--decode")
+    if decode != "auto" and not kv_cache:  # a decode step steps through the cache
         raise UserError(f"--decode {decode} chooses the cached decode step; drop "
                           f"--no-kv-cache or --decode")
 
@@ -178,7 +184,7 @@ def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
             continue
         try:
             dropped = chat.add_user(text)
-        except ValueError as e:
+        except InputError as e:  # characters the vocabulary lacks, a turn too long
             print(f"error: {e}", file=sys.stderr)
             continue
         if dropped:
@@ -191,39 +197,19 @@ def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
         sys.stdout.flush()
 
 
-# The options, one a line: each one's help is its documentation (python sample.py --help).
+# The options, one a line: each one's help is its documentation (python sample.py --help);
+# those that serve.py and evaluate.py take too are options.py's.
 PromptOption = Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")]
 PromptFileOption = Annotated[Path | None, typer.Option(
         exists=True, dir_okay=False, help="Read the prompt from this file instead.")]
-RunOption = Annotated[str | None, typer.Option(
-        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to load; "
-             "default: the newest run.")]
-CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to load.")]
-InitFromOption = Annotated[str | None, typer.Option(
-        help="Sample from a Hugging Face GPT-2 or NanoChat folder (config.json, weights, "
-             "tokenizer.json) instead.")]
 NumSamplesOption = Annotated[int, typer.Option(min=1, help="Samples to draw.")]
 MaxNewTokensOption = Annotated[int, typer.Option(min=1, help="Tokens per sample.")]
-TemperatureOption = Annotated[float, typer.Option(
-        help="Softmax temperature; 0 is greedy (always the likeliest token).")]
-TopKOption = Annotated[int | None, typer.Option(help="Sample among the k likeliest only.")]
-TopPOption = Annotated[float | None, typer.Option(
-        help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1].")]
 StopOption = Annotated[list[str] | None, typer.Option(
         help="End a sample at this string (repeatable; \\n and \\t mean newline and tab); "
              "found even across tokens.")]
 SeedOption = Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")]
-DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")]
-DtypeOption = Annotated[str, typer.Option(
-        help="Weights dtype: float32, bfloat16, float16, or int8 (weight-only: int8 matrices "
-             "with a scale per row, float activations; see weights/quantize.py).")]
 KvCacheOption = Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")]
-DecodeOption = Annotated[str, typer.Option(
-        help="The cached decode step: auto (the C step on a CPU when it builds, else "
-             "eager), eager, compile (torch.compile: seconds to tens of seconds to build on a "
-             "CPU; a CUDA graph on a GPU) or c (cdecode/decode_step.c, built by the system C "
-             "compiler). With --benchmark, compile or c adds that row.")]
 StreamOption = Annotated[bool, typer.Option(help="Print tokens as they are made.")]
 AttentionOption = Annotated[str | None, typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
@@ -234,7 +220,8 @@ ChatOption = Annotated[bool, typer.Option(
         help="Talk to a chat model (fine-tuned on conversations): one user turn a line from "
              "stdin, a terminal or a pipe; /reset, /system TEXT, /quit, Ctrl-D to end.")]
 BenchmarkOption = Annotated[bool, typer.Option(
-        help="Measure cached vs uncached decoding speed instead of sampling.")]
+        help="Measure cached vs uncached decoding speed instead of sampling; --decode compile "
+             "or c adds that step's row.")]
 PresetOption = Annotated[str | None, typer.Option(
         help="With --benchmark: a model shape with random weights (baby_gpt, gpt2, ...).")]
 LengthsOption = Annotated[str, typer.Option(
@@ -248,7 +235,6 @@ NKvHeadOption = Annotated[int, typer.Option(
         min=0, help="With --benchmark --preset: key/value heads (GQA); 0: n_head.")]
 JsonPathOption = Annotated[Path | None, typer.Option(
         "--json", help="With --benchmark: write figures here.")]
-DebugOption = Annotated[bool, typer.Option(help="Show tracebacks for input errors.")]
 
 
 def main(

@@ -27,9 +27,21 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from generate import DECODE_BACKENDS, check_sampling
+from generate import check_decode, check_sampling
 from machine.device import resolve_device
 from machine.errors import UserError, reported, run_command
+from options import (
+    CheckpointOption,
+    DebugOption,
+    DecodeOption,
+    DeviceOption,
+    DtypeOption,
+    InitFromOption,
+    RunOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
+)
 from serving.app import Service, create_app
 from serving.engine import Engine
 from weights.loading import load_model
@@ -95,13 +107,8 @@ def run_server(service: Service, sock: socket.socket) -> None:
     print("stopped", file=sys.stderr)
 
 
-# The options, one a line: each one's help is its documentation (python serve.py --help).
-RunOption = Annotated[str | None, typer.Option(
-        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to serve; "
-             "default: the newest run.")]
-CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to serve.")]
-InitFromOption = Annotated[str | None, typer.Option(
-        help="Serve a Hugging Face GPT-2 or NanoChat folder instead.")]
+# The options, one a line: each one's help is its documentation (python serve.py --help);
+# those that sample.py and evaluate.py take too are options.py's.
 HostOption = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every "
                                            "interface.")]
 PortOption = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")]
@@ -113,16 +120,6 @@ QueueOption = Annotated[int, typer.Option(
         min=0, help="Requests that may wait for a slot; past that, 429.")]
 MaxTokensOption = Annotated[int, typer.Option(
         min=1, help="New tokens when a request names none (capped by the context).")]
-TemperatureOption = Annotated[float, typer.Option(
-        help="Temperature when a request names none; 0 is greedy.")]
-TopKOption = Annotated[int | None, typer.Option(help="top_k when a request names none.")]
-TopPOption = Annotated[float | None, typer.Option(help="top_p when a request names none.")]
-DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")]
-DtypeOption = Annotated[str, typer.Option(
-        help="Weights dtype: float32, bfloat16, float16 or int8.")]
-DecodeOption = Annotated[str, typer.Option(
-        help="The batched decode step: auto (the C step on a CPU), eager, compile or c.")]
-DebugOption = Annotated[bool, typer.Option(help="Show tracebacks for input errors.")]
 
 
 def main(
@@ -146,8 +143,7 @@ def main(
     """Serve a model over OpenAI's API (chat and text completions) with a chat page at /."""
     with reported(debug=debug):
         check_sampling(temperature, top_k, top_p)
-        if decode not in DECODE_BACKENDS:
-            raise UserError(f"--decode must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+        check_decode(decode, "--decode")
         device = str(resolve_device(device))
         sock = listen(host, port)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)

@@ -164,13 +164,16 @@ class CDecodeStep:
     It also prefills: (B, T) tokens at consecutive positions input_pos (T,) in one call,
     with the logits of the last. Each weight is then read once for all B * T tokens, so a
     short window costs little more than one step; past `prefills` tokens, PyTorch's matrix
-    products are faster, and generate.py prefills with the model instead.
+    products are faster, and generate.py prefills with the model instead. And it steps
+    rows: a server's batch steps only the cache rows of the sequences at work.
     """
 
+    name = "C step"
+    steps_rows = True
     # the longest window this step prefills, per weight dtype: where it stops beating the
-    # model's forward, measured at the baby GPT and GPT-2 shapes (docs/decoding.md). int8's
-    # forward dequantizes every matrix first, so the C step wins longer there; bfloat16's
-    # stays short for the CPUs with bf16 arithmetic, where PyTorch's forward is fast.
+    # model's forward (docs/decoding.md). int8's forward dequantizes every matrix first, so
+    # the C step wins longer there; bfloat16's stays short for the CPUs with bf16
+    # arithmetic, where PyTorch's forward is fast.
     PREFILL_TOKENS = {torch.float32: 64, torch.bfloat16: 8, torch.int8: 128}
 
     def __init__(self, model: GPT, march: str = "native") -> None:

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from cdecode import CDecodeStep
 from generate import DecodeStep, cache_length, compiled_step, decode_step, stream
 from machine.errors import InputError
 from machine.files import write_bytes_atomic
@@ -172,8 +171,7 @@ def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
                    prompt: torch.Tensor, first_length: int) -> tuple[dict[str, Tokens], float | None]:
     """The paths to time, by row name, and the seconds the compiled step took to build."""
     default = decode_step(model)  # what a user gets without choosing
-    chosen = "C step" if isinstance(default, CDecodeStep) else "eager"
-    paths: dict[str, Tokens] = {f"default ({chosen})": ours(model, default)}
+    paths: dict[str, Tokens] = {f"default ({default.name})": ours(model, default)}
     if baselines:
         paths["eager"] = ours(model, decode_step(model, "eager"))
     compile_s = None
@@ -189,7 +187,7 @@ def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
         paths["compiled"] = ours(model, step)
         if torch.device(device).type == "cuda":  # what the CUDA graphs add
             paths["compiled, no graphs"] = ours(model, compiled_step(model, cuda_graphs=False))
-    if decode == "c" and chosen != "C step":
+    if decode == "c" and default.name != "C step":
         paths["C step"] = ours(model, decode_step(model, "c"))
     if baselines:
         paths["uncached"] = ours(model, None)

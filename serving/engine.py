@@ -15,14 +15,13 @@ active sequence in one batched step, each at its own position. A sequence that e
 slot at once, and a waiting request takes it at the next step: nobody waits for the slowest
 sequence of a batch. All of this runs in one thread, which owns the model; the HTTP side
 only submits jobs and reads what they deliver. serve.py gives the engine the main thread:
-the C step's OpenMP threads, started from any other, made a GPT-2 step 1.6x slower (8 ms
-against 13 in int8, on the 2-core AMD EPYC of docs/serving.md).
+the C step's OpenMP threads run slower when started from any other (docs/serving.md).
 
-With the C step (the default on a CPU) each sequence is computed to the bit as a generation
-of its own would be, so a request's answer at temperature 0, or with a seed, does not
-depend on who else is served. The model's forward (a GPU's step, or --decode eager) steps
-every slot at every step, the same shape alone or together, so there too an answer does
-not change with the traffic.
+A decode step that steps rows (the C step, the default on a CPU) steps only the slots at
+work, each computed to the bit as a generation of its own would be, so a request's answer
+at temperature 0, or with a seed, does not depend on who else is served. The model's
+forward (a GPU's step, or --decode eager or compile) steps every slot at every step, the
+same shape alone or together, so there too an answer does not change with the traffic.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cdecode import CDecodeStep
 from data.tokenizer import Tokenizer
 from generate import StopText, check_sampling, decode_step, prefill, sample_next
 from model import GPT
@@ -128,9 +126,6 @@ class Engine:
         self.model, self.tokenizer, self.slots, self.queue_size = model, tokenizer, slots, queue
         self.cache = model.new_kv_cache(slots, model.config.block_size)
         self.step = decode_step(model, decode)
-        # the C step computes only the rows it is given; the model's forward computes every
-        # row of the cache, one shape at every step (which a compiled step needs)
-        self.sparse = isinstance(self.step, CDecodeStep)
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: dict[int, Job] = {}  # slot -> job
         self.position: dict[int, int] = {}  # slot -> the position of its next token
@@ -240,17 +235,15 @@ class Engine:
         """One batched step: every active sequence's newest token at its own position."""
         slots = sorted(self.active)
         self.widest_step = max(self.widest_step, len(slots))
-        if self.sparse:
+        if self.step.steps_rows:
             rows = slots
         else:  # every row steps; an idle row writes at its position 0, which a prefill rewrites
             rows = list(range(self.slots))
         device = self.cache.key_pos.device
         idx = torch.tensor([[self.next_token.get(r, 0)] for r in rows], device=device)
         positions = torch.tensor([[self.position.get(r, 0)] for r in rows], device=device)
-        if self.sparse:
-            logits = self.step(idx, self.cache, positions, rows=torch.tensor(rows))
-        else:
-            logits = self.step(idx, self.cache, positions)
+        chosen = torch.tensor(rows) if self.step.steps_rows else None
+        logits = self.step(idx, self.cache, positions, rows=chosen)
         for i, slot in enumerate(rows):
             if slot not in self.active:
                 continue

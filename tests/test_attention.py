@@ -47,6 +47,13 @@ def test_inspector_weights_are_the_ones_the_forward_pass_used(model):
     torch.testing.assert_close(y, captured["y"], rtol=1e-5, atol=1e-6)
 
 
+def test_the_maps_leave_no_hook_behind_and_the_model_in_its_mode(model):
+    model.train()
+    attention_maps(model, list(range(8)))
+    assert model.training
+    assert all(not block.attn.attn_dropout._forward_hooks for block in model.transformer.h)
+
+
 def test_without_positions_attention_is_blind_to_order():
     # Self-attention is permutation-equivariant: only position embeddings tell it order.
     # With the causal mask, the clean case is one layer's last position, which attends to

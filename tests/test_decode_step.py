@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cdecode import BuildError, CDecodeStep, block_param_names, build
-from generate import decode_step, generate, stream
+from generate import ModelStep, decode_step, generate, stream
 from machine.device import cpu_flags
 from model import GPT, GPTConfig
 from tests.forked import python
@@ -40,8 +40,9 @@ MARCHES = [
 
 
 def decode_logits(model: GPT, prompt: torch.Tensor, n: int, step=None) -> list[torch.Tensor]:
-    """Greedy generation, recording the logits of every decode step (prefills excluded):
-    step None runs the steps through the eager model."""
+    """Greedy generation, recording the logits of every decode step (prefills of more than
+    one token, which the model's forward runs, excluded): step None runs the steps through
+    the eager model."""
     step = step or decode_step(model, "eager")
     seen = []
 
@@ -50,8 +51,23 @@ def decode_logits(model: GPT, prompt: torch.Tensor, n: int, step=None) -> list[t
         seen.append(logits[:, -1].float().clone())
         return logits
 
-    list(stream(model, prompt, n, temperature=0.0, decode=recording_step))
+    list(stream(model, prompt, n, temperature=0.0, decode=ModelStep("recording", recording_step)))
     return seen
+
+
+def test_every_decode_step_declares_what_it_can_do():
+    model = small_gpt()
+    steps = {backend: decode_step(model, backend) for backend in ("eager", "compile", "c")}
+    declared = {backend: (s.name, s.prefills, s.steps_rows) for backend, s in steps.items()}
+    assert declared == {"eager": ("eager", 1, False), "compile": ("compiled", 1, False),
+                        "c": ("C step", CDecodeStep.PREFILL_TOKENS[torch.float32], True)}
+
+
+def test_a_step_of_the_models_forward_refuses_to_step_chosen_rows():
+    model = small_gpt()
+    with pytest.raises(ValueError, match="the eager decode step steps every row of the cache"):
+        decode_step(model, "eager")(torch.zeros(1, 1, dtype=torch.long), model.new_kv_cache(2),
+                                    torch.zeros(1, 1, dtype=torch.long), rows=torch.tensor([1]))
 
 
 @pytest.mark.parametrize("march", MARCHES)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, ReLUSquared, RMSNormFunction, explicit_attention, sdpa_attention
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction
+from model import GPT, GPTConfig, explicit_attention, sdpa_attention
 from tests.layouts import LAYOUTS
 
 
@@ -56,19 +57,25 @@ def test_sdpa_path_equals_explicit_path(layout):
     tiny_model = layout_model(layout)
     idx = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(4))
     fused, _ = tiny_model(idx)
-    weights = []
-    explicit, _ = tiny_model(idx, attn_weights=weights)
+    explicit, _ = tiny_model(idx, attention="explicit")
     torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-5)
-    assert len(weights) == 2 and weights[0].shape == (3, 4, 16, 16)
 
 
-def test_attention_rows_sum_to_one_and_hide_the_future(tiny_model):
+def test_the_explicit_paths_weights_pass_attn_dropout_sum_to_one_and_hide_the_future(tiny_model):
     weights = []
-    tiny_model(torch.randint(0, 50, (2, 12)), attn_weights=weights)
+    for block in tiny_model.transformer.h:
+        block.attn.attn_dropout.register_forward_hook(lambda module, args, out: weights.append(out))
+    tiny_model(torch.randint(0, 50, (2, 12)), attention="explicit")
+    assert len(weights) == 2 and weights[0].shape == (2, 4, 12, 12)  # a layer each, (B, nh, T, T)
     for att in weights:
         torch.testing.assert_close(att.sum(-1), torch.ones(att.shape[:-1]))
         future = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)
         assert torch.all(att[..., future] == 0)
+
+
+def test_an_unknown_attention_path_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="attention must be sdpa or explicit, got 'flash'"):
+        tiny_model(torch.zeros(1, 4, dtype=torch.long), attention="flash")
 
 
 def test_attention_functions_agree_under_a_cache_mask():
@@ -77,10 +84,17 @@ def test_attention_functions_agree_under_a_cache_mask():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 10, 10))
     mask = torch.arange(5, 8)[:, None] >= torch.arange(10)
-    y_explicit, att = explicit_attention(q, k, v, mask, dropout_p=0.0)
+    seen = []  # the weights, as they pass through the dropout on their way to V
+
+    def keep(att: torch.Tensor) -> torch.Tensor:
+        seen.append(att)
+        return att
+
+    y_explicit = explicit_attention(q, k, v, mask, keep)
     torch.testing.assert_close(sdpa_attention(q, k, v, mask, dropout_p=0.0), y_explicit)
+    att = seen[0]
     assert torch.all(att[..., 0, 6:] == 0) and torch.all(att[..., 2, 8:] == 0)
-    y_prefix, _ = explicit_attention(q, k[:, :, :8], v[:, :, :8], mask[:, :8], dropout_p=0.0)
+    y_prefix = explicit_attention(q, k[:, :, :8], v[:, :, :8], mask[:, :8], torch.nn.Identity())
     torch.testing.assert_close(y_explicit, y_prefix)  # stale slots change nothing
 
 
@@ -118,6 +132,20 @@ def test_the_gradients_written_out_equal_autograds(dtype):
         torch.testing.assert_close(fast(x), composed(x), rtol=tol, atol=tol)
         torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
         assert ours.abs().max() > 0.1  # not an empty comparison
+
+
+def test_a_model_built_on_the_meta_device_gets_the_same_initial_values():
+    # FSDP builds the model on the meta device and fills each shard from initial_values
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    whole = GPT(config)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(config)
+    values = {id(param): value for param, value in meta.initial_values()}  # the last value stays
+    state = whole.state_dict()
+    for name, param in meta.named_parameters():
+        assert torch.equal(values[id(param)], state[name]), name
 
 
 def test_initial_loss_is_close_to_uniform_guess():

@@ -34,14 +34,22 @@ HTML_TEMPLATE = Path(__file__).with_name("inspector.html")
 @torch.no_grad()
 def attention_maps(model: GPT, ids: list[int]) -> torch.Tensor:
     """(n_layer, n_head, T, T) attention weights for one sequence of at most block_size ids;
-    row i is how query position i spreads its attention over key positions 0..i."""
+    row i is how query position i spreads its attention over key positions 0..i. They are
+    read by a forward hook on each layer's attn.attn_dropout, which the explicit attention
+    path passes its weights through (in eval mode, unchanged)."""
     device = model.lm_head.weight.device
     weights: list[torch.Tensor] = []
+    hooks = [block.attn.attn_dropout.register_forward_hook(
+        lambda module, args, out: weights.append(out[0])) for block in model.transformer.h]
     was_training = model.training
     model.eval()
-    model(torch.tensor([ids], device=device), attn_weights=weights)
-    model.train(was_training)
-    return torch.stack([w[0] for w in weights]).float().cpu()
+    try:
+        model(torch.tensor([ids], device=device), attention="explicit")
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return torch.stack(weights).float().cpu()
 
 
 def head_entropy(maps: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""The command-line options that sample.py, serve.py and evaluate.py share, each declared once.
+
+Usage:
+    from options import DeviceOption, RunOption
+    def main(run: RunOption = None, device: DeviceOption = "cpu") -> None: ...
+
+Each is a typer `Annotated` alias: the option's type and its help, which `--help` prints.
+A command gives the default, as the function default of its parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from generate import DECODE_BACKENDS
+
+RunOption = Annotated[str | None, typer.Option(
+        help="Run folder, or run name under runs/, whose best.pt (else last.pt) to load; "
+             "default: the newest run.")]
+CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to load.")]
+InitFromOption = Annotated[str | None, typer.Option(
+        help="Load a Hugging Face GPT-2 or NanoChat folder (config.json, weights, "
+             "tokenizer.json) instead.")]
+TemperatureOption = Annotated[float, typer.Option(
+        help="Softmax temperature; 0 is greedy (always the likeliest token). In serve.py, for "
+             "requests that name none.")]
+TopKOption = Annotated[int | None, typer.Option(
+        help="Sample among the k likeliest tokens only. In serve.py, for requests that name none.")]
+TopPOption = Annotated[float | None, typer.Option(
+        help="Sample among the likeliest tokens whose probability adds up to p, in (0, 1]. In "
+             "serve.py, for requests that name none.")]
+DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or mps.")]
+DtypeOption = Annotated[str, typer.Option(
+        help="Weights dtype: float32, bfloat16, float16, or int8 (weight-only: int8 matrices "
+             "with a scale per row, float activations; see weights/quantize.py).")]
+BACKENDS = [f"{name} ({what})" for name, what in DECODE_BACKENDS.items()]
+DecodeOption = Annotated[str, typer.Option(
+        help=f"The cached decode step: {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}.")]
+DebugOption = Annotated[bool, typer.Option(help="Show tracebacks for input errors.")]
