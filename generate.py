@@ -25,6 +25,7 @@ The pieces, in the order a token meets them (gpt-fast's layout):
 
 from __future__ import annotations
 
+import codecs
 import functools
 import sys
 import weakref
@@ -36,7 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from data.chat import ASSISTANT_END, render_prompt, special_ids, with_system
-from data.tokenizer import TextStream, Tokenizer
+from data.tokenizer import Tokenizer
 from machine.device import check_compile
 from machine.errors import InputError
 from model import GPT, KVCache
@@ -329,6 +330,26 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return tokenizer.encode("\n")
     except ValueError:  # a character vocabulary without newlines
         return [0]
+
+
+class TextStream:
+    """Decode tokens as they arrive. BPE tokens are byte sequences and one character may
+    span several of them, so bytes wait until they complete a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.bytes_of = getattr(tokenizer, "decode_bytes", None)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> str:
+        """The text that these tokens complete (possibly empty)."""
+        if self.bytes_of is None:
+            return self.tokenizer.decode(ids)
+        return self.utf8.decode(self.bytes_of(ids))
+
+    def flush(self) -> str:
+        """Whatever is left once no more tokens come (an unfinished character as U+FFFD)."""
+        return "" if self.bytes_of is None else self.utf8.decode(b"", final=True)
 
 
 class StopText:

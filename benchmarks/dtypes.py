@@ -36,8 +36,8 @@ from machine.files import write_bytes_atomic
 from measure.decoding import PROMPT_LEN, measure, ours
 from measure.scores import evaluate
 from model import GPT, GPTConfig
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.loading import resolve_checkpoint
+from weights.checkpoint import load_checkpoint
+from weights.loading import model_from_checkpoint, resolve_checkpoint
 from weights.quantize import cast_weights, weight_bytes
 
 COMPARED = ("float32", "bfloat16", "int8")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import codecs
 import json
 from typing import Protocol
 
@@ -245,26 +244,6 @@ def byte_unicode() -> dict[int, str]:
                  *range(ord("\xae"), 256)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
-class TextStream:
-    """Decode tokens as they arrive. BPE tokens are byte sequences and one character may
-    span several of them, so bytes wait until they complete a UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.bytes_of = getattr(tokenizer, "decode_bytes", None)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, ids: list[int]) -> str:
-        """The text that these tokens complete (possibly empty)."""
-        if self.bytes_of is None:
-            return self.tokenizer.decode(ids)
-        return self.utf8.decode(self.bytes_of(ids))
-
-    def flush(self) -> str:
-        """Whatever is left once no more tokens come (an unfinished character as U+FFFD)."""
-        return "" if self.bytes_of is None else self.utf8.decode(b"", final=True)
 
 
 # each kind, and what its description (to_meta) must hold, of what type

@@ -39,8 +39,8 @@ from machine.errors import InputError
 from machine.files import write_bytes_atomic
 from machine.perf import available_memory, memory_mb, reset_peak_memory, sync
 from model import GPT, LAYOUTS, GPTConfig
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
-from weights.loading import load_folder
+from weights.checkpoint import load_checkpoint
+from weights.loading import load_folder, model_from_checkpoint
 from weights.quantize import cast_weights, weight_bytes
 
 PROMPT_LEN = 8

@@ -21,7 +21,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from data.prepare import prepare_text
 from tests.layouts import LAYOUTS, cli_args
 from tests.shared import built_once
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.checkpoint import load_checkpoint
+from weights.loading import model_from_checkpoint
 from weights.sharded import consolidate, read_shards, read_state, tensor_shapes
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,7 +25,8 @@ from tests.forked import python
 from train import train
 from training.config import ConfigError, load_config
 from training.runs import TrainingError
-from weights.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from weights.checkpoint import load_checkpoint, save_checkpoint
+from weights.loading import model_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TWO_CHARS = {"kind": "char", "vocab_size": 2, "chars": "ab"}  # a tokenizer, for checkpoints

@@ -18,9 +18,10 @@ from generate import generate
 from tests.forked import python
 from train import train
 from training.config import load_config
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.checkpoint import load_checkpoint
 from weights.gpt2 import export_hf_gpt2, load_hf_gpt2
 from weights.hf import FolderError
+from weights.loading import model_from_checkpoint
 
 transformers = pytest.importorskip("transformers")  # test-only dependency
 REPO = Path(__file__).resolve().parent.parent

@@ -9,7 +9,8 @@ import torch
 from data.loader import load_split
 from model import GPT, GPTConfig
 from tests.forked import python
-from weights.checkpoint import load_checkpoint, model_from_checkpoint
+from weights.checkpoint import load_checkpoint
+from weights.loading import model_from_checkpoint
 from weights.quantize import Int8Linear, quantize_int8, quantize_rows, weight_bytes
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.tokenizer import CharTokenizer, GPT2Tokenizer, TextStream
+from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from generate import (
     DECODE_BACKENDS,
+    TextStream,
     decode_step,
     filter_top_k,
     filter_top_p,

@@ -26,9 +26,9 @@ from weights.checkpoint import (
     CheckpointError,
     link_checkpoint,
     load_checkpoint,
-    model_from_checkpoint,
     save_checkpoint,
 )
+from weights.loading import model_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,10 +1,10 @@
 """The checkpoint format: atomic writes, safe loading, and the model rebuilt from the file.
 
 Usage:
-    from weights.checkpoint import save_checkpoint, load_checkpoint, model_from_checkpoint
+    from weights.checkpoint import save_checkpoint, load_checkpoint
     save_checkpoint(state, "runs/quickstart/last.pt")     # a TrainState, or a dict of its keys
-    ckpt = load_checkpoint("runs/quickstart/best.pt")
-    model = model_from_checkpoint(ckpt)
+    ckpt = load_checkpoint("runs/quickstart/best.pt")     # checked; weights/loading.py builds
+                                                          # the model (model_from_checkpoint)
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so it loads with
 torch.load(weights_only=True): no pickled code runs. It holds the model shape, the weights,
@@ -29,7 +29,6 @@ import torch
 from data.tokenizer import tokenizer_problem
 from machine.errors import UserError
 from machine.files import atomic_write, fsync_dir, record_problem
-from model import GPT, GPTConfig
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1
@@ -220,22 +219,3 @@ def state_dict_mismatch(expected: dict[str, torch.Tensor], found: dict[str, Any]
         return (f"{wrong[0]} is {tuple(shape) if shape is not None else 'not a tensor'} but "
                 f"{shape_source} implies {tuple(expected[wrong[0]].shape)}")
     return None
-
-
-def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
-    """A GPT with the checkpoint's shape and weights, on the CPU, in eval mode."""
-    try:
-        model = GPT(GPTConfig(**ckpt["model_args"]))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"the checkpoint's model_args are not a model shape ({e})") from None
-    state = unwrap_state_dict(ckpt["model"])
-    problem = state_dict_mismatch(model.state_dict(), state, "model_args")
-    if problem:
-        raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
-                              f"the file is damaged, use another checkpoint")
-    broken = non_finite(state)
-    if broken is not None:  # written before train.py checked what it saves
-        raise CheckpointError(f"the checkpoint's {broken} holds NaN or inf: its run diverged; "
-                              f"use an earlier checkpoint")
-    model.load_state_dict(state)
-    return model.eval()

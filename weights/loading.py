@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from data.tokenizer import GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from machine.errors import UserError
@@ -21,7 +22,6 @@ from model import GPT, GPTConfig
 from weights.checkpoint import (
     CheckpointError,
     load_checkpoint,
-    model_from_checkpoint,
     non_finite,
     sharded_hint,
     state_dict_mismatch,
@@ -186,3 +186,22 @@ def grow_vocabulary(model: GPT, vocab_size: int) -> GPT:
     vocabulary size up to vocab_size, each the mean of the old rows (weights.lazy.grown)."""
     grown_model = build(*grown(model.config, mapped(model.state_dict()), vocab_size))
     return grown_model.train(model.training)
+
+
+def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
+    """A GPT with the checkpoint's shape and weights, on the CPU, in eval mode."""
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint's model_args are not a model shape ({e})") from None
+    state = unwrap_state_dict(ckpt["model"])
+    problem = state_dict_mismatch(model.state_dict(), state, "model_args")
+    if problem:
+        raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
+                              f"the file is damaged, use another checkpoint")
+    broken = non_finite(state)
+    if broken is not None:  # a checkpoint of a diverged run, from before train.py refused to save one
+        raise CheckpointError(f"the checkpoint's {broken} holds NaN or inf: its run diverged; "
+                              f"use an earlier checkpoint")
+    model.load_state_dict(state)
+    return model.eval()
