@@ -46,7 +46,15 @@ from training.log import RunLog
 from training.memory import check_memory, out_of_memory
 from training.optimizer import configure_optimizers, lr_multiplier, set_lr
 from training.precision import choose_dtype
-from training.runs import Interrupted, TrainingError, check_resumable, run_folder, stop_signals
+from training.runs import (
+    Interrupted,
+    TrainingError,
+    check_resumable,
+    check_resumable_folder,
+    run_dir_of,
+    run_folder,
+    stop_signals,
+)
 
 
 @dataclass
@@ -76,6 +84,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+
+        if resume:  # before the slow part: a run to continue
+            check_resumable_folder(run_dir_of(cfg))
 
         # --- the data: token ids in memory-mapped shards --------------------------------
         meta, splits, tokenizer = load_data(cfg, dist)
@@ -109,6 +120,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                                   scaler, batches, device)
                 run.saved(checkpoint, iter_num)
                 del saved  # its tensors are copied into the model and optimizers: free them
+                if iter_num == cfg.max_iters:
+                    log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing "
+                            f"left to train; raise --max-iters to train it further")
             model = raw_model  # what the step calls: maybe compiled, maybe wrapped in DDP
             if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
                 model = torch.compile(model)

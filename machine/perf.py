@@ -11,11 +11,15 @@ Usage:
 
 from __future__ import annotations
 
-import statistics
+import json
 import sys
 import time
+from contextlib import suppress
 
 import torch
+
+from machine.device import cpu_name
+from machine.files import cache_dir, write_bytes_atomic
 
 
 def sync(device: torch.device) -> None:
@@ -45,22 +49,36 @@ def datasheet_peak_flops(device_name: str) -> float | None:
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The FLOP/s that MFU is measured against, and where the figure comes from: a known
-    GPU's datasheet bf16 peak (whatever the training dtype, as is usual), else this
-    machine's measured matmul throughput in `dtype`."""
+    GPU's datasheet bf16 peak (whatever the training dtype, as is usual); else this
+    machine's best matmul throughput in `dtype`, measured once and kept in the cache folder
+    under the CPU's name, the dtype and the thread count, so that a busy moment at a run's
+    start never moves the yardstick."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         flops = datasheet_peak_flops(name)
         if flops is not None:
             return flops, f"datasheet bf16 peak of the {name}"
-    return measure_peak_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} matmul"
+    kind = str(dtype).removeprefix("torch.")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    key = f"{where}, {kind}, {torch.get_num_threads()} threads"
+    path = cache_dir() / "peak_flops.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known.get(key), float):
+        known[key] = measure_peak_flops(device, dtype)
+        with suppress(OSError):  # a cache that cannot be written: measured again next time
+            write_bytes_atomic(path, (json.dumps(known, indent=1) + "\n").encode())
+    return known[key], f"this machine's best {kind} matmul, measured once and kept in {path}"
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """This machine's matmul throughput in FLOP/s: the median over a few timings of square
-    matmuls. On a GPU each timing spans several large matmuls so that launch and sync
-    costs do not count. On a CPU a matmul is 1024 wide, or narrower where that would take
-    over 50 ms: a CPU without bf16 or fp16 arithmetic emulates it at about a hundredth of
-    its fp32 rate, and six 1024-wide matmuls took 14 s of a bf16 run's start."""
+    """This machine's matmul throughput in FLOP/s: the best of several timings of square
+    matmuls, since other work on the machine can only slow one down. On a GPU each timing
+    spans several large matmuls so that launch and sync costs do not count. On a CPU a
+    matmul is 1024 wide, or narrower where that would take over 50 ms: a CPU without bf16
+    arithmetic emulates it about a hundred times slower than fp32."""
     generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
 
     def timings(n: int, per_timing: int, count: int) -> list[float]:
@@ -81,7 +99,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         rate = 2 * 256**3 / min(timings(256, 1, 2))  # a rough rate, to size the matmul by
         while n > 256 and 2 * n**3 / rate > 0.05:
             n //= 2
-    return 2 * n**3 / statistics.median(timings(n, per_timing, 6)[1:])  # the first warms up
+    return 2 * n**3 / min(timings(n, per_timing, 10)[1:])  # the first warms up
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -264,7 +264,7 @@ def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None]
         shown = repr(default) if isinstance(default, str) else str(default).lower() \
             if isinstance(default, bool) else default
         params.append(click.Option(
-            [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag], name,
+            [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, name],
             type=CLICK_TYPES[type(default)], default=None,
             help=f"{field_help(name)}  [default: {shown}]"))
 

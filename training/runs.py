@@ -122,7 +122,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     last.pt there and no live run. A folder where a run saved nothing is taken over, its
     stale events deleted, so that a run killed in its first seconds does not push the next
     one to -2."""
-    base = Path(cfg.out_dir) / (cfg.run_name or "run")
+    base = run_dir_of(cfg)
     if base.exists() and not base.is_dir():
         raise ConfigError(f"{base} is a file, not a run folder; choose another --run-name "
                           f"or --out-dir")
@@ -152,6 +152,11 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
                           f"another --out-dir or --run-name") from None
     raise ConfigError(f"{base} and 9,999 numbered folders beside it are taken; choose "
                       f"another --run-name")
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """The folder the config names: out_dir/run_name (a new run may take run_name-2 ...)."""
+    return Path(cfg.out_dir) / (cfg.run_name or "run")
 
 
 def check_resumable_folder(run_dir: Path) -> None:
