@@ -137,7 +137,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                         else torch.autocast(device.type, dtype=dtype))
 
             # --- the loop -----------------------------------------------------------------
-            log.start(iter_num, raw_model.config.n_head)
+            log.start(iter_num, raw_model.config)
             peak, peak_source = peak_flops(device, dtype)
             processes = (f" x {dist.world_size} process{'es' * (dist.world_size > 1)}"
                          if dist.enabled else "")
@@ -262,9 +262,9 @@ def load_data(cfg: TrainConfig, dist: distributed.Dist,
             tqdm.write(f"preparing {data_dir} (first run only)")
             from data.prepare import prepare_builtin  # tokenizers and workers: only now
             prepare_builtin(data_dir.name, data_dir)
-        read = load_dataset(data_dir, cfg.model.block_size)
+        read = load_dataset(data_dir)
     distributed.from_main(prepare_and_read, dist)
-    return read or load_dataset(data_dir, cfg.model.block_size)
+    return read or load_dataset(data_dir)
 
 
 def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:

@@ -4,7 +4,7 @@ Usage:
     from data.loader import load_meta, load_split, get_batch
     meta = load_meta("data/shakespeare_char")
     train = load_split("data/shakespeare_char", "train")   # Tokens: memory-mapped shards
-    meta, splits, tokenizer = load_dataset("data/shakespeare_char", block_size=64)
+    meta, splits, tokenizer = load_dataset("data/shakespeare_char")
     x, y = get_batch(train, block_size=64, batch_size=12, generator=torch.Generator())
     draw = batch_sampler(train, meta, block_size=64, batch_size=12)  # windows, or conversations
     x, y = draw(torch.Generator())
@@ -77,11 +77,12 @@ class Tokens:
     prepared; this catches a shard damaged since, which would otherwise index outside the
     embedding table, at the cost of one max over the ids read (microseconds a batch)."""
 
-    def __init__(self, pieces: list[np.ndarray], vocab_size: int, where: str) -> None:
+    def __init__(self, pieces: list[np.ndarray], vocab_size: int, where: str,
+                 split: str) -> None:
         self.pieces = [p for p in pieces if len(p)]
         self.ends = np.cumsum([len(p) for p in self.pieces])  # where each piece stops
         self.dtype = pieces[0].dtype if pieces else np.dtype(np.uint16)
-        self.vocab_size, self.where = vocab_size, where
+        self.vocab_size, self.where, self.split = vocab_size, where, split
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -124,25 +125,20 @@ def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> To
     if "shards" not in meta:  # prepared before shards: train.bin and val.bin
         legacy = {"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}
         pieces = open_shards(data_dir, {**meta, "shards": [legacy]})
-        return Tokens(pieces, meta["vocab_size"], str(data_dir))
+        return Tokens(pieces, meta["vocab_size"], str(data_dir), split)
     if meta["max_token"] >= meta["vocab_size"]:
         raise DataError(f"{data_dir} holds token id {meta['max_token']}, outside the vocabulary "
                         f"of {meta['vocab_size']} in meta.json; prepare the dataset again")
     pieces = open_shards(data_dir, meta)
     cut = meta["split"]["val_start"]
     span = (0, cut) if split == "train" else (cut, cut + meta["val_tokens"])
-    return Tokens(stream_range(pieces, *span), meta["vocab_size"], str(data_dir))
+    return Tokens(stream_range(pieces, *span), meta["vocab_size"], str(data_dir), split)
 
 
-def load_dataset(data_dir: str | Path, block_size: int) -> tuple[dict, dict[str, Tokens], Tokenizer]:
-    """A prepared dataset: its meta.json, its splits memory-mapped, and its tokenizer. Each
-    split must be longer than block_size, or no window can be drawn from it."""
+def load_dataset(data_dir: str | Path) -> tuple[dict, dict[str, Tokens], Tokenizer]:
+    """A prepared dataset: its meta.json, its splits memory-mapped, and its tokenizer."""
     meta = load_meta(data_dir)
     splits = {split: load_split(data_dir, split, meta) for split in SPLITS}
-    for split, data in splits.items():
-        if len(data) <= block_size:
-            raise DataError(f"block_size ({block_size}) must be smaller than the {split} split "
-                            f"({len(data)} tokens); lower block_size or use more text")
     try:
         tokenizer = load_tokenizer(meta["tokenizer"])
     except ValueError as e:
@@ -167,6 +163,9 @@ def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
     """How this split's batches are drawn: random windows of a corpus, or whole
     conversations of a chat dataset (`say` is told which are cut to fit block_size)."""
     if not meta.get("chat"):
+        if len(data) <= block_size:
+            raise DataError(f"block_size ({block_size}) must be smaller than the {data.split} "
+                            f"split ({len(data)} tokens); lower block_size or use more text")
         return lambda generator: get_batch(data, block_size, batch_size, generator)
     from data.chat import Conversations  # the chat tokens and their mask: only for chat data
     specials = load_tokenizer(meta["tokenizer"]).specials

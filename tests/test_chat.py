@@ -294,3 +294,25 @@ def test_evaluate_counts_the_right_last_replies_before_and_after_sft(sft_run, tr
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
         assert f"{scores[name]['right']} of 20 last replies right" in result.stdout
     assert scores["base"]["right"] == 0 and scores["sft"]["right"] >= 15
+
+
+def test_fine_tuning_keeps_the_base_context_unless_block_size_is_given(tmp_path, trained_run,
+                                                                        chat_data, capsys):
+    from train import train
+    from training.config import ConfigError, load_config
+
+    def sft(name: str, **settings) -> Path:
+        cfg = load_config(REPO / "config" / "chat_sft.toml", {
+            "init_from": str(trained_run), "data_dir": str(chat_data), "out_dir": str(tmp_path),
+            "run_name": name, "max_iters": 2, "eval_interval": 2, "eval_iters": 1,
+            "dtype": "float32", **settings})
+        return train(cfg).run_dir / "last.pt"
+
+    base = load_checkpoint(trained_run / "best.pt")["model_args"]["block_size"]  # 32
+    assert load_checkpoint(sft("kept"))["model_args"]["block_size"] == base
+    assert "cropped" not in capsys.readouterr().out
+    assert load_checkpoint(sft("cropped", block_size=16))["model_args"]["block_size"] == 16
+    assert (f"init_from: the context is cropped from {base} to 16 tokens (block_size); drop "
+            f"block_size to keep the base's") in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=f"block_size 64 exceeds .*'s context of {base} tokens"):
+        sft("longer", block_size=64)

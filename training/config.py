@@ -96,6 +96,9 @@ class TrainConfig:
     parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
                                "fsdp (each holds 1/N of it; see docs/distributed.md)")
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")
+    # the keys that a TOML file or the command line set, as opposed to defaults: a
+    # fine-tuned model keeps its base's context unless block_size is among them
+    given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # nan passes every comparison below, and inf means nothing
@@ -142,7 +145,8 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Every setting by its key, flat, as a TOML file writes them (checkpoints keep this).
         n_kv_head is 0 where it equals n_head, as written: then a new n_head keeps it so."""
-        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        settings = {f.name: getattr(self, f.name) for f in fields(self)
+                    if f.name not in ("model", "given")}
         shape = {name: getattr(self.model, name) for name in MODEL_FIELDS}
         if shape["n_kv_head"] == shape["n_head"]:
             shape["n_kv_head"] = 0
@@ -151,7 +155,8 @@ class TrainConfig:
     def updated(self, **settings: Any) -> TrainConfig:
         """This config with some settings changed, by their flat keys (the model's too),
         checked as a TOML file's are: cfg.updated(max_iters=10, n_layer=2)."""
-        return load_config(None, {**self.to_dict(), **settings})
+        cfg = load_config(None, {**self.to_dict(), **settings})
+        return replace(cfg, given=self.given | set(settings))
 
 
 def check_seed(seed: int) -> None:
@@ -162,7 +167,8 @@ def check_seed(seed: int) -> None:
 
 
 # every key a TOML file or the command line may set: training's own and the model's
-FIELDS = {**{f.name: f for f in fields(TrainConfig) if f.name != "model"}, **MODEL_FIELDS}
+FIELDS = {**{f.name: f for f in fields(TrainConfig) if f.name not in ("model", "given")},
+          **MODEL_FIELDS}
 
 
 def field_help(name: str) -> str:
@@ -213,7 +219,7 @@ def load_config(path: str | Path | None = None,
         model = GPTConfig(**{**MODEL_DEFAULTS, **shape})
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return TrainConfig(**checked, model=model)
+    return TrainConfig(**checked, model=model, given=frozenset(values))
 
 
 # train.py --help lists the options under these headings, in this order

@@ -24,24 +24,35 @@ from training import distributed
 from training.config import ConfigError, TrainConfig
 from weights.checkpoint import CheckpointError
 from weights.hf import FolderError, model_type
-from weights.lazy import Lazy, grown
+from weights.lazy import Lazy, cropped, grown
 from weights.loading import LoadError, base_weights
 
 
 def base_model(cfg: TrainConfig, meta: dict,
                dist: distributed.Dist) -> tuple[GPTConfig, dict[str, Lazy]]:
-    """The model to fine-tune, its weights not read yet, its context cropped to block_size;
-    ConfigError where the base and the data or settings do not fit together."""
+    """The model to fine-tune, its weights not read yet, with its own context unless
+    block_size is set; ConfigError where the base and the data or settings do not fit
+    together."""
     try:
         if (Path(cfg.init_from) / "config.json").is_file() and model_type(cfg.init_from) == "gpt2" \
                 and not cfg.model_config(meta["vocab_size"]).is_gpt2:
             raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
                               "qk_norm, mlp, tie_embeddings and n_kv_head at their defaults "
                               "to fine-tune it")
-        config, state, tokenizer, source = base_weights(cfg.init_from, cfg.model.block_size,
-                                                        cfg.model.dropout)
+        config, state, tokenizer, source = base_weights(cfg.init_from, None, cfg.model.dropout)
     except (FolderError, LoadError, CheckpointError) as e:
         raise ConfigError(f"init_from: {e}") from None
+    # the base's context, unless block_size is set: then it is cropped, and says so
+    if "block_size" in cfg.given and cfg.model.block_size != config.block_size:
+        if cfg.model.block_size > config.block_size:
+            raise ConfigError(f"block_size {cfg.model.block_size} exceeds {source}'s context of "
+                              f"{config.block_size} tokens; lower it, or drop it to keep the "
+                              f"base's")
+        if dist.is_main:
+            tqdm.write(f"init_from: the context is cropped from {config.block_size:,} to "
+                       f"{cfg.model.block_size:,} tokens (block_size); drop block_size to keep "
+                       f"the base's")
+        config, state = cropped(config, state, cfg.model.block_size)
     base = tokenizer.to_meta()
     if meta["tokenizer"] not in (base, with_specials(base, CHAT_SPECIALS)):
         hint = ("gpt2" if base["kind"] == "gpt2" else cfg.init_from if Path(source).is_dir()

@@ -5,7 +5,7 @@ nohup, a pipe). Rank 0 alone shows anything.
 Usage:
     from training.log import RunLog
     with RunLog(run, cfg, dist, tokenizer, probe_ids, attention=True) as log:
-        log.start(iter_num, n_head)                           # TensorBoard's events, the bar
+        log.start(iter_num, model.config)                     # TensorBoard's events, the bar
         log.say("a line above the bar")
         log.step()                                            # after every step
         log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from machine.files import quiet_writer_threads
-from model import GPT
+from model import GPT, GPTConfig
 from training.config import TrainConfig
 from training.distributed import Dist
 from training.runs import Run, TrainingError
@@ -48,10 +48,11 @@ class RunLog:
         self.bar: tqdm | None = None
         self.quiet = quiet_writer_threads()
 
-    def start(self, iter_num: int, n_head: int) -> None:
+    def start(self, iter_num: int, model: GPTConfig) -> None:
         """Open the run's TensorBoard events and its progress bar, at iter_num: a resumed
-        run drops the events its predecessor logged after its last checkpoint. n_head: the
-        model's (a fine-tuned base's may differ from the config's)."""
+        run drops the events its predecessor logged after its last checkpoint. model: the
+        model's shape (a fine-tuned base's may differ from the config's)."""
+        self.probe_ids = self.probe_ids[-model.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if not self.is_main:
             return
@@ -62,7 +63,8 @@ class RunLog:
             self.writer.add_text("config", text_block(settings))
         if self.attention:
             from viz.attention_maps import LayerPictures, token_labels
-            self.pictures = LayerPictures(token_labels(self.tokenizer, self.probe_ids), n_head)
+            self.pictures = LayerPictures(token_labels(self.tokenizer, self.probe_ids),
+                                          model.n_head)
         # a live bar on a terminal; elsewhere a plain line per log point (see point)
         self.bar = tqdm(total=self.cfg.max_iters, initial=iter_num, unit="it",
                         dynamic_ncols=True, disable=not sys.stderr.isatty())
