@@ -92,7 +92,8 @@ def write_json(path: Path, record: dict) -> None:
 
 def score_answers(answers: str, run: str | None, checkpoint: str | None, init_from: str | None,
                   device: str, dtype: str, json_path: Path | None, text_options: bool) -> None:
-    """--answers: a chat model's right last replies (measure/answers.py)."""
+    """--answers: count the conversations whose last reply a chat model gets right
+    (measure/answers.py)."""
     if text_options:
         raise UserError("--stride and --batch-size are for scoring a text; drop them with "
                          "--answers")

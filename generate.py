@@ -42,8 +42,8 @@ from machine.device import check_compile
 from machine.errors import InputError
 from model import GPT, KVCache
 
-# the decode backends that decode_step builds, and what each is: the --decode choices of
-# sample.py and serve.py, and their help (options.py)
+# The decode backends that decode_step builds, each with a short description: they are the
+# --decode choices of sample.py and serve.py, and the descriptions are their help (options.py).
 DECODE_BACKENDS = {
     "auto": "the C step on a CPU when it builds, else eager",
     "eager": "the model's forward",
@@ -64,10 +64,10 @@ class DecodeStep(Protocol):
     window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
     their keys and values into the cache, and returns (B, 1, vocab_size) logits.
 
-    name: what it is, as a benchmark's rows call it: "eager", "compiled" or "C step".
+    name: the step's label in a benchmark's rows: "eager", "compiled" or "C step".
     prefills: the most tokens, at consecutive positions input_pos (T,), that one call may
-        take, with the logits of the last (1 for a plain step); `prefill` gives a longer
-        window to the model's forward.
+        take, returning the logits of the last one (1 for a plain step); `prefill` passes
+        longer windows to the model's forward instead.
     steps_rows: whether a call may step only some rows of the cache, the B rows named by
         `rows`, leaving the others untouched. Without it, B is the cache's batch and every
         call steps every row, one shape at every step (as a compiled step needs).
@@ -133,9 +133,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # From the largest logit down: it becomes 0, so a temperature however small cannot
-    # overflow the others to inf (they go to -inf, and sampling to greedy). Below float32's
-    # smallest normal number a temperature would divide as zero, and 0 / 0 is nan.
+    # Subtract the largest logit first: it becomes 0 and the others negative, so however
+    # small the temperature, dividing cannot overflow to inf (the others go to -inf, and
+    # sampling becomes greedy). The temperature is clamped at float32's smallest normal
+    # number, because below it the division acts as one by zero, and 0 / 0 is nan.
     logits = logits.float()
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
@@ -162,9 +163,9 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
     "reduce-overhead"), unless cuda_graphs is False: one launch for the whole step instead
     of one per kernel, which is what bounds a small model's decoding there."""
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
-        # the written-out attention path: for a single query, inductor turns QK^T and AV
-        # into loops fused with the softmax, where SDPA stays a library call, and a slow one
-        # in bf16 on CPUs without bf16 arithmetic
+        # The explicit attention path: for a single query, inductor fuses QK^T and AV with
+        # the softmax into its own loops, whereas SDPA stays a library call (and a slow one
+        # in bf16 on CPUs without bf16 arithmetic).
         return model(idx, kv_cache=kv_cache, input_pos=input_pos, attention="explicit")[0]
 
     device = model.lm_head.weight.device
@@ -175,7 +176,8 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
         def replay(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
             # A graph may write into the cache in place only if the cache stays at one
             # address; otherwise it would copy the whole cache in and out at every step.
-            # Unguarded: a new cache (a new generation) re-records the graph, no recompile.
+            # guard=False: a new cache (a new generation) re-records the graph instead of
+            # recompiling it.
             if kv_cache not in marked:
                 for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos):
                     torch._dynamo.mark_static_address(buffer, guard=False)
@@ -216,8 +218,8 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     if decode == "c":
         return CDecodeStep(model)
     weight = model.lm_head.weight
-    # the C step computes in the weights' dtype: under autocast, only eager computes in
-    # autocast's
+    # The C step computes in the weights' dtype; under autocast, only the eager step
+    # computes in autocast's dtype.
     if weight.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return eager_step(model)
     try:
@@ -232,9 +234,9 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
 def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
             start: int = 0) -> torch.Tensor:
     """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
-    the last token's logits (B, 1, vocab_size). The step takes up to its `prefills` tokens
-    (the C step reads each weight once for all of them); the model's matrix products take
-    longer windows."""
+    the last token's logits (B, 1, vocab_size). Up to step.prefills tokens go through the
+    step (the C step reads each weight once for all of them); longer windows go through the
+    model's forward, whose matrix products are faster there."""
     positions = torch.arange(start, start + idx.size(1), device=idx.device)
     if idx.size(1) <= step.prefills:
         return step(idx, cache, positions)
@@ -317,7 +319,7 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
-    (GPT-2's end-of-text token, or a newline for a character vocabulary). ValueError for
+    (GPT-2's end-of-text token, or a newline for a character vocabulary). InputError for
     text the tokenizer cannot encode."""
     if prompt:
         try:
@@ -408,13 +410,14 @@ def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_toke
 # --- chat --------------------------------------------------------------------------------
 
 class Chat:
-    """A conversation with a chat model (data/chat.py's format), its KV cache kept across
-    turns: a turn prefills only the tokens that the cache does not hold yet, its own.
+    """A conversation with a chat model (data/chat.py's format) that keeps its KV cache
+    across turns, so that a turn prefills only the tokens the cache does not hold yet
+    (normally its own).
 
-    The history is kept as ids, the replies as sampled, so it is exactly what a fresh
-    prefill of the whole conversation would see. When a turn would not fit in block_size,
-    the oldest turns are dropped (add_user says how many) and the cache is refilled from
-    what is left, the system text folded into the new first turn."""
+    The history is kept as token ids, each reply exactly as it was sampled, so the cache
+    holds what a fresh prefill of the whole conversation would. When a turn would not fit
+    in block_size, the oldest turns are dropped (add_user says how many) and the cache is
+    refilled from the rest, with the system text folded into the new first turn."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, *, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -441,8 +444,8 @@ class Chat:
         return render_prompt(self.tokenizer, with_system(self.system, [*messages, ("user", text)]))
 
     def add_user(self, text: str) -> int:
-        """Add a user turn; the number of oldest turns dropped to make room for it and at
-        least one token of reply. ValueError if it cannot fit even alone."""
+        """Add a user turn and return how many of the oldest turns were dropped to make
+        room for it and at least one token of reply. InputError if it cannot fit even alone."""
         block_size, kept = self.model.config.block_size, self.turns
         ids = self.rendered(kept, text)
         while len(ids) >= block_size and kept:

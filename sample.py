@@ -9,7 +9,8 @@ Usage:
     python sample.py --run runs/chat_sft --chat                # talk to a fine-tuned model
 
 The context-window policy past block_size is stated in main's docstring, which is what
-`python sample.py --help` prints (one paragraph: typer keeps the line breaks of later ones).
+`python sample.py --help` prints. It is one paragraph because typer keeps the line breaks of
+any later ones.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from weights.quantize import check_weight_dtype
 
 
 def prompt_text(prompt: str, prompt_file: Path | None) -> str:
-    """--prompt-file's text, else --prompt's. The shell's bytes are read as the file's, so
-    text that is not UTF-8 is refused from both (Python would pass it on as U+DC80-U+DCFF)."""
+    """--prompt-file's text, else --prompt's. The shell's bytes are decoded as the file's
+    are, so text that is not UTF-8 is refused from both (Python would otherwise pass it on
+    as the surrogates U+DC80-U+DCFF)."""
     if prompt_file:
         return decode_text(prompt_file.read_bytes(), str(prompt_file))
     return decode_text(os.fsencode(prompt), "--prompt")
@@ -159,10 +161,10 @@ def open_chat(run: str | None, checkpoint: str | None, init_from: str | None, de
 
 
 def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
-    """--chat: a user turn a line, each reply streamed to stdout on a line of its own;
-    notes and errors go to stderr, so a pipe's output holds the replies alone. A line
-    that cannot be a turn (not UTF-8, unknown characters, too long) is answered with one
-    line on stderr, and the conversation goes on."""
+    """--chat: each line is a user turn, and each reply is streamed to stdout on a line of
+    its own. Notes and errors go to stderr, so a pipe's output holds the replies alone. A
+    line that cannot be a turn (not UTF-8, unknown characters, too long) gets one line on
+    stderr, and the conversation goes on."""
     if sys.stdin.isatty():
         print("chat: a line is a turn; /reset starts over, /system TEXT starts over with a "
               "system message, /quit or Ctrl-D ends", file=sys.stderr)
@@ -197,8 +199,8 @@ def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
         sys.stdout.flush()
 
 
-# The options, one a line: each one's help is its documentation (python sample.py --help);
-# those that serve.py and evaluate.py take too are options.py's.
+# The options, one per line; each one's help is its documentation (python sample.py --help).
+# Those that serve.py and evaluate.py take too are declared in options.py.
 PromptOption = Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")]
 PromptFileOption = Annotated[Path | None, typer.Option(
         exists=True, dir_okay=False, help="Read the prompt from this file instead.")]
@@ -271,7 +273,8 @@ def main(
     (--benchmark). Context window: when the next token would not fit in block_size, the window
     jumps forward to keep the most recent block_size // 2 tokens, rebuilding the KV cache in
     one prefill; --no-kv-cache uses the same window, so both give the same text."""
-    # bad options, a model that cannot load, a C step that cannot build, a refused path
+    # reported in one line: bad options, a model that cannot load, a C step that cannot
+    # build, a refused path
     with reported(debug=debug):
         check_settings(dtype, temperature, top_k, top_p, seed, decode, kv_cache)
         device = str(resolve_device(device))  # a DeviceError names what to use instead

@@ -50,7 +50,8 @@ GRACE_SECONDS = 5  # after SIGTERM, how long running answers may take to finish
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now: a port in use is said before a model loads."""
+    """The server's socket, bound now, so that a port in use is reported before the model
+    loads."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -80,9 +81,9 @@ def model_name(source: str, init_from: str | None) -> str:
 
 def run_server(service: Service, sock: socket.socket) -> None:
     """Serve until SIGTERM or Ctrl-C: uvicorn in a thread of its own, the engine in the
-    main thread (serving/engine.py says why). A signal stops uvicorn accepting and drains
-    the engine: what runs may finish for GRACE_SECONDS, then it is cancelled, each stream
-    ending with an error event, before uvicorn would cut the connections."""
+    main thread (serving/engine.py says why). A signal makes uvicorn stop accepting and
+    drains the engine: running requests get GRACE_SECONDS to finish, then are cancelled,
+    each stream ending with an error event, before uvicorn would cut the connections."""
     config = uvicorn.Config(create_app(service), log_level="warning",
                             timeout_graceful_shutdown=GRACE_SECONDS + 2)
     server = uvicorn.Server(config)
@@ -107,8 +108,8 @@ def run_server(service: Service, sock: socket.socket) -> None:
     print("stopped", file=sys.stderr)
 
 
-# The options, one a line: each one's help is its documentation (python serve.py --help);
-# those that sample.py and evaluate.py take too are options.py's.
+# The options, one per line; each one's help is its documentation (python serve.py --help).
+# Those that sample.py and evaluate.py take too are declared in options.py.
 HostOption = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every "
                                            "interface.")]
 PortOption = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")]

@@ -33,7 +33,7 @@ def demo_conversations() -> list[dict]:
 
 
 def read_conversations(path: Path) -> list[dict]:
-    """The records of a JSON Lines file of conversations, {"messages": [...]} a line."""
+    """The records of a JSON Lines file of conversations, one {"messages": [...]} per line."""
     records = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
@@ -69,7 +69,8 @@ def answer_score(model: GPT, tokenizer: Tokenizer, records: list[dict],
             expected = tokenizer.encode(turns[-1][1])
         except ValueError as e:
             raise DataError(f"conversation {n}: {e}") from None
-        # room for the answer spelled in other tokens than the expected text's, and its end
+        # room for the end token, and for the answer spelled in other tokens than the
+        # expected text's
         budget = min(len(expected) + 8, model.config.block_size - len(prompt))
         if budget < 1:  # the question alone fills the context: a miss
             continue

@@ -6,19 +6,20 @@ Usage:
     python sample.py --benchmark --preset gpt2 --device cuda --decode compile --batch 8
     python -m benchmarks.decode --preset gpt2 --lengths 64
 
-Greedy, an 8-token prompt, batch 1 unless --batch says otherwise; tokens/s counts the
-tokens of every sequence. With a longer prompt (--prompt-len, in `python -m
-benchmarks.decode`), tokens/s is that of decoding alone, from a context that long: each
-timed run is the time of n_new tokens less that of one token, which holds the prefill.
+Decoding is greedy from an 8-token prompt, at batch 1 unless --batch says otherwise;
+tokens/s counts the tokens of every sequence. With a longer prompt (--prompt-len, in
+`python -m benchmarks.decode`), tokens/s is that of decoding alone from a context that long:
+each timed run is the time of n_new tokens less that of one token, which holds the prefill.
+
 The rows: the default path (decode="auto", labelled with what it chose), the eager cached
 step, the compiled or C step when --decode names it (on a GPU, compiled with and without
 CUDA graphs), the uncached path, and transformers' generate on the same weights when
-transformers is installed (up to block_size tokens: its position table ends there; not for
+transformers is installed (up to block_size tokens, where its position table ends; not for
 int8, which it cannot load). For every length and path: one warm-up, then the median of
 `repeats` timed runs. Every row says whether its greedy tokens are identical to the
-uncached path's. Memory is the peak while a path runs: allocated
-tensors on CUDA, the resident size of the whole process on the CPU (weights included), with
-its growth during that path.
+uncached path's. Memory is the peak while a path runs (allocated tensors on CUDA; on the
+CPU, the resident size of the whole process, weights included), with its growth during
+that path.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def transformers_generate(model: GPT) -> Tokens | None:
     if not model.config.is_gpt2 and nanochat_problem(model.config):
         return None
     export = export_hf_gpt2 if model.config.is_gpt2 else export_hf_nanochat
-    # quiet: its notes on GPT-2's end-of-text id outside a character vocabulary, its bars
+    # silence its progress bars and its notes (GPT-2's end-of-text id lies outside a
+    # character vocabulary)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:

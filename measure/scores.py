@@ -73,14 +73,14 @@ def check_stride(stride: int | None, block_size: int) -> int:
 
 def default_batch_size(config: GPTConfig, stride: int, logits_mb: int = 256) -> int:
     """Windows per forward pass: as many as keep a batch's scored logits (stride positions
-    by vocabulary, in float32) under logits_mb, and at most 16, past which a CPU gains
-    nothing (docs/quality.md): 16 for a character model, 2 for GPT-2's 50,257-way logits."""
+    by vocabulary, in float32) under logits_mb, up to 16, beyond which a CPU gains nothing
+    (docs/quality.md). That is 16 for a character model and 2 for GPT-2's 50,257-way logits."""
     window_mb = logits_bytes(1, stride, config.vocab_size) / 2**20
     return max(1, min(16, int(logits_mb / window_mb)))
 
 
 def logits_bytes(n_windows: int, stride: int, vocab_size: int) -> int:
-    """A batch's scored logits: stride positions a window, in float32."""
+    """Bytes of a batch's scored logits: stride positions per window, in float32."""
     return n_windows * stride * vocab_size * 4
 
 
@@ -118,17 +118,18 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
                for i in range(0, len(group), batch_size)]
     nll = torch.zeros((), dtype=torch.float64, device=device)
     t0 = time.perf_counter()
-    # disable=None: a bar on a terminal only, as in training, no carriage returns in logs
+    # disable=None: a bar only on a terminal, as in training, so logs get no carriage returns
     for batch in tqdm(batches, desc="evaluating", unit="batch",
                       disable=None if progress else True, dynamic_ncols=True, leave=False):
-        # the whole window goes in, as in transformers' guide, though the last position's
-        # prediction has no target: the model runs at its block size, the shape it trained
-        # at (and kernels favour), and causal attention keeps it out of earlier positions
+        # The whole window goes in, as in transformers' guide, though the last position's
+        # prediction has no target: the model then runs at its block size, the shape it was
+        # trained at (and that kernels favour), and causal attention keeps the extra token
+        # out of earlier positions.
         x = torch.stack([tokens[begin:end] for begin, end, _ in batch])
         y = torch.stack([tokens[begin + 1:end] for begin, end, _ in batch])
-        # y[:, j] is token begin + 1 + j; those before `first` an earlier window scored, so
-        # their logits are not computed where no window of the batch needs them, and left
-        # out (-1 is ignored) where another window does
+        # y[:, j] is token begin + 1 + j. Targets before `first` were scored by an earlier
+        # window: their logits are not computed where no window of the batch needs them,
+        # and they are masked out (-1 is ignored) where another window of the batch does.
         unscored = torch.tensor([first - begin - 1 for begin, _, first in batch], device=device)
         start = int(unscored.min())
         y = y[:, start:].masked_fill(

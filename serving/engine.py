@@ -141,8 +141,8 @@ class Engine:
         with self.wake:
             if self.deadline is not None:
                 raise QueueFull("the server is shutting down")
-            # the slots not decoding nor being filled take requests at once; a queue of 0
-            # means no request ever waits for a slot
+            # free slots (neither decoding nor being prefilled) take requests at once; a
+            # queue of 0 means that no request ever waits for a slot
             free = self.slots - len(self.active) - self.starting
             if len(self.waiting) >= self.queue_size + max(free, 0):
                 raise QueueFull(f"all {self.slots} slots are busy and {self.queue_size} "
