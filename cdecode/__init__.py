@@ -73,7 +73,8 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
     attempts = {"": [*base, *arch, "-fopenmp"],
                 f"without -march={march}": [*base, "-fopenmp"],
                 f"without -march={march} or OpenMP (one thread)": base}
-    # -march=native builds for this CPU, and a cache folder may be shared between machines
+    # the key names the CPU: -march=native builds for this one, and a cache folder may be
+    # shared between machines
     key = hashlib.sha256(" ".join([cc, *attempts[""], cpu_identity()]).encode()
                          + SOURCE.read_bytes()).hexdigest()[:16]
     out = cache_dir() / "decode_step" / f"{key}.so"

@@ -297,7 +297,7 @@ static void matvec(float *restrict y, const float *restrict x, const weight_t *r
                    int B, int n_in, int n_out, int op) {
     #pragma omp for schedule(static)
     for (int i = 0; i < n_out; i += 4) {
-        int rows = n_out - i < 4 ? n_out - i : 4;  /* past the last row: it again, not kept */
+        int rows = n_out - i < 4 ? n_out - i : 4;  /* past n_out: the last row again, not kept */
         const weight_t *w[4];
         for (int r = 0; r < 4; r++) w[r] = W + (size_t)(i + (r < rows ? r : rows - 1)) * n_in;
         /* ask for the weights 4 KB ahead of these rows: the hardware prefetcher alone does

@@ -200,7 +200,8 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
         raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
                               f"the file is damaged, use another checkpoint")
     broken = non_finite(state)
-    if broken is not None:  # a checkpoint of a diverged run, from before train.py refused to save one
+    # train.py refuses to save a diverged run, but a checkpoint of an older version may hold one
+    if broken is not None:
         raise CheckpointError(f"the checkpoint's {broken} holds NaN or inf: its run diverged; "
                               f"use an earlier checkpoint")
     model.load_state_dict(state)

@@ -21,8 +21,8 @@ fuses the query, key and value projections into one c_attn:
 Both rotate the pairs (x_i, x_{i + head_dim/2}) of a head, but in opposite directions:
 nanochat turns by -angle where model.py turns by +angle. Negating the second half of every
 query and key head, which is what flip_rope does to their projection rows, turns one into
-the other: the rotated queries and keys then differ only in those signs, and so do their
-dot products not at all. QK-norm comes before the rotation here and after it in
+the other: the rotated queries and keys then differ only in those signs, which cancel in
+every query-key dot product. QK-norm comes before the rotation here and after it in
 transformers; a norm without a gain has the same length before and after a rotation, so
 the order changes nothing.
 """

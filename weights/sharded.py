@@ -178,7 +178,7 @@ def read_shards(targets: dict[str, torch.Tensor], path: Path,
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}; use another checkpoint")
     try:
-        with warnings.catch_warnings():  # that one process reads alone is the intent
+        with warnings.catch_warnings():  # a process reading alone is intended here
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(targets, storage_reader=dcp.FileSystemReader(path),
                      no_dist=not torch.distributed.is_initialized())
