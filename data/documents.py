@@ -10,7 +10,7 @@ Usage:
 The formats, one row each in FORMATS:
 - `.txt`: the whole file is one document, UTF-8 (a byte-order mark at its start is not
   text, and is dropped). A large file is read in pieces of about BATCH_BYTES, cut just
-  before a line break (\n or \r) that follows a letter or digit: the split patterns of
+  before a line break (\\n or \\r) that follows a letter or digit: the split patterns of
   GPT-2's and GPT-4's BPE always split there (a run of letters or digits never takes
   whitespace, and a run of whitespace depends only on what follows it), so the pieces
   tokenize as the whole file would, CRLF line ends included. A piece with no such line
@@ -281,8 +281,8 @@ def last_cut(data: bytes, breaks: tuple[bytes, ...]) -> int:
     return 0
 
 
-# UTF-16's halves of a character, which JSON may escape one at a time; alone they are no
-# character, and no tokenizer can encode them
+# lone halves of a UTF-16 surrogate pair, which JSON may escape one at a time: alone they
+# are not a character, and no tokenizer can encode them
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 

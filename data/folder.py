@@ -68,8 +68,8 @@ def claim(out: Path, plan: dict, force: bool) -> tuple[dict | None, dict | None]
 
 
 def ours(name: str) -> bool:
-    """Whether a file of this name is one that prepare writes (a dataset of the format
-    before shards, train.bin and val.bin, has a meta.json too)."""
+    """Whether a file of this name is one that prepare writes (a dataset in the older
+    format, train.bin and val.bin, has a meta.json too)."""
     return name in ("meta.json", PROGRESS, DOCUMENTS, LOCK) or \
         name.startswith(("tokens_", ".tokens_"))
 

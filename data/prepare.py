@@ -7,17 +7,17 @@ Usage:
     python -m data.prepare --input corpus/ --tokenizer bpe --vocab-size 4096      # your own BPE
     python -m data.prepare --input finetune.jsonl --tokenizer data/corpus_bpe4096  # reuse it
 
-The pipeline, one stage a function:
+The pipeline, one function per stage:
     read_batches (data/documents.py, main process)  ->  tokenize_batch (data/workers.py)
     ->  write_stream (main process, in input order, into data/shards.py's shards)  ->  finish
 
 Documents follow one another in one token stream. Between two documents stands the
 tokenizer's separator: GPT-2's <|endoftext|> (as in nanoGPT's OpenWebText preparation), or
 for the char tokenizer a blank line, CHAR_SEPARATOR. Batches are the same whatever the number
-of workers and their results are written in input order, so the bytes are too.
+of workers, and their results are written in input order, so the output bytes are too.
 
-The split: the last val_fraction of the tokens validate, moved on to the first document that
-starts there, so that validation holds whole documents. A corpus whose last document covers
+The split: the last val_fraction of the tokens are held out for validation, from the first
+document that starts in them, so that validation holds whole documents. A corpus whose last document covers
 all of that tail (one long text, as nanoGPT's shakespeare_char) is cut inside it.
 
 Interrupted (Ctrl-C, SIGKILL, a full disk), the same command resumes after the last whole
@@ -122,11 +122,12 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
     """Tokenize the documents of `inputs` into shards and meta.json in out_dir, resuming an
     interrupted run of the same command; return the meta. `tokenizer` is char, gpt2, bpe
     (trained here on the first tokenizer_train_chars characters, vocab_size tokens), or a
-    prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0: one a
-    core, or none for a corpus too small to be worth starting them. batch_bytes (a unit of
-    work) is smaller only in tests, to make many batches of little text. chat: the records
-    are conversations (text_field names their messages), rendered by data/chat.py with the
-    chat tokens added to the tokenizer; skip_bad leaves out a bad one instead of stopping."""
+    prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0: one
+    process per core, or none (the main process tokenizes) for a corpus too small to be
+    worth starting them. batch_bytes (a unit of work) is smaller only in tests, to make
+    many batches of little text. chat: the records are conversations (text_field names
+    their messages), rendered by data/chat.py with the chat tokens added to the tokenizer;
+    skip_bad leaves out a bad one instead of stopping."""
     text_field = text_field or ("messages" if chat else "text")
     total = sum(i.size for i in inputs)
     vocab_size, workers = check_options(tokenizer, vocab_size, val_fraction, shard_tokens,
@@ -259,7 +260,7 @@ def open_documents(path: Path, position: int) -> Any:
     """The file of document starts (uint64 stream offsets), open for appending, without the
     ones at or past `position`, which the resumed run writes again."""
     path.touch()
-    starts = np.fromfile(path, dtype=np.uint64)  # 8 bytes a document
+    starts = np.fromfile(path, dtype=np.uint64)  # 8 bytes per document
     keep = int(np.searchsorted(starts, position, side="left"))
     f = open(path, "r+b")
     f.truncate(keep * 8)

@@ -69,8 +69,8 @@ def separator_ids(tokenizer: Any) -> list[int]:
 
 def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
     """A batch's token ids, each document preceded by the separator, where in them each
-    document starts, and how many bad records were skipped (always 0: texts cannot be bad
-    but by stopping the run). Empty documents are skipped."""
+    document starts, and how many bad records were skipped (always 0: a bad text stops the
+    run). Empty documents are skipped."""
     if batch.chat:
         return tokenize_conversations(batch)
     tokenizer, separator = worker["tokenizer"], worker["separator"]
@@ -153,8 +153,9 @@ def usable_cores() -> int:
 def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: int,
                 tokenizer_meta: dict | None) -> Iterator[tuple[Batch, Any]]:
     """fn over the batches in worker processes, results in input order. At most four batches
-    a worker are in flight, so reading never runs ahead of tokenizing: memory stays bounded
-    whatever the corpus size, and a worker never waits for the main process's next batch."""
+    per worker are in flight, so reading never runs far ahead of tokenizing: memory stays
+    bounded whatever the corpus size, and a worker never waits for the main process's next
+    batch."""
     if workers <= 1:
         init_worker(tokenizer_meta, in_process=True)
         yield from ((batch, fn(batch)) for batch in batches)
