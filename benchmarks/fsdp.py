@@ -5,7 +5,7 @@ Usage:
     python -m benchmarks.fsdp --configs config/baby_gpt.toml --steps 5
     torchrun --standalone --nproc_per_node=2 -m benchmarks.fsdp --worker --parallel fsdp
 
-Without --worker it runs each case as its own torchrun (gloo, one thread a process, on
+Without --worker it runs each case as its own torchrun (gloo, one thread per process, on
 random tokens) and prints one row per case:
 - memory: GPT-2 small's shape (124M parameters, AdamW) on 1 process and on 2 under each
   parallel, with the bytes of weights, gradients and optimizer state that one process holds

@@ -14,7 +14,7 @@ unless --keep. Printed, each the median of --repeats runs of `python -m data.pre
   the same run, and the ratio of the two;
 - peak RSS, the sum over the process and its workers, sampled from /proc every 50 ms;
 - for comparison, the peak RSS of the whole-corpus approach (read the text, encode it into
-  one list, as data.prepare did before shards) on the first --baseline-mb megabytes.
+  one list) on the first --baseline-mb megabytes.
 --kills N kills the preparation N times at random moments, reruns it after each, and checks
 every shard against an uninterrupted run's by sha256. --train runs 100 iterations of the
 tiny preset on the prepared corpus and on the built-in Shakespeare prepared with the same

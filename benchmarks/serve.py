@@ -3,7 +3,7 @@ clients, and of llama.cpp's llama-server on the same model, prompts and lengths.
 
 Usage:
     python -m benchmarks.serve                              # serve.py alone, fp32 and int8
-    bash benchmarks/build_llama_server.sh                   # once, 20-40 minutes on 2 cores
+    bash benchmarks/build_llama_server.sh                   # once; a long build (docs/serving.md)
     python -m benchmarks.serve --llama ~/.cache/gptlab/llama.cpp --json serve.json
     python -m benchmarks.serve --clients 1,16 --max-tokens 32 --servers ours-fp32
 

@@ -53,7 +53,7 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
 
 
 def hf_train_seconds(texts: list[str], vocab_size: int) -> float:
-    """Hugging Face tokenizers' byte-level BPE trainer on the same texts (for the choice)."""
+    """Hugging Face tokenizers' byte-level BPE trainer on the same texts (the alternative to rustbpe)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -65,11 +65,9 @@ SWITCHES = {"pos_embedding": ("rope", "learned"), "norm": ("rmsnorm", "layernorm
             "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True)}
 GPT2_LAYOUT = {name: gpt2 for name, (_, gpt2) in SWITCHES.items()}
 
-# the classic recipe is nanoGPT's reference settings, in fp32 as nanoGPT runs on a CPU; the
-# Muon rows are config/quickstart.toml as shipped (dtype auto), in GPT-2's layout (the
-# quickstart before the modern switches), and in fp32 (auto's choice on a CPU without native
-# bf16). The tuned AdamW and the classic recipe on two layers of docs/performance.md were
-# raced with these until the modern layout came.
+# The classic recipe is nanoGPT's reference settings, in fp32 as nanoGPT runs on a CPU. The
+# Muon rows are config/quickstart.toml as shipped (dtype auto), in GPT-2's layout, and in
+# fp32 (auto's choice on a CPU without native bf16).
 RECIPES = [
     Recipe("adamw classic fp32", CLASSIC, {"dtype": "float32"}),
     Recipe("the quickstart as shipped", QUICKSTART, {}),
@@ -80,10 +78,10 @@ RECIPES = [
 
 def ablation_recipes() -> list[Recipe]:
     """The classic recipe; the quickstart (modern layout, Muon) with each switch turned back
-    to GPT-2's, and GPT-2's layout with each turned on, Muon throughout; no positions; and
-    grouped-query attention at n_kv_head n_head / 2 and 1 (multi-query); nanochat's details
-    (nanochat_recipes). Each Muon row
-    in the dtype that auto chooses for it, as a user would run it."""
+    to GPT-2's, and GPT-2's layout with each turned on, Muon throughout; the quickstart with
+    embedding_lr equal to learning_rate, with no positions, and with grouped-query attention
+    at n_kv_head n_head / 2 and 1 (multi-query); nanochat's details (nanochat_recipes). Each
+    Muon row runs in the dtype that auto chooses for it, as a user would run it."""
     rows = [RECIPES[0], Recipe("quickstart: modern layout, muon", QUICKSTART, {}),
             Recipe("GPT-2 layout, muon", QUICKSTART, GPT2_LAYOUT)]
     rows += [Recipe(f"modern, {name} = {gpt2}", QUICKSTART, {name: gpt2})
