@@ -19,13 +19,21 @@ from typing import Annotated
 
 import typer
 
-from data.sources import read_text
+from data.documents import read_text
 from machine.device import resolve_device
 from machine.errors import InputError, UserError, reported, run_command
-from machine.files import check_output_file, write_bytes_atomic
+from machine.files import write_bytes_atomic
 from measure.answers import answer_score, demo_conversations, read_conversations
 from measure.scores import check_stride, evaluate
-from options import CheckpointOption, DebugOption, DeviceOption, DtypeOption, InitFromOption, RunOption
+from options import (
+    CheckpointOption,
+    DebugOption,
+    DeviceOption,
+    DtypeOption,
+    InitFromOption,
+    RunOption,
+    check_output_file,
+)
 from weights.loading import load_model
 
 

@@ -24,12 +24,13 @@ from typing import Annotated, Any, BinaryIO
 import torch
 import typer
 
-from data.sources import DataError, decode_text
+from data.documents import decode_text
+from data.sources import DataError
 from data.tokenizer import Tokenizer
 from generate import Chat, check_decode, check_sampling, decode_step, generate_text, prompt_ids
 from machine.device import resolve_device
 from machine.errors import InputError, UserError, reported, run_command
-from machine.files import check_output_file, probe_writable
+from machine.files import probe_writable
 from model import GPT, LAYOUTS
 from options import (
     CheckpointOption,
@@ -42,6 +43,7 @@ from options import (
     TemperatureOption,
     TopKOption,
     TopPOption,
+    check_output_file,
 )
 from training.config import check_seed
 from weights.loading import load_model, resolve_checkpoint

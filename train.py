@@ -10,12 +10,10 @@ Usage:
     from train import train                  # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
-Settings come from TrainConfig's defaults (training/config.py), then the TOML file, then the
-command line. train() reads in nanoGPT's order: where the process computes, the data, the
-model and its optimizers, then the loop. What a plain run does not use is imported where it
-is needed: FSDP (training/fsdp.py), sharded checkpoints, data preparation, a base model to
-fine-tune (training/init_from.py). A run writes runs/<run_name>/: TensorBoard events,
-last.pt at every evaluation and best.pt at the best val loss.
+train() reads in nanoGPT's order: where the process computes, the data, the model and its
+optimizers, then the loop. What a plain run does not use is imported where it is needed
+(FSDP, sharded checkpoints, data preparation, a base model to fine-tune). A run writes
+runs/<run_name>/: TensorBoard events, last.pt at every evaluation, best.pt at the best.
 """
 
 from __future__ import annotations

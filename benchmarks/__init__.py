@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.sources import read_text
-from machine.files import check_output_file
+from data.documents import read_text
+from options import check_output_file
 
 
 def check_paths(input: Path | None = None, json_path: Path | None = None) -> None:

@@ -17,7 +17,8 @@ import time
 import torch
 import typer
 
-from data.tokenizer import CHAT_SPECIALS, CharTokenizer
+from data.specials import CHAT_SPECIALS
+from data.tokenizer import CharTokenizer
 from generate import Chat
 from machine.device import cpu_name
 from measure.decoding import benchmark_model

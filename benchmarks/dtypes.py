@@ -27,8 +27,8 @@ import torch
 import typer
 
 from benchmarks import check_paths
+from data.documents import read_text
 from data.loader import load_split
-from data.sources import read_text
 from data.tokenizer import load_tokenizer
 from generate import decode_step
 from machine.errors import reported, run_command

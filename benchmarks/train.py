@@ -39,12 +39,12 @@ import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks import check_paths
+from data.documents import read_text
 from data.prepare import prepare_text
-from data.sources import read_text
 from machine.device import cpu_flags, native_bf16, resolve_device
 from machine.errors import UserError, reported, run_command
 from machine.files import write_bytes_atomic
-from machine.perf import memory_mb, reset_peak_memory
+from measure.memory import memory_mb, reset_peak_memory
 from train import train
 from training.config import load_config
 from weights.checkpoint import load_checkpoint

@@ -113,6 +113,10 @@ def compile_library(cc: str, attempts: dict[str, list[str]], out: Path, note: Pa
             if result.returncode == 0:
                 lacks = without
                 break
+            if "File too large" in result.stderr or "No space left" in result.stderr:
+                # the disk, not the flags: a smaller fallback build would be cached for good
+                raise BuildError(f"{cc} could not write the C decode step in {out.parent} (the "
+                                 f"disk is full or a file size limit is set); free space")
         if lacks is None:
             last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
             raise BuildError(f"{cc} could not build {SOURCE.name}: {last_line}")

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from data.sources import DataError
-from data.tokenizer import CHAT_SPECIALS, Tokenizer
+from data.specials import CHAT_SPECIALS
+from data.tokenizer import Tokenizer
 from machine.errors import InputError
 
 BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS

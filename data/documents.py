@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from data.sources import DataError, decode_text, refuse_binary
+from data.sources import DataError
 
 BATCH_BYTES = 1 << 20  # text per unit of work: large enough to amortise the hand-off
 PARQUET_ROWS = 512
@@ -329,3 +329,46 @@ def json_field(line: bytes, where: str, field: str) -> object:
                         f"remove the line") from None
     return record.get(field) if isinstance(record, dict) else None
 
+
+# --- plain text: one file, or a folder of .txt files, read exactly ---------------------------
+
+def decode_text(data: bytes, where: str, offset: int = 0, line: int = 1) -> str:
+    """Strict UTF-8 decoding with an error that points at the offending byte; `data` starts
+    at byte `offset` and line `line` of the file `where`."""
+    refuse_binary(data, where, offset)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line += data.count(b"\n", 0, e.start)
+        raise DataError(f"{where} is not valid UTF-8 (byte offset {offset + e.start}, line "
+                        f"{line}); convert it to UTF-8 first") from None
+
+
+def refuse_binary(data: bytes, where: str, offset: int = 0) -> None:
+    """A NUL byte means a binary file (an image, an archive): say so, rather than where its
+    bytes first fail as UTF-8."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{where} is not text (NUL byte at offset {offset + nul}); give a UTF-8 "
+                        f"text file")
+
+
+def read_text(path: str | Path) -> str:
+    """The exact text of a UTF-8 file; or of every *.txt file under a folder, in path order,
+    each exactly, with a blank line between two files (one newline after a file that ends
+    in one, two after a file that does not)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise DataError(f"no .txt files in folder {path}; put your text in .txt files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise DataError(f"input {path} does not exist; give a text file or a folder of .txt files")
+    texts = [decode_text(f.read_bytes(), str(f)) for f in files]
+    text = "".join(t + ("" if i == len(texts) - 1 else "\n" if t.endswith("\n") else "\n\n")
+                   for i, t in enumerate(texts))
+    if not text.strip():
+        raise DataError(f"input {path} holds no text")
+    return text

@@ -1,13 +1,10 @@
 """Read prepared datasets and draw random training windows from them.
 
 Usage:
-    from data.loader import load_meta, load_split, get_batch
-    meta = load_meta("data/shakespeare_char")
-    train = load_split("data/shakespeare_char", "train")   # Tokens: memory-mapped shards
-    meta, splits, tokenizer = load_dataset("data/shakespeare_char")
-    x, y = get_batch(train, block_size=64, batch_size=12, generator=torch.Generator())
-    draw = batch_sampler(train, meta, block_size=64, batch_size=12)  # windows, or conversations
-    x, y = draw(torch.Generator())
+    from data.loader import load_dataset, batch_sampler
+    meta, splits, tokenizer = load_dataset("data/shakespeare_char")  # splits: memory-mapped
+    draw = batch_sampler(splits["train"], meta, block_size=64, batch_size=12)
+    x, y = draw(torch.Generator())   # (12, 64) windows and their next tokens, or conversations
 
 A split is a range of the dataset's token stream, which its shards hold in order (the
 format: data/shards.py). Windows are drawn uniformly over the split's tokens and may cross

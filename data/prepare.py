@@ -55,14 +55,14 @@ from data.folder import (
     remove_dataset,
     save_progress,
 )
+from data.hf_tokenizer import HFTokenizer
 from data.shards import ShardWriter, token_dtype
 from data.sources import BUILTIN, DataError, shakespeare_text
+from data.specials import CHAT_SPECIALS
 from data.tokenizer import (
-    CHAT_SPECIALS,
     TOKENIZERS,
     CharTokenizer,
     GPT2Tokenizer,
-    HFTokenizer,
     load_tokenizer,
     with_specials,
 )

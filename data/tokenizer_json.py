@@ -18,14 +18,12 @@ from __future__ import annotations
 import json
 
 from data.chat import CHAT_TEMPLATE
+from data.hf_tokenizer import HFTokenizer, byte_unicode
+from data.specials import CHAT_SPECIALS, END_OF_TEXT
 from data.tokenizer import (
-    CHAT_SPECIALS,
-    END_OF_TEXT,
     CharTokenizer,
-    HFTokenizer,
     TiktokenTokenizer,
     Tokenizer,
-    byte_unicode,
 )
 
 

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from machine.errors import UserError
-
 
 def cache_dir() -> Path:
     """Where fetched and built files are kept between runs."""
@@ -124,20 +122,6 @@ def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -
             return (f"its {key} is {value!r:.40}, not of type "
                     f"{' or '.join(k.__name__ for k in kinds)}")
     return None
-
-
-class OutputError(UserError):
-    """An output path that cannot be written; the message names the option and the fix."""
-
-
-def check_output_file(path: Path, option: str) -> None:
-    """Refuse an output file that cannot be written, before the work that fills it: a
-    benchmark or an evaluation must not run for minutes and then lose its figures."""
-    if path.is_dir():
-        raise OutputError(f"{option} {path} is a folder; give a file name")
-    if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
-        raise OutputError(f"{option} {path}: {path.parent} is not a folder this process can "
-                          f"write to; choose another path")
 
 
 def probe_writable(folder: Path) -> None:

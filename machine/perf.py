@@ -4,8 +4,6 @@ peak that model FLOPs utilisation (MFU) is measured against.
 Usage:
     from machine.perf import peak_flops, sync
     peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and whence
-    reset_peak_memory(device); ...; now, peak = memory_mb(device)   # MB, peak of "..."
-    available_memory(device)                                         # bytes free, or None
     memory_room(device)              # (bytes, "free" or the ulimit -v that bounds them), or None
 """
 
@@ -102,42 +100,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / min(timings(n, per_timing, 10)[1:])  # the first warms up
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window for memory_mb."""
-    if device.type == "cuda":
-        # before CUDA's first allocation there is no peak to reset (and torch refuses to)
-        if torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats(device)
-    elif sys.platform == "linux":
-        # the CPU allocator keeps no statistics, but Linux tracks the process's resident
-        # high-water mark, and writing 5 to clear_refs lowers it to the current resident size
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def memory_mb(device: torch.device) -> tuple[float, float] | None:
-    """(now, peak since reset_peak_memory) in MB: allocated tensors on CUDA, the resident
-    size of the whole process (weights included) on a Linux CPU; None where unknown."""
-    if device.type == "cuda":
-        return (torch.cuda.memory_allocated(device) / 2**20,
-                torch.cuda.max_memory_allocated(device) / 2**20)
-    if sys.platform == "linux":
-        with open("/proc/self/status") as f:
-            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
-                  if k in ("VmRSS", "VmHWM")}
-        return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
-    return None
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes the device can still give: free GPU memory on CUDA, the kernel's MemAvailable
-    on a Linux CPU (RAM that needs no swapping); None where unknown."""
-    room = memory_room(device)
-    return room[0] if room else None
-
-
 def memory_room(device: torch.device) -> tuple[int, str] | None:
-    """available_memory, and what bounds it, in words: "free" memory, or on a CPU the
+    """The bytes the device can still give, and what bounds them, in words: "free" memory
+    (a GPU's, or a Linux CPU's MemAvailable: RAM that needs no swapping), or on a CPU the
     process's own limit (ulimit -v, as shared login nodes set it) when that is lower: the
     address space it still may map. None where unknown."""
     if device.type == "cuda":

@@ -20,7 +20,8 @@ import torch
 from data.chat import ASSISTANT_END, check_conversation, render_prompt, special_ids
 from data.chat_demo import conversations
 from data.sources import DataError
-from data.tokenizer import CHAT_SPECIALS, Tokenizer, load_tokenizer, with_specials
+from data.specials import CHAT_SPECIALS
+from data.tokenizer import Tokenizer, load_tokenizer, with_specials
 from generate import stream
 from model import GPT
 from weights.loading import grow_vocabulary

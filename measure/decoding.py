@@ -38,7 +38,8 @@ import torch
 from generate import DecodeStep, cache_length, compiled_step, decode_step, stream
 from machine.errors import InputError
 from machine.files import write_bytes_atomic
-from machine.perf import available_memory, memory_mb, reset_peak_memory, sync
+from machine.perf import memory_room, sync
+from measure.memory import memory_mb, reset_peak_memory
 from model import GPT, LAYOUTS, GPTConfig
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_folder, model_from_checkpoint
@@ -163,7 +164,8 @@ def check_cache_memory(kv_bytes: int, batch: int, prompt_len: int, lengths: list
                        block_size: int, device: str) -> None:
     """Refuse a batch whose KV cache cannot fit: it would swap a CPU to a standstill."""
     need = batch * cache_length(prompt_len, max(lengths), block_size) * kv_bytes
-    available = available_memory(torch.device(device))
+    room = memory_room(torch.device(device))
+    available = room[0] if room else None
     if available is not None and need > available:
         raise InputError(f"--batch {batch} needs {need / 1e9:,.1f} GB for its KV cache, but "
                          f"{device} has {available / 1e9:,.1f} GB free; lower --batch")

@@ -24,14 +24,14 @@ from data.chat import (
     special_ids,
 )
 from data.documents import list_inputs
+from data.hf_tokenizer import HFTokenizer
 from data.loader import load_meta, load_split
 from data.prepare import prepare
 from data.sources import DataError
+from data.specials import CHAT_SPECIALS
 from data.tokenizer import (
-    CHAT_SPECIALS,
     CharTokenizer,
     GPT2Tokenizer,
-    HFTokenizer,
     load_tokenizer,
     with_specials,
 )

@@ -115,3 +115,37 @@ def test_machine_imports_nothing_of_the_project():
     for name, path in modules.items():
         if name.startswith("machine"):
             assert {dep for dep in imports(path, modules) if not dep.startswith("machine")} == set()
+
+
+def module_level_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules that `path` imports when it is imported: at its top level (under
+    an `if` or a `try` too), not inside a function."""
+    found, stack = set(), list(ast.parse(path.read_text()).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If | ast.Try):
+            stack += node.body + node.orelse + [n for h in getattr(node, "handlers", []) for n in h.body]
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                     if node.level == 0 and node.module else [])
+            for name in names:  # a package's __init__ comes with each of its modules
+                parts = name.split(".")
+                found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & modules.keys()
+    return found
+
+
+def test_a_plain_training_run_reads_only_what_it_uses():
+    modules = project_modules()
+    seen, todo = set(), ["train"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += module_level_imports(modules[name], modules) - seen
+    # FSDP, sharded checkpoints, data preparation, fine-tuning, chat batches and sampling
+    # are imported where a run needs them
+    assert not seen & {"training.fsdp", "weights.sharded", "data.prepare", "data.bpe",
+                       "training.init_from", "data.chat", "generate", "cdecode", "viz"}, seen
+    lines = sum(len(modules[name].read_text().splitlines()) for name in seen)
+    assert lines <= 3500, f"train.py's imports reach {len(seen)} modules, {lines} lines"

@@ -65,9 +65,11 @@ def serving(*args: str) -> Iterator[Server]:
                                stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        line = process.stderr.readline()
+        lines = []  # notes may come first (a C step built without some flags)
+        while (line := process.stderr.readline()) and not line.startswith("serving "):
+            lines.append(line)
         found = re.search(r"at (http://127\.0\.0\.1:\d+)/", line)
-        assert found, line + process.stderr.read()
+        assert found, "".join(lines) + line + process.stderr.read()
         threading.Thread(target=process.stderr.read, daemon=True).start()  # keep it drained
         yield Server(process, found.group(1))
     finally:

@@ -144,16 +144,11 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
         raise CheckpointError(f"cannot resume: the weights in {checkpoint} do not match its "
                               f"model_args ({problem}); the file is damaged: start a new run "
                               f"without --resume")
-    if distributed.is_sharded(model):
-        from training.fsdp import sharded_like, sharded_optimizer_state
-        current = model.state_dict()  # each process takes its part of each whole tensor
-        model.load_state_dict({k: sharded_like(v, current[k]) for k, v in saved.model.items()})
-        states = [sharded_optimizer_state(s, opt) for s, opt in zip(saved.optimizer, optimizers,
-                                                                    strict=True)]
-    else:
-        model.load_state_dict(saved.model)
-        states = saved.optimizer
-    for opt, state in zip(optimizers, states, strict=True):
+    if distributed.is_sharded(model):  # each process takes its part of each whole tensor
+        from training.fsdp import laid_out_like
+        saved = laid_out_like(saved, model, optimizers)
+    model.load_state_dict(saved.model)
+    for opt, state in zip(optimizers, saved.optimizer, strict=True):
         # the state (moments, momentum, step counts) is the run's; the settings (peak lr,
         # decay, betas, momentum) are the config's, which a resumed run may change
         settings = [{k: v for k, v in group.items() if k != "params"}

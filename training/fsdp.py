@@ -19,6 +19,7 @@ of a whole tensor (the initial weights, a plain checkpoint's).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,16 @@ def first_of_any(value: Any, info: Dist) -> Any:
     values: list[Any] = [None] * info.world_size
     dist.all_gather_object(values, value)
     return next((v for v in values if v is not None), None)
+
+
+def laid_out_like(saved: TrainState, model: GPT,
+                  optimizers: list[torch.optim.Optimizer]) -> TrainState:
+    """A state of whole tensors (a plain checkpoint's) laid out as this process holds the
+    model and its optimizers: each tensor its shard."""
+    current = model.state_dict()
+    return replace(saved, model={k: sharded_like(v, current[k]) for k, v in saved.model.items()},
+                   optimizer=[sharded_optimizer_state(state, opt)
+                              for state, opt in zip(saved.optimizer, optimizers, strict=True)])
 
 
 def sharded_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.tokenizer import CHAT_SPECIALS, with_specials
+from data.specials import CHAT_SPECIALS
+from data.tokenizer import with_specials
 from model import GPTConfig
 from training import distributed
 from training.config import ConfigError, TrainConfig

@@ -18,7 +18,6 @@ intact and how to resume from it.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from contextlib import suppress
@@ -111,7 +110,7 @@ class RunLog:
         elapsed = time.perf_counter() - self.t_start
         left = elapsed / (it - self.start_iter) * (self.cfg.max_iters - it)
         tqdm.write(f"iter {it}/{self.cfg.max_iters}: loss {loss:.4f}, {tokens_per_sec:,.0f} "
-                   f"tokens/s, MFU {mfu:.1%}, {duration(left)} left")
+                   f"tokens/s, MFU {mfu:.1%}, {tqdm.format_interval(left)} left")
 
     def evaluation(self, it: int, losses: dict[str, float], sample: str | None,
                    model: GPT) -> None:
@@ -139,16 +138,3 @@ class RunLog:
 def text_block(text: str) -> str:
     """TensorBoard renders text as markdown; indenting keeps line breaks and spacing."""
     return "\n".join("    " + line for line in text.splitlines())
-
-
-def duration(seconds: float) -> str:
-    """A short duration for an ETA: 42s, 3m05s, 1h02m."""
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-

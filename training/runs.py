@@ -110,12 +110,6 @@ def saved_nothing(run_dir: Path) -> bool:
                                for f in files)
 
 
-def lock_run_dir(run_dir: Path) -> FolderLock | None:
-    """Make run_dir and take its lock (machine.files.lock_folder), or None if another live
-    run holds it. Hold it for as long as the run writes to the folder."""
-    return lock_folder(run_dir, LOCK)
-
-
 def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     """runs/<run_name>, its lock held. A new run never writes into another run's folder, old
     or live: it takes the next free -2, -3, ... name instead. A resumed run must find its
@@ -129,7 +123,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     try:
         if resume:
             check_resumable_folder(base)
-            folder = lock_run_dir(base)
+            folder = lock_folder(base, LOCK)
             if folder is None:
                 raise ConfigError(f"{base} is in use by a run that is still going; wait "
                                   f"for it to end, or start a new run without --resume")
@@ -138,7 +132,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
             run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
             if run_dir.exists() and not run_dir.is_dir():
                 continue
-            folder = lock_run_dir(run_dir)
+            folder = lock_folder(run_dir, LOCK)
             if folder is None:
                 continue  # a live run's folder
             if saved_nothing(run_dir):  # new, or a run's that died before saving

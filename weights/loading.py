@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from data.tokenizer import GPT2Tokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from data.hf_tokenizer import HFTokenizer
+from data.tokenizer import GPT2Tokenizer, Tokenizer, load_tokenizer
 from machine.errors import UserError
 from model import GPT, GPTConfig
 from weights.checkpoint import (
