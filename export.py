@@ -25,12 +25,14 @@ import typer
 
 from data.tokenizer_json import tokenizer_files
 from machine.errors import reported, run_command
+from model import SWITCH_DEFAULTS, GPTConfig
 from weights import sharded
 from weights.checkpoint import link_checkpoint
-from weights.gpt2 import export_hf_gpt2
+from weights.gpt2 import export_hf_gpt2, gpt2_problem
 from weights.hf import ExportError
 from weights.loading import load_model
-from weights.nanochat import export_hf_nanochat
+from weights.nanochat import LAYOUT as NANOCHAT_LAYOUT
+from weights.nanochat import export_hf_nanochat, nanochat_problem
 
 FORMATS = ("auto", "gpt2", "nanochat")
 
@@ -42,8 +44,11 @@ def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Pa
     path = Path(source)
     run, checkpoint = (source, None) if path.is_dir() else (None, source)
     model, tokenizer, _ = load_model(run, checkpoint)
+    problems = {"gpt2": gpt2_problem(model.config), "nanochat": nanochat_problem(model.config)}
     if format == "auto":
-        format = "gpt2" if model.config.is_gpt2 else "nanochat"
+        format = "gpt2" if problems["gpt2"] is None else "nanochat"
+    if problems[format]:
+        raise ExportError(f"{problems[format]}; {layout_hint(model.config, problems)}")
     files = tokenizer_files(tokenizer)
     # a folder's own special tokens (nanochat's), else the end-of-text token where there is one
     specials, eot = getattr(tokenizer, "specials", {}), tokenizer.eot_token
@@ -55,6 +60,29 @@ def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Pa
     except OSError as e:
         raise ExportError(f"cannot write {folder} ({e.strerror}); choose another "
                           f"folder") from None
+
+
+# the switches of each format's layout, as train.py's options set them
+LAYOUT_SWITCHES = {"NanoChat's": NANOCHAT_LAYOUT, "GPT-2's": {**SWITCH_DEFAULTS, "bias": True}}
+
+
+def layout_hint(config: GPTConfig, problems: dict[str, str | None]) -> str:
+    """What to do with a model that a format cannot hold: the other format, if it can hold
+    it; else the train.py options that would have made the run exportable."""
+    for name, problem in problems.items():
+        if problem is None:
+            return f"export it with --format {name}"
+    flags = {fmt: " ".join(switch_flag(key, value) for key, value in layout.items()
+                           if getattr(config, key) != value)
+             for fmt, layout in LAYOUT_SWITCHES.items()}
+    return ("neither NanoChat's format nor GPT-2's holds this layout: keep its checkpoint, or "
+            "train it with " + " (NanoChat's), or with ".join(flags.values()) + " (GPT-2's)")
+
+
+def switch_flag(key: str, value: object) -> str:
+    """train.py's option that sets a model switch to value: --embed-norm, --no-bias, ..."""
+    flag = key.replace("_", "-")
+    return f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag} {value}"
 
 
 def make_plain(source: str) -> list[Path]:

@@ -60,9 +60,10 @@ class Recipe:
     overrides: dict[str, Any]
 
 
-# the layout switches: (the modern quickstart's value, GPT-2's value)
+# the layout switches: (the quickstart's value, GPT-2's value); the last three are nanochat's
 SWITCHES = {"pos_embedding": ("rope", "learned"), "norm": ("rmsnorm", "layernorm"),
-            "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True)}
+            "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True),
+            "bias": (False, True), "embed_norm": (True, False), "logit_softcap": (15.0, 0.0)}
 GPT2_LAYOUT = {name: gpt2 for name, (_, gpt2) in SWITCHES.items()}
 
 # The classic recipe is nanoGPT's reference settings, in fp32 as nanoGPT runs on a CPU. The
@@ -80,8 +81,8 @@ def ablation_recipes() -> list[Recipe]:
     """The classic recipe; the quickstart (modern layout, Muon) with each switch turned back
     to GPT-2's, and GPT-2's layout with each turned on, Muon throughout; the quickstart with
     embedding_lr equal to learning_rate, with no positions, and with grouped-query attention
-    at n_kv_head n_head / 2 and 1 (multi-query); nanochat's details (nanochat_recipes). Each
-    Muon row runs in the dtype that auto chooses for it, as a user would run it."""
+    at n_kv_head n_head / 2 and 1 (multi-query). Each Muon row runs in the dtype that auto
+    chooses for it, as a user would run it."""
     rows = [RECIPES[0], Recipe("quickstart: modern layout, muon", QUICKSTART, {}),
             Recipe("GPT-2 layout, muon", QUICKSTART, GPT2_LAYOUT)]
     rows += [Recipe(f"modern, {name} = {gpt2}", QUICKSTART, {name: gpt2})
@@ -91,15 +92,7 @@ def ablation_recipes() -> list[Recipe]:
     rows += [Recipe("modern, embedding_lr = learning_rate", QUICKSTART, {"embedding_lr": 0})]
     rows += [Recipe("modern, pos_embedding = none", QUICKSTART, {"pos_embedding": "none"})]
     rows += [Recipe(f"modern, n_kv_head = {n}", QUICKSTART, {"n_kv_head": n}) for n in (2, 1)]
-    return rows + nanochat_recipes()
-
-
-def nanochat_recipes() -> list[Recipe]:
-    """nanochat's details on the quickstart, one at a time and all together."""
-    details = {"bias": False, "embed_norm": True, "logit_softcap": 15.0}
-    rows = [Recipe(f"modern, {name} = {value}", QUICKSTART, {name: value})
-            for name, value in details.items()]
-    return rows + [Recipe("nanochat's layout (all three)", QUICKSTART, details)]
+    return rows
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[Any]]:

@@ -376,13 +376,18 @@ CASES = {
     "a modern layout exported to GPT-2": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out", "--format",
                                            "gpt2"], modern_checkpoint, 1,
                                           "error: a GPT-2 folder holds pos_embedding = 'learned', "
-                                          "and this model has 'rope'; export it with --format "
-                                          "nanochat"),
+                                          "and this model has 'rope'; neither NanoChat's "
+                                          "format nor GPT-2's holds this layout: keep its "
+                                          "checkpoint, or train it with --no-bias --embed-norm "
+                                          "(NanoChat's), or with --pos-embedding learned --norm "
+                                          "layernorm --no-qk-norm --mlp gelu --tie-embeddings "
+                                          "(GPT-2's)"),
     "a layout neither format holds": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out"],
                                       modern_checkpoint, 1,
                                       "error: a NanoChat folder holds bias = False, and this "
                                       "model has True; neither NanoChat's format nor GPT-2's "
-                                      "holds this layout"),
+                                      "holds this layout: keep its checkpoint, or train it with "
+                                      "--no-bias --embed-norm (NanoChat's)"),
     "an unknown export format": (["export.py", "{ckpt}", "{tmp}/hf-out", "--format", "gguf"],
                                  nothing, 1, "error: --format must be one of auto, gpt2, "
                                              "nanochat, got 'gguf'"),

@@ -14,11 +14,14 @@ from torch.nn import functional as F
 from data.bpe import train_bpe
 from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from data.tokenizer_json import tokenizer_files
+from model import GPT
 from tests.forked import python
 from tests.layouts import LAYOUTS
 from train import train
 from training.config import ConfigError, load_config
 from weights.checkpoint import load_checkpoint
+from weights.gpt2 import gpt2_problem
+from weights.nanochat import nanochat_problem
 
 transformers = pytest.importorskip("transformers")  # test-only dependency
 REPO = Path(__file__).resolve().parent.parent
@@ -147,3 +150,13 @@ def test_a_nanochat_folder_is_fine_tuned_on_data_prepared_with_its_tokenizer(tmp
                                           f"tokenizer, but {char_data} was prepared with another"):
         train(cfg.updated(data_dir=str(char_data), run_name="other"))
     assert not (tmp_path / "runs" / "other").exists()
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "config").glob("*.toml")))
+def test_every_presets_model_leaves_the_project(preset, tmp_path):
+    # a small model in each preset's layout exports to one of the two formats
+    cfg = load_config(REPO / "config" / preset, {"n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                 "block_size": 16, "init_from": ""})
+    model = GPT(cfg.model_config(vocab_size=50))
+    problems = [gpt2_problem(model.config), nanochat_problem(model.config)]
+    assert None in problems, (preset, problems)

@@ -106,7 +106,7 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
     that holds anything is refused unless `force`, and then its two files are replaced."""
     problem = gpt2_problem(model.config)
     if problem:
-        raise FolderError(f"{problem}; export it with --format nanochat, or keep its checkpoint")
+        raise FolderError(problem)
     cfg = model.config
     state = {}
     for key, tensor in model.state_dict().items():

@@ -162,10 +162,7 @@ def export_hf_nanochat(model: GPT, folder: str | Path, force: bool = False,
     cfg = model.config
     problem = nanochat_problem(cfg)
     if problem:
-        hint = "export it with --format gpt2" if cfg.is_gpt2 else (
-            "neither NanoChat's format nor GPT-2's holds this layout: keep its checkpoint, or "
-            "train with that switch as NanoChat has it")
-        raise FolderError(f"{problem}; {hint}")
+        raise FolderError(problem)
     hd, state = cfg.head_dim, {}
     weights = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     state["model.embed_tokens.weight"] = weights["transformer.wte.weight"]
