@@ -1,13 +1,16 @@
-"""Score a model on any text: mean loss, perplexity and bits per character.
+"""Score a model: its loss on any text, its accuracy on a multiple-choice task, or a chat
+model's right answers.
 
 Usage:
     python evaluate.py --input play.txt                          # best.pt of the newest run
     python evaluate.py --input texts/ --run quickstart --dtype int8 --json scores.json
     python evaluate.py --input play.txt --init-from path/to/gpt2 --stride 512
+    python evaluate.py --task hellaswag.jsonl --init-from path/to/gpt2 --json hs.json
     python evaluate.py --run runs/chat_sft --answers demo        # a chat model's right answers
 
-The rules of the score (a sliding window over long texts, nats per token, bits per
-character that compare tokenizers) are measure/scores.py's.
+The rules of each score are measure/'s: a text's loss (a sliding window over long texts,
+nats per token, bits per character that compare tokenizers) is scores.py's, a task's
+accuracy lm-eval's (choices.py), a chat model's answers answers.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from machine.device import resolve_device
 from machine.errors import InputError, UserError, reported, run_command
 from machine.files import write_bytes_atomic
 from measure.answers import answer_score, demo_conversations, read_conversations
+from measure.choices import read_items, score_items
 from measure.scores import check_stride, evaluate
 from options import (
     CheckpointOption,
@@ -41,6 +45,10 @@ def main(
     input: Annotated[Path | None, typer.Option(
         "--input", help="A UTF-8 text file, scored exactly as it is, or a folder of .txt "
                         "files (path order, a blank line between two files).")] = None,
+    task: Annotated[Path | None, typer.Option(
+        help="Instead: a multiple-choice task, JSON Lines of HellaSwag's fields (ctx, endings, "
+             "label) or of context, choices and answer, scored as lm-eval scores it (acc, "
+             "acc_norm).")] = None,
     answers: Annotated[str | None, typer.Option(
         help="Instead: count the conversations whose last reply the model gives exactly "
              "(greedy), from a JSON Lines file of {\"messages\": [...]}, or 'demo' for the "
@@ -52,24 +60,31 @@ def main(
     stride: Annotated[int | None, typer.Option(
         help="Tokens between window starts; default block_size // 2.")] = None,
     batch_size: Annotated[int | None, typer.Option(
-        min=1, help="Windows per forward pass; default: as many as keep the logits under "
-                    "256 MB, at most 16.")] = None,
+        min=1, help="Windows (or a task's choices) per forward pass; default: as many as keep "
+                    "the logits under 256 MB, at most 16 windows or 64 choices.")] = None,
     device: DeviceOption = "cpu",
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Also write the scores to this JSON file.")] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Score a model on a text: loss per token, perplexity and bits per character."""
+    """Score a model on a text (loss per token, perplexity and bits per character), on a
+    multiple-choice task (accuracy), or on a chat model's answers."""
     with reported(debug=debug):
-        if (input is None) == (answers is None):
-            raise UserError("give --input TEXT to score a text, or --answers (a file or demo) "
-                             "to score a chat model's replies")
+        if sum(x is not None for x in (input, task, answers)) != 1:
+            raise UserError("give one of --input TEXT to score a text, --task FILE to score a "
+                            "multiple-choice task, or --answers (a file or demo) to score a "
+                            "chat model's replies")
         if json_path is not None:  # checked now, not after the evaluation
             check_output_file(json_path, "--json")
         device = str(resolve_device(device))
         if answers is not None:
             return score_answers(answers, run, checkpoint, init_from, device, dtype, json_path,
                                  text_options=stride is not None or batch_size is not None)
+        if task is not None:
+            if stride is not None:
+                raise UserError("--stride is for scoring a text; drop it with --task")
+            return score_task(task, run, checkpoint, init_from, device, dtype, json_path,
+                              batch_size or 64)
         text = read_text(input)
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
         stride = check_stride(stride, model.config.block_size)
@@ -96,6 +111,25 @@ def write_json(path: Path, record: dict) -> None:
     except OSError as e:
         raise UserError(f"cannot write --json {path} ({e.strerror}); choose another "
                          f"path") from None
+
+
+def score_task(task: Path, run: str | None, checkpoint: str | None, init_from: str | None,
+               device: str, dtype: str, json_path: Path | None, batch_size: int) -> None:
+    """--task: a multiple-choice task's accuracy (measure/choices.py)."""
+    items = read_items(task)
+    model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+    try:
+        scores = score_items(model, tokenizer, items, batch_size, progress=True)
+    except InputError as e:  # text outside a character vocabulary
+        raise InputError(f"{task}: {e}") from None
+    if json_path is not None:
+        write_json(json_path, {**asdict(scores), "task": str(task), "model": source,
+                               "dtype": dtype})
+    print(f"{source} ({dtype}) on {task}: {scores.items:,} items")
+    print(f"acc {scores.acc:.4f} ± {scores.acc_stderr:.4f}   acc_norm {scores.acc_norm:.4f} "
+          f"± {scores.acc_norm_stderr:.4f}   centered {scores.centered:.4f}")
+    if json_path is not None:
+        print(f"wrote {json_path}")
 
 
 def score_answers(answers: str, run: str | None, checkpoint: str | None, init_from: str | None,

@@ -78,7 +78,7 @@ LAYERS = {
     "machine": 0,
     "model": 1,
     "data": 2, "cdecode": 2, "viz": 2,
-    "weights": 3, "generate": 3,
+    "weights": 3, "generate": 3, "logprobs": 3,
     "training": 4, "measure": 4, "serving": 4, "options": 4,
 }
 COMMANDS = 5

@@ -79,8 +79,8 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
 
 def load_folder(folder: str | Path, block_size: int | None = None,
                 dropout: float = 0.0) -> tuple[GPT, Tokenizer]:
-    """The model and tokenizer of a Hugging Face folder: GPT-2's (read with GPT-2's BPE) or
-    NanoChat's (read with its tokenizer.json). block_size below the folder's crops it."""
+    """The model and tokenizer of a Hugging Face folder, GPT-2's or NanoChat's, read with its
+    own tokenizer.json. block_size below the folder's crops it."""
     config, state, tokenizer = folder_weights(folder, block_size, dropout)
     return build(config, state).eval(), tokenizer
 
@@ -92,7 +92,7 @@ def folder_weights(folder: str | Path, block_size: int | None = None, dropout: f
     from weights.nanochat import hf_nanochat_weights
     kind = model_type(folder)
     if kind == "gpt2":
-        (config, state), tokenizer = hf_gpt2_weights(folder, dropout), GPT2Tokenizer()
+        (config, state), tokenizer = hf_gpt2_weights(folder, dropout), gpt2_folder_tokenizer(folder)
     elif kind == "nanochat":
         (config, state), tokenizer = hf_nanochat_weights(folder, dropout), folder_tokenizer(folder)
     else:
@@ -102,11 +102,26 @@ def folder_weights(folder: str | Path, block_size: int | None = None, dropout: f
         raise FolderError(f"block_size {block_size} exceeds {folder}'s context of "
                           f"{config.block_size} tokens")
     if config.vocab_size < tokenizer.vocab_size:
-        whose = ("GPT-2's", ": a Hugging Face folder is read with GPT-2's tokenizer only") \
-            if kind == "gpt2" else ("its tokenizer's", "")
-        raise LoadError(f"{folder} has a vocabulary of {config.vocab_size:,} tokens, "
-                        f"fewer than {whose[0]} {tokenizer.vocab_size:,}{whose[1]}")
+        raise LoadError(f"{folder} has a vocabulary of {config.vocab_size:,} tokens, fewer "
+                        f"than its tokenizer's {tokenizer.vocab_size:,}")
     return (*cropped(config, state, block_size), tokenizer)
+
+
+# a few of GPT-2's tokens and their ids: a tokenizer.json that has them is GPT-2's own
+GPT2_FINGERPRINT = {"!": 0, "\u0120the": 262, "<|endoftext|>": 50256}
+
+
+def gpt2_folder_tokenizer(folder: str | Path) -> Tokenizer:
+    """A GPT-2 folder's tokenizer: its tokenizer.json, unless that is GPT-2's own BPE (or
+    absent), which this project encodes itself, so that data prepared with --tokenizer gpt2
+    fits the folder's model."""
+    if not (Path(folder) / "tokenizer.json").is_file():
+        return GPT2Tokenizer()
+    tokenizer = folder_tokenizer(folder)
+    ids = {token: tokenizer.backend.token_to_id(token) for token in GPT2_FINGERPRINT}
+    if tokenizer.vocab_size == 50257 and ids == GPT2_FINGERPRINT:
+        return GPT2Tokenizer()
+    return tokenizer
 
 
 def folder_tokenizer(folder: str | Path) -> HFTokenizer:

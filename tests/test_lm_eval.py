@@ -1,0 +1,105 @@
+"""Published numbers: evaluate.py's multiple-choice tasks score as EleutherAI's
+lm-evaluation-harness scores (its hf backend, run here for real on the exported folder), on
+small local tasks that nothing downloads."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.prepare import prepare_text
+from tests.forked import python
+from tests.shared import built_once
+from train import train
+from training.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe_model(shared_dir, corpus_file) -> Path:
+    """A tiny model trained on the test corpus in GPT-2's BPE, and its export: GPT-2's
+    tokenizer gives lm-eval the end-of-text token it starts an empty context with."""
+    def build(out: Path) -> None:
+        prepare_text(corpus_file.read_text(), "gpt2", out / "data", source=str(corpus_file))
+        cfg = load_config(REPO / "config" / "tiny.toml", {
+            "data_dir": str(out / "data"), "out_dir": str(out), "run_name": "run",
+            "max_iters": 150, "learning_rate": 1e-2, "sample_tokens": 0})
+        train(cfg)
+        result = python(["export.py", str(out / "run"), str(out / "hf")])
+        assert result.returncode == 0, result.stderr
+    return built_once(shared_dir / "gpt2_bpe_model", build)
+
+
+def write_task(folder: Path, n_items: int = 24) -> tuple[Path, Path]:
+    """A multiple-choice task of the corpus's grammar (data/conftest.make_corpus): the right
+    ending is a phrase the corpus has, the others its words in the wrong order. Its items in
+    HellaSwag's fields, and lm-eval's YAML for them."""
+    rng = random.Random(0)
+    things = ["the moon", "the night", "a rose", "the sword", "her name"]
+    lines = []
+    for _ in range(n_items):
+        right = rng.choice(things)
+        wrong = [" ".join(reversed(t.split())) for t in rng.sample(things, 3)]
+        endings = [w + "." for w in wrong]
+        label = rng.randrange(4)
+        endings.insert(label, right + ".")
+        ctx = f"{rng.choice(['ROMEO', 'JULIET'])}: {rng.choice(['Nurse', 'Tybalt'])} " \
+              f"{rng.choice(['loves', 'fears', 'sees'])}"
+        lines.append(json.dumps({"ctx": ctx, "endings": endings, "label": label}))
+    items = folder / "items.jsonl"
+    items.write_text("\n".join(lines) + "\n")
+    task = folder / "tasks" / "mc_local.yaml"
+    task.parent.mkdir()
+    task.write_text(f"""task: mc_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{ctx}}}}"
+doc_to_choice: "{{{{endings}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""")
+    return items, task.parent
+
+
+def lm_eval(folder: Path, tasks: Path, *model: str) -> dict:
+    """The real lm_eval command's results, run where this repository's evaluate.py does not
+    shadow the `evaluate` package it imports."""
+    out = folder / "lm_eval_out"
+    result = subprocess.run(
+        [sys.executable, "-m", "lm_eval", *model, "--tasks", "mc_local", "--include_path",
+         str(tasks), "--output_path", str(out), "--device", "cpu"],
+        cwd=folder, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **OFFLINE, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = out.rglob("results_*.json")
+    return json.loads(path.read_text())["results"]["mc_local"]
+
+
+def test_evaluate_task_scores_as_lm_eval_does(tmp_path, gpt2_bpe_model):
+    items, tasks = write_task(tmp_path)
+    hf = gpt2_bpe_model / "hf"
+    theirs = lm_eval(tmp_path, tasks, "--model", "hf", "--model_args",
+                     f"pretrained={hf},dtype=float32", "--batch_size", "8")
+    for source in (["--init-from", str(hf)], ["--run", str(gpt2_bpe_model / "run")]):
+        out = tmp_path / "ours.json"
+        result = python(["evaluate.py", "--task", str(items), *source, "--json", str(out)])
+        assert result.returncode == 0, result.stderr
+        ours = json.loads(out.read_text())
+        assert ours["items"] == 24
+        assert ours["acc"] == pytest.approx(theirs["acc,none"], abs=1e-9)
+        assert ours["acc_norm"] == pytest.approx(theirs["acc_norm,none"], abs=1e-9)
+        assert ours["acc_stderr"] == pytest.approx(theirs["acc_stderr,none"], abs=1e-9)
+    assert ours["acc"] > 0.5  # the grammar's phrase beats its words reversed, mostly
+    assert ours["centered"] == pytest.approx((ours["acc"] - 0.25) / 0.75)
