@@ -103,3 +103,33 @@ def test_evaluate_task_scores_as_lm_eval_does(tmp_path, gpt2_bpe_model):
         assert ours["acc_stderr"] == pytest.approx(theirs["acc_stderr,none"], abs=1e-9)
     assert ours["acc"] > 0.5  # the grammar's phrase beats its words reversed, mostly
     assert ours["centered"] == pytest.approx((ours["acc"] - 0.25) / 0.75)
+
+
+def hub_cache(root: Path, repo: str, folder: Path) -> Path:
+    """A Hugging Face Hub cache holding `folder` as the snapshot of `repo`, laid out as
+    huggingface_hub lays out what it downloads (models--ORG--NAME/refs, snapshots)."""
+    commit = "0" * 40
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return root
+
+
+def test_init_from_takes_a_hub_id_read_from_the_hub_cache(tmp_path, gpt2_bpe_model):
+    cache = hub_cache(tmp_path / "hub", "someone/tiny-gpt2", gpt2_bpe_model / "hf")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    sampled = [python(["sample.py", "--init-from", source, "--prompt", "ROMEO:", "--temperature",
+                       "0", "--max-new-tokens", "12"], env=env)
+               for source in ("someone/tiny-gpt2", str(gpt2_bpe_model / "hf"))]
+    assert sampled[0].returncode == 0, sampled[0].stderr
+    assert sampled[0].stdout == sampled[1].stdout and sampled[0].stdout.startswith("ROMEO:")
+    missing = python(["evaluate.py", "--input", str(REPO / "README.md"), "--init-from",
+                      "someone/missing"], env=env)
+    assert missing.returncode == 1 and missing.stderr == (
+        "error: someone/missing is not a folder here, and it is not in the Hugging Face cache "
+        "while the Hub cannot be reached (offline, or HF_HUB_OFFLINE=1); download it where "
+        "there is a connection, or give a folder\n")

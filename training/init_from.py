@@ -25,6 +25,7 @@ from training import distributed
 from training.config import ConfigError, TrainConfig
 from weights.checkpoint import CheckpointError
 from weights.hf import FolderError, model_type
+from weights.hub import HubError, local_folder
 from weights.lazy import Lazy, cropped, grown
 from weights.loading import LoadError, base_weights
 
@@ -35,13 +36,14 @@ def base_model(cfg: TrainConfig, meta: dict,
     block_size is set; ConfigError where the base and the data or settings do not fit
     together."""
     try:
-        if (Path(cfg.init_from) / "config.json").is_file() and model_type(cfg.init_from) == "gpt2" \
+        folder = local_folder(cfg.init_from)  # a Hub id is downloaded first
+        if (folder / "config.json").is_file() and model_type(folder) == "gpt2" \
                 and not cfg.model_config(meta["vocab_size"]).is_gpt2:
             raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
                               "qk_norm, mlp, tie_embeddings and n_kv_head at their defaults "
                               "to fine-tune it")
-        config, state, tokenizer, source = base_weights(cfg.init_from, None, cfg.model.dropout)
-    except (FolderError, LoadError, CheckpointError) as e:
+        config, state, tokenizer, source = base_weights(folder, None, cfg.model.dropout)
+    except (FolderError, LoadError, CheckpointError, HubError) as e:
         raise ConfigError(f"init_from: {e}") from None
     # the base's context, unless block_size is set: then it is cropped, and says so
     if "block_size" in cfg.given and cfg.model.block_size != config.block_size:
@@ -56,7 +58,7 @@ def base_model(cfg: TrainConfig, meta: dict,
         config, state = cropped(config, state, cfg.model.block_size)
     base = tokenizer.to_meta()
     if meta["tokenizer"] not in (base, with_specials(base, CHAT_SPECIALS)):
-        hint = ("gpt2" if base["kind"] == "gpt2" else cfg.init_from if Path(source).is_dir()
+        hint = ("gpt2" if base["kind"] == "gpt2" else str(folder) if Path(source).is_dir()
                 else "BASE_DATASET (the data the base was trained on)")
         raise ConfigError(f"init_from needs data tokenized by {source}'s tokenizer, but "
                           f"{cfg.data_dir} was prepared with another; prepare it with "

@@ -29,6 +29,7 @@ from weights.checkpoint import (
     unwrap_state_dict,
 )
 from weights.hf import FolderError, model_type
+from weights.hub import local_folder
 from weights.lazy import Lazy, build, cropped, expected, grown, mapped
 from weights.quantize import cast_weights, check_weight_dtype
 
@@ -87,9 +88,11 @@ def load_folder(folder: str | Path, block_size: int | None = None,
 
 def folder_weights(folder: str | Path, block_size: int | None = None, dropout: float = 0.0,
                    ) -> tuple[GPTConfig, dict[str, Lazy], Tokenizer]:
-    """load_folder's model as its shape and weights not read yet (weights/lazy.py)."""
+    """load_folder's model as its shape and weights not read yet (weights/lazy.py). A Hub
+    id is downloaded first (weights/hub.py)."""
     from weights.gpt2 import hf_gpt2_weights
     from weights.nanochat import hf_nanochat_weights
+    folder = local_folder(folder)
     kind = model_type(folder)
     if kind == "gpt2":
         (config, state), tokenizer = hf_gpt2_weights(folder, dropout), gpt2_folder_tokenizer(folder)
@@ -173,7 +176,7 @@ def base_weights(path: str | Path, block_size: int | None = None, dropout: float
     """load_base's model as its shape and weights not read yet (weights/lazy.py): a
     checkpoint is mapped, not loaded, so that each of several processes reads only its
     shards of it."""
-    folder = Path(path)
+    folder = local_folder(path)
     if (folder / "config.json").is_file():
         return (*folder_weights(folder, block_size, dropout), str(folder))
     checkpoint = folder if folder.is_file() else run_checkpoint(folder) if folder.is_dir() else None
