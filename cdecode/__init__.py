@@ -83,6 +83,9 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
         # a library damaged in the cache (a copy cut short) can crash the process that
         # loads it (SIGBUS), so it is checked against the digest written when it was built
         if not intact(out):
+            if sys.stderr.isatty():  # seconds of compiling, said where someone watches
+                print(f"building the C decode step with {cc} (once: it is kept in "
+                      f"{out.parent})", file=sys.stderr, flush=True)
             compile_library(cc, attempts, out, note)
         lib = ctypes.CDLL(str(out))
     except OSError as e:  # GPTLAB_CACHE names a file, a folder this user cannot write, ...

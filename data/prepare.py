@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from itertools import islice
@@ -82,6 +84,7 @@ CHAT_DEMO_SOURCE = "the built-in demo conversations (data/chat_demo.py)"
 DEMO_CONVERSATIONS = 5000  # about 200k tokens; the held-out set is drawn with another seed
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
 BPE_VOCAB = 4096
+PLAIN_EVERY = 5.0  # seconds between progress lines where there is no terminal for a bar
 TRAIN_CHARS = 1_000_000_000  # a BPE trains on at most this much of the corpus: its head
 
 
@@ -319,17 +322,26 @@ def finish(out: Path, state: dict, source: str, val_fraction: float) -> dict:
 
 def with_progress(results: Iterator[tuple[Batch, Any]], total: int, desc: str,
                   enabled: bool) -> Iterator[tuple[Batch, Any]]:
-    """The results, with a progress bar (on a terminal) of input MB/s, documents, tokens and
-    an ETA. Bytes are the files' on disk, compressed or not, so the ETA holds for all."""
-    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled or None,
+    """The results, with their progress: input MB/s, documents, tokens and an ETA, as a bar
+    on a terminal and as a plain line every few seconds elsewhere (a log, a pipe). Bytes are
+    the files' on disk, compressed or not, so the ETA holds for all."""
+    plain = enabled and not sys.stderr.isatty()
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled or plain,
                dynamic_ncols=True, leave=False)
     documents = tokens = 0
+    start = last = time.monotonic()
     try:
         for batch, result in results:
             if isinstance(result, tuple):
                 tokens, documents = tokens + len(result[0]), documents + len(result[1])
                 bar.set_postfix_str(f"{documents:,} docs, {tokens:,} tokens", refresh=False)
             bar.update(batch.read - bar.n)
+            if plain and time.monotonic() - last >= PLAIN_EVERY and batch.read:
+                last, elapsed = time.monotonic(), time.monotonic() - start
+                left = elapsed * (total - batch.read) / batch.read
+                print(f"{desc}: {batch.read / 1e6:,.1f} of {total / 1e6:,.1f} MB, {documents:,} "
+                      f"documents, {tokens:,} tokens, {tqdm.format_interval(left)} left",
+                      file=sys.stderr, flush=True)
             yield batch, result
     finally:
         bar.close()
@@ -348,10 +360,10 @@ def prepare_text(text: str, tokenizer_kind: str, out_dir: str | Path, source: st
 
 
 def prepare_builtin(name: str, out_dir: str | Path) -> dict:
-    """Prepare one of the built-in datasets (see BUILTIN) into out_dir."""
+    """Prepare one of the built-in datasets (see BUILTIN) into out_dir, showing progress."""
     tokenizer, vocab_size = BUILTIN[name]
     return prepare_text(shakespeare_text(), tokenizer, out_dir, SHAKESPEARE_SOURCE,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size, progress=True)
 
 
 class Stopped(KeyboardInterrupt):
