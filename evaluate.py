@@ -16,6 +16,7 @@ accuracy lm-eval's (choices.py), a chat model's answers answers.py's.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -86,7 +87,9 @@ def main(
             return score_task(task, run, checkpoint, init_from, device, dtype, json_path,
                               batch_size or 64)
         text = read_text(input)
-        model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+        loaded: list[str] = []
+        model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
+                                              say=loaded.append)
         stride = check_stride(stride, model.config.block_size)
         try:
             scores = evaluate(model, tokenizer, text, stride, batch_size, progress=True)
@@ -96,6 +99,7 @@ def main(
             write_json(json_path, {**asdict(scores), "input": str(input), "model": source,
                                    "dtype": dtype, "block_size": model.config.block_size,
                                    "stride": stride})
+    say(loaded)
     print(f"{source} ({dtype}) on {input}: {scores.tokens:,} tokens, {scores.chars:,} characters, "
           f"{scores.windows:,} windows")
     print(f"loss {scores.loss:.4f} nats/token   perplexity {scores.perplexity:.3f}   "
@@ -103,6 +107,13 @@ def main(
           f"({scores.tokens / scores.seconds:,.0f} tokens/s)")
     if json_path is not None:
         print(f"wrote {json_path}")
+
+
+def say(lines: list[str]) -> None:
+    """What load_model said it loaded, on stderr once the scores are in: stdout holds the
+    scores alone, and a failure before them is its one line alone."""
+    for line in lines:
+        print(line, file=sys.stderr)
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -117,7 +128,9 @@ def score_task(task: Path, run: str | None, checkpoint: str | None, init_from: s
                device: str, dtype: str, json_path: Path | None, batch_size: int) -> None:
     """--task: a multiple-choice task's accuracy (measure/choices.py)."""
     items = read_items(task)
-    model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+    loaded: list[str] = []
+    model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
+                                          say=loaded.append)
     try:
         scores = score_items(model, tokenizer, items, batch_size, progress=True)
     except InputError as e:  # text outside a character vocabulary
@@ -125,6 +138,7 @@ def score_task(task: Path, run: str | None, checkpoint: str | None, init_from: s
     if json_path is not None:
         write_json(json_path, {**asdict(scores), "task": str(task), "model": source,
                                "dtype": dtype})
+    say(loaded)
     print(f"{source} ({dtype}) on {task}: {scores.items:,} items")
     print(f"acc {scores.acc:.4f} ± {scores.acc_stderr:.4f}   acc_norm {scores.acc_norm:.4f} "
           f"± {scores.acc_norm_stderr:.4f}   centered {scores.centered:.4f}")
@@ -140,11 +154,14 @@ def score_answers(answers: str, run: str | None, checkpoint: str | None, init_fr
         raise UserError("--stride and --batch-size are for scoring a text; drop them with "
                          "--answers")
     records = demo_conversations() if answers == "demo" else read_conversations(Path(answers))
-    model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+    loaded: list[str] = []
+    model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
+                                          say=loaded.append)
     right, total = answer_score(model, tokenizer, records)
     if json_path is not None:
         write_json(json_path, {"right": right, "total": total, "answers": answers,
                                "model": source, "dtype": dtype})
+    say(loaded)
     print(f"{source} ({dtype}): {right} of {total} last replies right "
           f"({100 * right / max(total, 1):.1f}%) on {answers}")
 

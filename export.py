@@ -128,7 +128,8 @@ def main(checkpoint: Annotated[str, typer.Argument(
             raise ExportError("give the FOLDER to write the export to")
         written_format, written = export(checkpoint, folder, format, force)
     names = sorted(p.name for p in written.iterdir())
-    typer.echo(f"wrote {written}/ in {written_format}'s format: {', '.join(names)}")
+    typer.echo(f"wrote {written}/ from {checkpoint} in {written_format}'s format: "
+               f"{', '.join(names)}")
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ CASES = {
         "config.json: n_layer must be an integer, got 1.0"),
     "--init-from without GPT-2's vocabulary": (
         ["sample.py", "--init-from", "{tmp}/hf"], hf_folder(vocab_size=100), 1,
-        "has a vocabulary of 100 tokens, fewer than GPT-2's 50,257"),
+        "has a vocabulary of 100 tokens, fewer than the 50,257 of GPT-2's tokenizer"),
     # sampling
     "temperature nan": ([*SAMPLE, "--temperature", "nan"], nothing, 1,
                         "error: temperature must be >= 0 (0 means greedy) and finite, got nan"),

@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,21 @@ def run_checkpoint(folder: Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs") -> Path:
-    """--checkpoint as given; else the checkpoint of --run; else that of the newest run
-    (the run whose checkpoint was written last)."""
+def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs",
+                       prefer: str | None = None) -> Path:
+    """--checkpoint as given; else the checkpoint of --run; else that of the newest run (see
+    choose_checkpoint)."""
+    return choose_checkpoint(run, checkpoint, out_dir, prefer)[0]
+
+
+def choose_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs",
+                      prefer: str | None = None) -> tuple[Path, str]:
+    """resolve_checkpoint's checkpoint, and why it was chosen where nobody named it: the
+    newest run's (the run whose checkpoint was written last), or with prefer "base" or
+    "chat" the newest run of that kind where there is one: a base model continues text, a
+    chat model (trained on conversations) answers turns."""
     if checkpoint:
-        return Path(checkpoint)
+        return Path(checkpoint), ""
     if run:
         folder = Path(run)
         if not folder.exists() and len(folder.parts) == 1:
@@ -68,14 +79,39 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
                            for p in folder.parent.glob(f"*/{name}")})
             raise LoadError(f"no checkpoint (best.pt or last.pt) in {folder}; runs in "
                             f"{folder.parent}/ that have one: {', '.join(runs) or 'none'}")
-        return path
+        return path, ""
     written = [p for name in ("best.pt", "last.pt", "best.dcp", "last.dcp")
                for p in Path(out_dir).glob(f"*/{name}")]
     if not written:
         raise LoadError(f"no checkpoint found under {out_dir}/; train first "
                         f"(python train.py --config config/quickstart.toml) or pass --checkpoint")
-    newest = max(written, key=lambda p: p.stat().st_mtime).parent
-    return run_checkpoint(newest)
+    by_age = sorted({p.parent for p in written}, key=lambda folder: -max(
+        p.stat().st_mtime for p in written if p.parent == folder))
+    newest = by_age[0]
+    if prefer is None or is_chat_run(newest) == (prefer == "chat"):
+        return run_checkpoint(newest), "the newest run"
+    kind = "chat" if prefer == "chat" else "base"
+    fitting = next((folder for folder in by_age if is_chat_run(folder) == (prefer == "chat")),
+                   None)
+    if fitting is None:
+        return run_checkpoint(newest), f"the newest run; there is no {kind} model under {out_dir}/"
+    other = "a chat model" if kind == "base" else "a base model"
+    return run_checkpoint(fitting), (f"the newest {kind} model; the newest run, {newest}, is "
+                                     f"{other}: name it with --run to use it")
+
+
+def is_chat_run(folder: Path) -> bool:
+    """Whether a run folder's model was trained on conversations: its tokenizer has the
+    chat tokens (data/chat.py). Its checkpoint is mapped, not read: only its small part is."""
+    path = next((folder / f"{name}.pt" for name in ("best", "last")
+                 if (folder / f"{name}.pt").is_file()), None)
+    if path is None:
+        return False
+    try:
+        specials = load_checkpoint(path, mmap=True)["tokenizer"].get("specials", [])
+    except CheckpointError:
+        return False
+    return "<|assistant_start|>" in specials
 
 
 def load_folder(folder: str | Path, block_size: int | None = None,
@@ -105,8 +141,10 @@ def folder_weights(folder: str | Path, block_size: int | None = None, dropout: f
         raise FolderError(f"block_size {block_size} exceeds {folder}'s context of "
                           f"{config.block_size} tokens")
     if config.vocab_size < tokenizer.vocab_size:
+        whose = ("its tokenizer.json" if (Path(folder) / "tokenizer.json").is_file() else
+                 "GPT-2's tokenizer, which reads a folder without tokenizer.json")
         raise LoadError(f"{folder} has a vocabulary of {config.vocab_size:,} tokens, fewer "
-                        f"than its tokenizer's {tokenizer.vocab_size:,}")
+                        f"than the {tokenizer.vocab_size:,} of {whose}")
     return (*cropped(config, state, block_size), tokenizer)
 
 
@@ -140,20 +178,26 @@ def folder_tokenizer(folder: str | Path) -> HFTokenizer:
 
 def load_model(run: str | None = None, checkpoint: str | None = None,
                init_from: str | None = None, device: str = "cpu",
-               dtype: str = "float32") -> tuple[GPT, Tokenizer, str]:
+               dtype: str = "float32", prefer: str | None = None,
+               say: Callable[[str], None] | None = None) -> tuple[GPT, Tokenizer, str]:
     """The model on `device` with weights in `dtype` (see quantize.WEIGHT_DTYPES), in eval
-    mode, its tokenizer, and where it came from. init_from wins over run and checkpoint."""
+    mode, its tokenizer, and where it came from. init_from wins over run and checkpoint;
+    without either, the newest run (see choose_checkpoint for `prefer`). `say` is told, in
+    one line, what was loaded, and why where nobody named it."""
     check_weight_dtype(dtype)  # before a checkpoint is read
+    why = ""
     if init_from:
         (model, tokenizer), source = load_folder(init_from), init_from
     else:
-        path = resolve_checkpoint(run, checkpoint)
+        path, why = choose_checkpoint(run, checkpoint, prefer=prefer)
         ckpt = load_checkpoint(path, map_location="cpu")
         model, source = model_from_checkpoint(ckpt), str(path)
         try:
             tokenizer = load_tokenizer(ckpt["tokenizer"])
         except ValueError as e:
             raise LoadError(f"{path}: {e}; the checkpoint is damaged") from None
+    if say is not None:
+        say(f"loaded {source}" + (f" ({why})" if why else ""))
     return cast_weights(model.to(device).eval(), dtype), tokenizer, source
 
 
