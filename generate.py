@@ -112,18 +112,21 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep exactly the k largest logits of each row (ties broken by index); -inf elsewhere."""
+    """Keep exactly the k largest logits of each row (ties as torch.topk breaks them); -inf elsewhere."""
     k = min(k, logits.size(-1))
     values, indices = torch.topk(logits, k, dim=-1)
     return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
 
 
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities sum to at least p."""
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least p,
+    and always the most likely one (as vLLM and llama.cpp do)."""
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
     probs = F.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    sorted_logits[mass_before >= p] = float("-inf")  # the top token always has mass_before 0
+    drop = probs.cumsum(dim=-1) - probs >= p  # the probability of the tokens ranked above
+    # the top token's is 0, and so is a p under float32's smallest (1e-46, 5e-324): 0 >= 0
+    drop[..., 0] = False
+    sorted_logits[drop] = float("-inf")
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
@@ -135,13 +138,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         return logits.argmax(dim=-1, keepdim=True)
     # Subtract the largest logit first: it becomes 0 and the others negative, so however
     # small the temperature, dividing cannot overflow to inf (the others go to -inf, and
-    # sampling becomes greedy). The temperature is clamped at float32's smallest normal
-    # number, because below it the division acts as one by zero, and 0 / 0 is nan.
+    # sampling becomes greedy). The temperature is clamped to float32's normal numbers, past
+    # which it divides as 0 or inf would (0 / 0 and -inf / inf are nan). top_k comes first:
+    # a huge temperature may round distinct logits to one value. Each filter keeps at least
+    # the likeliest token.
     logits = logits.float()
-    temperature = max(temperature, torch.finfo(torch.float32).tiny)
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = logits - logits.amax(dim=-1, keepdim=True)
     if top_k is not None:
         logits = filter_top_k(logits, top_k)
+    finfo = torch.finfo(torch.float32)
+    logits = logits / min(max(temperature, finfo.tiny), finfo.max)
     if top_p is not None and top_p < 1.0:
         logits = filter_top_p(logits, top_p)
     probs = F.softmax(logits, dim=-1)

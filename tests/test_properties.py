@@ -1,12 +1,15 @@
 """Property tests: the tokenizers round-trip whatever text they accept and name what they
-refuse; the config parser returns a config or a ConfigError, never anything else."""
+refuse; the config parser returns a config or a ConfigError, never anything else; every
+sampling filter, at any value its range allows, keeps at least the likeliest token."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.bpe import train_bpe
 from data.tokenizer import CharTokenizer, GPT2Tokenizer
+from generate import check_sampling, filter_top_k, filter_top_p, sample_next
 from training.config import FIELDS, ConfigError, TrainConfig, load_config
 
 ALPHABET = "\n !',-.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -69,3 +72,33 @@ def test_config_parser_gives_a_config_or_a_config_error(overrides):
         assert all(settings[k] == v for k, v in overrides.items() if k != "n_kv_head")
         assert settings["n_kv_head"] in (overrides.get("n_kv_head", 0), 0)  # 0: n_head's
         assert load_config(None, settings) == cfg
+
+
+# finite float32 logits, from the largest negative to the largest positive
+logit_rows = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1,
+                      max_size=40)
+# each setting over its whole range: any non-negative finite temperature, any k >= 1, any
+# p in (0, 1], from the smallest float above 0 (5e-324)
+temperatures = st.one_of(st.just(0.0), st.floats(0.0, 1.7e308, exclude_min=True),
+                         st.sampled_from([5e-324, 1e-300, 1e-46, 1e-38, 1e30, 1e300]))
+top_ks = st.one_of(st.none(), st.integers(1, 2**62), st.just(1))
+top_ps = st.one_of(st.none(), st.floats(5e-324, 1.0), st.sampled_from([5e-324, 1e-300, 1e-46]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(logit_rows, temperatures, top_ks, top_ps, st.integers(0, 2**32))
+def test_every_sampling_filter_keeps_the_likeliest_token(row, temperature, top_k, top_p, seed):
+    check_sampling(temperature, top_k, top_p)  # each value is one its range allows
+    logits = torch.tensor([row])
+    best = logits.max()  # a tie may keep another of the likeliest tokens than argmax's
+    assert filter_top_k(logits, top_k or 1).max() == best
+    assert filter_top_p(logits, top_p or 1.0).max() == best
+    picked = sample_next(logits, temperature, top_k, top_p, torch.Generator().manual_seed(seed))
+    assert torch.isfinite(logits[0, picked.item()])
+    if temperature == 0 or top_k == 1:
+        assert logits[0, picked.item()] == best  # narrowed to the likeliest
+    elif top_p is not None and top_p < 0.5 / len(row):
+        # the likeliest after the temperature, which may round distinct logits to one value
+        finfo = torch.finfo(torch.float32)
+        scaled = (logits - best) / min(max(temperature, finfo.tiny), finfo.max)
+        assert scaled[0, picked.item()] == 0

@@ -193,6 +193,40 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.isfinite(filter_top_p(logits, 1.0)).all()
 
 
+@pytest.mark.parametrize("p", [1e-300, 5e-324, 1e-46, 1e-45, 1e-8, 0.5])
+def test_top_p_keeps_the_likeliest_token_however_small_p(p):
+    # a p under float32's smallest number is 0 there, and "mass before >= 0" held for all
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [0.0, 0.0, 9.0, 0.0]])
+    kept = torch.isfinite(filter_top_p(logits, p))
+    assert kept.tolist() == [[False, True, False, False], [False, False, True, False]]
+
+
+# every filter at the edges of its range: each keeps at least the likeliest token
+@pytest.mark.parametrize("settings", [
+    {"top_p": 1e-300}, {"top_p": 5e-324}, {"top_p": 1e-46}, {"top_k": 1},
+    {"temperature": 5e-324}, {"temperature": 1e-38}, {"temperature": 1e-300, "top_k": 1,
+                                                      "top_p": 5e-324},
+    {"temperature": 0.0, "top_p": 5e-324}, {"temperature": 2.0, "top_k": 10**18, "top_p": 1e-300},
+])
+def test_every_filter_at_its_narrowest_samples_the_likeliest_token(settings):
+    logits = torch.tensor([[3.0, 9.5, -2.0, 9.25], [100.0, -100.0, 0.0, 50.0]])
+    picked = sample_next(logits, **{"temperature": 1.0, **settings},
+                         generator=torch.Generator().manual_seed(0))
+    assert picked.flatten().tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 1e30}, {"temperature": 1.7e308}, {"temperature": 1e300, "top_k": 10**18},
+    {"temperature": 1e30, "top_k": 4, "top_p": 1.0}, {"temperature": 1e30, "top_p": 1 - 1e-16},
+])
+def test_every_filter_at_its_widest_samples_every_token(settings):
+    # a temperature past float32's largest number divides as by inf: -inf / inf was nan
+    logits = torch.tensor([[3.0, 9.5, -2.0, -float("inf")]]).expand(4000, 4)
+    picked = sample_next(logits, **settings, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(picked.flatten(), minlength=4).tolist()
+    assert all(1100 < n < 1550 for n in counts[:3]) and counts[3] == 0, counts
+
+
 def test_same_seed_same_text_and_temperature_zero_is_deterministic(model):
     prompt = torch.zeros(1, 1, dtype=torch.long)
     def run(seed, temperature):
@@ -279,6 +313,20 @@ def test_cli_stop_string_understands_backslash_n(trained_run):
 
 
 
+
+
+def test_cli_sampling_filters_at_their_edges_print_the_greedy_text(trained_run):
+    """--top-p 1e-300 died with "probability tensor contains inf/nan"; every filter at its
+    narrowest keeps the likeliest token, so each prints what --temperature 0 prints."""
+    args = ("--run", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "30")
+    greedy = run_sample(*args, "--temperature", "0")
+    assert greedy.returncode == 0, greedy.stderr
+    for edge in (["--top-p", "1e-300"], ["--top-p", "5e-324"], ["--top-p", "1e-46"],
+                 ["--top-k", "1"], ["--temperature", "5e-324"]):
+        result = run_sample(*args, *edge)
+        assert result.returncode == 0 and result.stdout == greedy.stdout, (edge, result.stderr)
+    wide = run_sample(*args, "--temperature", "1e300", "--top-k", "1000000000000")
+    assert wide.returncode == 0 and wide.stdout.startswith("ROMEO:"), wide.stderr
 
 
 def test_cli_help_states_the_context_window_policy():

@@ -229,6 +229,24 @@ def test_a_bad_request_gets_a_4xx_in_openais_shape(chat_server, endpoint, body, 
     assert words in error["message"] and error["param"] == param
 
 
+@pytest.mark.parametrize("edge", [
+    {"top_p": 1e-300}, {"top_p": 5e-324}, {"top_p": 1e-46}, {"top_k": 1},
+    {"temperature": 5e-324}, {"temperature": 1e-300, "top_k": 10**12, "top_p": 5e-324},
+])
+def test_every_sampling_filter_at_its_edge_answers_the_likeliest_tokens(chat_server, edge):
+    """top_p 1e-300 was a 503 (a stream: an error event) with "probability tensor contains
+    inf/nan" in the log: every filter keeps the likeliest token, so each edge answers what
+    temperature 0 answers, whole and streamed."""
+    client = chat_server.client()
+    settings = dict(model="chat_sft", prompt="ROMEO:", max_tokens=12, seed=1)
+    greedy = client.completions.create(**settings, temperature=0).choices[0].text
+    sampled = {"temperature": 1.5, **edge}
+    whole = client.completions.create(**settings, extra_body=sampled)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **settings, stream=True, extra_body=sampled))
+    assert whole.choices[0].text == streamed == greedy
+
+
 def test_a_body_over_a_megabyte_gets_413(chat_server):
     big = json.dumps({"prompt": "a" * (1 << 20)})
     code, _, answer = chat_server.request("POST", "/v1/completions", big)
