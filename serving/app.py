@@ -9,7 +9,9 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sen
 with "stream": true), GET /v1/models, /health, and / (serving/chat.html). Every error is a
 4xx in OpenAI's shape (serving/api.py), never a traceback: bad JSON and bad fields 400, a
 wrong or missing key 401 (with --api-key), an unknown model 404, a body over 1 MB 413, a
-full queue 429 with Retry-After.
+full queue 429 with Retry-After. A client that hangs up cancels its request, streamed or
+not, waiting or running: a task per request waits for the disconnect (`until_gone`), and
+the API key is checked by a plain ASGI middleware (ApiKey), which leaves it visible.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from data.chat import ASSISTANT_END, ConversationError, check_conversation, render_prompt, special_ids
 from data.tokenizer import Tokenizer
@@ -154,16 +157,26 @@ async def respond(service: Service, request: Request, body: BaseRequest,
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     if body.stream:
-        return StreamingResponse(stream_events(job, events, meta, body.include_usage),
+        return StreamingResponse(stream_events(job, events, meta, body.include_usage, request),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await gather(job, events, meta, request)
 
 
-async def stream_events(job: Job, events: asyncio.Queue, meta: Meta,
-                        include_usage: bool) -> AsyncIterator[str]:
+async def until_gone(request: Request, job: Job) -> None:
+    """Cancel the job once its client hangs up. Run as a task beside the one that waits for
+    the job's events: ASGI says a disconnect by the next message of `receive` (the body
+    has been read), which comes at once, whether tokens flow or the job still waits."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+async def stream_events(job: Job, events: asyncio.Queue, meta: Meta, include_usage: bool,
+                        request: Request) -> AsyncIterator[str]:
     """The job's events as server-sent events, ending with data: [DONE]. A client that
-    hangs up cancels the job (Starlette closes this generator), which frees its slot."""
+    hangs up cancels the job, which frees its slot or its place in the queue."""
+    watcher = asyncio.create_task(until_gone(request, job))
     try:
         if meta.object == "chat.completion":
             yield sse(role_chunk(meta))
@@ -181,6 +194,7 @@ async def stream_events(job: Job, events: asyncio.Queue, meta: Meta,
             yield "data: [DONE]\n\n"
             return
     finally:
+        watcher.cancel()
         job.cancel()
 
 
@@ -190,42 +204,52 @@ def sse(data: dict) -> str:
 
 async def gather(job: Job, events: asyncio.Queue, meta: Meta, request: Request) -> JSONResponse:
     """The job's whole answer. A client that hangs up before it ends cancels the job."""
-    pieces = []
+    pieces, watcher = [], asyncio.create_task(until_gone(request, job))
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse(error_body("the client went away"), status_code=499)
-                continue
+            event = await events.get()  # the engine ends every job, cancelled ones too
             if isinstance(event, Piece):
                 pieces.append(event.text)
                 continue
+            if job.cancelled.is_set():  # by until_gone: nobody reads this
+                return JSONResponse(error_body("the client went away"), status_code=499)
             if event.finish_reason not in ("stop", "length"):
                 raise APIError(503, CUT_SHORT[event.finish_reason], type="server_error")
             return JSONResponse(answer(meta, "".join(pieces), event.finish_reason,
                                        usage(event.prompt_tokens, event.completion_tokens)))
     finally:
+        watcher.cancel()
         job.cancel()
+
+
+class ApiKey:
+    """With --api-key, every /v1/ request shows it, before its body is even read: 401 in
+    OpenAI's shape otherwise. A plain ASGI middleware, as BodyLimit is: behind Starlette's
+    @app.middleware("http"), which runs the route on a channel of its own, a route's
+    request.is_disconnected() never saw its client hang up."""
+
+    def __init__(self, app: ASGIApp, key: str | None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            shown = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(shown, f"Bearer {self.key}".encode()):  # constant time
+                body = json.dumps(error_body(
+                    "a wrong or missing API key: send the server's --api-key as "
+                    "'Authorization: Bearer KEY'", code="invalid_api_key")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                return await send({"type": "http.response.body", "body": body})
+        await self.app(scope, receive, send)
 
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="gptlab", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=1 << 20)
+    app.add_middleware(ApiKey, key=service.api_key)  # the outer one: a key before a body
     add_error_handlers(app)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable):
-        """With --api-key, every /v1/ request shows it, before its body is even read."""
-        if service.api_key is not None and request.url.path.startswith("/v1/"):
-            expected = f"Bearer {service.api_key}".encode()
-            shown = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(shown, expected):  # in constant time
-                return JSONResponse(error_body(
-                    "a wrong or missing API key: send the server's --api-key as "
-                    "'Authorization: Bearer KEY'", code="invalid_api_key"), status_code=401)
-        return await call_next(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):

@@ -5,7 +5,7 @@ Usage:
     threading.Thread(target=engine.run).start()   # serve.py runs it in the main thread
     job = Job(ids, Sampling(max_tokens=64, temperature=0.0), ends={eot}, deliver=callback)
     engine.submit(job)        # QueueFull when the queue is full; deliver() gets Piece, Done
-    job.cancel()              # the client went away: its slot is free by the next step
+    job.cancel()              # the client went away: its slot (or place) is free by the next step
     engine.drain(5.0)         # take no more; end run() once idle, cancelling what runs at 5 s
 
 The engine owns one KV cache with a row per slot (vLLM's and llama.cpp's server's shape,
@@ -223,10 +223,18 @@ class Engine:
             self.active[slot], self.position[slot], self.next_token[slot] = job, len(job.ids), token
 
     def drop_cancelled(self) -> None:
+        """End the jobs whose clients went away, running or waiting: their slots and their
+        places in the queue are free by the next step."""
         for slot, job in list(self.active.items()):
             if job.cancelled.is_set():
                 job.finish("cancelled")
                 self.free(slot)
+        with self.wake:
+            gone = [job for job in self.waiting if job.cancelled.is_set()]
+            for job in gone:
+                self.waiting.remove(job)
+        for job in gone:
+            job.finish("cancelled")
 
     def free(self, slot: int) -> None:
         del self.active[slot], self.position[slot], self.next_token[slot]
