@@ -37,6 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from data.chat import ASSISTANT_END, render_prompt, special_ids, with_system
+from data.text import check_text
 from data.tokenizer import Tokenizer
 from machine.device import check_compile
 from machine.errors import InputError
@@ -326,8 +327,9 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
     (GPT-2's end-of-text token, or a newline for a character vocabulary). InputError for
-    text the tokenizer cannot encode."""
+    text the tokenizer cannot encode, or that is not text (data.text.check_text)."""
     if prompt:
+        check_text(prompt, "prompt")
         try:
             return tokenizer.encode(prompt)
         except ValueError as e:
@@ -366,7 +368,7 @@ class StopText:
     inside it. `stopped` says when one was met."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
-        if any(not s for s in stop):
+        if any(not check_text(s, "a stop string") for s in stop):
             raise InputError("a stop string is empty, which would end every sample at once; "
                              "drop it or give some text")
         self.text, self.stop, self.stopped = TextStream(tokenizer), stop, False

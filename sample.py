@@ -73,8 +73,10 @@ def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: flo
 
 def stop_strings(stop: list[str]) -> tuple[str, ...]:
     """--stop's strings, with \\n and \\t read as a newline and a tab: a shell passes "\\n" as
-    a backslash and an n, and a stop string almost always means a newline."""
-    stops = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)
+    a backslash and an n, and a stop string almost always means a newline. The shell's
+    bytes are decoded as --prompt's are (prompt_text)."""
+    stops = tuple(decode_text(os.fsencode(s), "--stop").replace("\\n", "\n").replace("\\t", "\t")
+                  for s in stop)
     if any(not s for s in stops):
         raise UserError("--stop is empty, which would end every sample at once; give "
                           "some text or drop it")

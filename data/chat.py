@@ -13,7 +13,9 @@ The format is nanochat's:
     <|bos|><|user_start|>Who am I?<|user_end|><|assistant_start|>Anna.<|assistant_end|>
     <|user_start|>...
 
-`messages` is OpenAI's: [{"role": "system" | "user" | "assistant", "content": "..."}]. A
+`messages` is OpenAI's: [{"role": "system" | "user" | "assistant", "content": "..."}], where
+"developer" (OpenAI's newer name) is "system", and content may be a list of text parts
+([{"type": "text", "text": "..."}], joined by newlines, as vLLM joins them). A
 system message is not a turn of its own: its text opens the first user turn, then a blank
 line, then the user's text. That is nanochat's choice, and the reason holds here: a model
 that learns two roles serves three, and the few tokens of instructions sit where the model
@@ -33,11 +35,12 @@ import torch
 
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
+from data.text import check_text
 from data.tokenizer import Tokenizer
 from machine.errors import InputError
 
 BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer "system"
 
 
 # render_conversation's format as a Jinja chat template, for transformers' apply_chat_template
@@ -48,7 +51,8 @@ CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{{- '<|bos|>' -}}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{%- set ns.system = message['content'] + '\\n\\n' -%}"
+    "{%- if message['role'] in ('system', 'developer') -%}"
+    "{%- set ns.system = message['content'] + '\\n\\n' -%}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '<|user_start|>' + ns.system + message['content'] + '<|user_end|><|assistant_start|>' -}}"
     "{%- set ns.system = '' -%}"
@@ -72,20 +76,16 @@ def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tupl
     for n, message in enumerate(messages, 1):
         if not isinstance(message, dict):
             raise ConversationError(f"message {n} is not an object with role and content")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
         if role not in ROLES:
             raise ConversationError(f"message {n} has the unknown role {role!r:.30}; roles "
                                     f"are {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise ConversationError(f"message {n}'s content is a {type(content).__name__}, "
-                                    f"not a string")
+        role = "system" if role == "developer" else role
+        content = message_text(message.get("content"), n)
         # a reply may be empty in a prompt (a model can end its turn at once), never in
         # what a model is trained to say
         if not content.strip() and not (role == "assistant" and ends_with == "user"):
             raise ConversationError(f"message {n} ({role}) has empty content")
-        if any("\ud800" <= c <= "\udfff" for c in content):  # JSON's "\ud83d" alone
-            raise ConversationError(f"message {n}'s content escapes half a character (a "
-                                    f"surrogate without its pair), which no text holds")
         if role == "system":
             if n != 1:
                 raise ConversationError(f"message {n} is a system message; only the first "
@@ -101,6 +101,33 @@ def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tupl
         article = "an" if ends_with == "assistant" else "a"
         raise ConversationError(f"the conversation ends without {article} {ends_with} turn")
     return with_system(system, turns)
+
+
+def message_text(content: Any, n: int) -> str:
+    """Message n's text: its content, a string or a list of text parts (joined by newlines).
+    ConversationError for any other part (an image: this model reads text alone) and for
+    text that is not text (data.text.check_text)."""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content, 1):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = f"of type {kind!r:.30}" if kind else f"a {type(part).__name__}"
+                raise ConversationError(f"message {n}'s content part {i} is {what}, not "
+                                        f"text; this model reads text alone: send "
+                                        f"{{\"type\": \"text\", \"text\": ...}} parts only")
+            if not isinstance(part.get("text"), str):
+                raise ConversationError(f"message {n}'s content part {i} has no text (a "
+                                        f"string in its field \"text\")")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise ConversationError(f"message {n}'s content is a {type(content).__name__}, not "
+                                f"a string or a list of text parts")
+    try:
+        return check_text(content, f"message {n}'s content")
+    except InputError as e:
+        raise ConversationError(str(e)) from None
 
 
 def with_system(system: str | None, turns: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -122,6 +149,7 @@ def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
 def user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
     """A user turn and the opening of the reply that follows it."""
     s = special_ids(tokenizer)
+    text = check_text(text, "a user turn")  # as every text this module encodes
     return [s[USER_START], *tokenizer.encode(text), s[USER_END], s[ASSISTANT_START]]
 
 
@@ -139,7 +167,8 @@ def render_conversation(tokenizer: Tokenizer,
             ids += part
             mask += [False] * len(part)
         else:
-            reply = tokenizer.encode(content) if isinstance(content, str) else content
+            reply = (tokenizer.encode(check_text(content, "an assistant turn"))
+                     if isinstance(content, str) else content)
             part = [*reply, s[ASSISTANT_END]]
             ids += part
             mask += [True] * len(part)

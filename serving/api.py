@@ -18,7 +18,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from data.text import check_text
 
 
 class BaseRequest(BaseModel):
@@ -44,11 +46,19 @@ class BaseRequest(BaseModel):
                              "n requests instead")
         if self.logprobs:
             raise ValueError("logprobs are not supported; drop the field")
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError("stop takes at most 4 strings")
-        if any(not s for s in self.stops):
-            raise ValueError("stop has an empty string, which would end every answer at once")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4:
+            raise ValueError("takes at most 4 strings")
+        if any(not s for s in stops):
+            raise ValueError("has an empty string, which would end every answer at once")
+        for i, s in enumerate(stops, 1):
+            check_text(s, f"stop string {i}")  # the rule of every text this server takes
+        return stop
 
     @property
     def stops(self) -> tuple[str, ...]:

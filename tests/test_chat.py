@@ -36,7 +36,8 @@ from data.tokenizer import (
     with_specials,
 )
 from data.tokenizer_json import tokenizer_files
-from generate import Chat, generate
+from generate import Chat, StopText, generate, prompt_ids
+from machine.errors import InputError
 from model import GPT, GPTConfig
 from tests.forked import python
 from tests.shared import conversation
@@ -86,13 +87,51 @@ def test_specials_are_added_after_the_vocabulary_and_keep_every_text_id():
     ([{"role": "bot", "content": "a"}, {"role": "assistant", "content": "b"}], "unknown role 'bot'"),
     ([{"role": "user", "content": " "}, {"role": "assistant", "content": "b"}], "empty content"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "second user turn"),
-    ([{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "b"}], "content is a list"),
+    ([{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "b"}],
+     "content part 1 is a str, not text"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url",
+                                                                   "image_url": {"url": "x"}}]},
+      {"role": "assistant", "content": "b"}], "content part 2 is of type 'image_url', not text"),
+    ([{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "b"}],
+     "content part 1 has no text"),
+    ([{"role": "user", "content": None}, {"role": "assistant", "content": "b"}],
+     "content is a NoneType"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "only the first"),
+    ([{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}], "only the first"),
+    ([{"role": "user", "content": "half \ud800 a character"}, {"role": "assistant", "content": "b"}],
+     r"message 1's content holds half a character \(\\ud800 at character 5"),
     ({"role": "user"}, "not a non-empty list"),
 ])
 def test_bad_conversations_are_named(messages, problem):
     with pytest.raises(ConversationError, match=problem):
         check_conversation(messages)
+
+
+def test_text_parts_join_and_the_developer_role_is_the_system():
+    """What OpenAI's clients send: content as a list of text parts (joined by newlines, as
+    vLLM joins them), and "developer", OpenAI's newer name for "system"."""
+    parts = check_conversation([
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "you"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}])
+    assert parts == check_conversation([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hi\nyou"},
+                                        {"role": "assistant", "content": "Hello."}])
+
+
+@pytest.mark.parametrize("tokenizer", chat_tokenizers(), ids=["char", "hf", "gpt2"])
+def test_text_that_is_not_text_is_refused_before_any_tokenizer_sees_it(tokenizer):
+    """A lone surrogate: GPT-2's tiktoken would encode it as U+FFFD, a character table
+    would call it a character it lacks; every door refuses it alike, naming the field."""
+    half = "half \ud800 a character"
+    with pytest.raises(InputError, match=r"^prompt holds half a character \(\\ud800 at character 5"):
+        prompt_ids(tokenizer, half)
+    with pytest.raises(InputError, match="half a character"):
+        render_prompt(tokenizer, [("user", half)])
+    with pytest.raises(InputError, match="half a character"):
+        render_conversation(tokenizer, [("user", "a"), ("assistant", half)])
+    with pytest.raises(InputError, match="^a stop string holds half a character"):
+        StopText(tokenizer, ("\udc80",))
 
 
 def test_the_system_message_opens_the_first_user_turn():

@@ -400,6 +400,15 @@ def test_a_temperature_however_small_samples_the_likeliest_token(temperature):
     assert picked.flatten().tolist() == [1, 0]
 
 
+def test_a_stop_string_that_is_not_utf8_is_refused_as_a_prompt_is(trained_run):
+    result = subprocess.run([sys.executable.encode(), b"sample.py", b"--run", bytes(trained_run),
+                             b"--stop", b"\n", b"--stop", b"RO\xffMEO"], cwd=REPO,
+                            capture_output=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == b""
+    assert result.stderr.decode().splitlines() == [
+        "error: --stop is not valid UTF-8 (byte offset 2, line 1); convert it to UTF-8 first"]
+
+
 def test_a_prompt_that_is_not_utf8_is_refused_from_the_command_line_as_from_a_file(tmp_path,
                                                                                 trained_run):
     bad = b"ROMEO\xff:"

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.specials import CHAT_SPECIALS
+from data.tokenizer import GPT2Tokenizer, with_specials
 from model import GPT, GPTConfig
 from tests.forked import python
 from weights.checkpoint import load_checkpoint, save_checkpoint
@@ -96,6 +98,23 @@ def slow_run(trained_run, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("slow") / "slow.pt"
     save_checkpoint(ckpt, path)
     return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_server(trained_run, tmp_path_factory) -> Iterator[Server]:
+    """A tiny model of random weights with GPT-2's tokenizer and the chat tokens: its
+    tiktoken writes a lone surrogate as U+FFFD, where a character table refuses it."""
+    ckpt = load_checkpoint(trained_run / "best.pt")
+    meta = with_specials(GPT2Tokenizer().to_meta(), CHAT_SPECIALS)
+    torch.manual_seed(0)
+    shape = {**ckpt["model_args"], "vocab_size": meta["vocab_size"], "block_size": 64,
+             "n_layer": 1, "n_head": 2, "n_embd": 32}
+    ckpt["model_args"], ckpt["model"] = shape, GPT(GPTConfig(**shape)).state_dict()
+    ckpt["tokenizer"] = meta
+    path = tmp_path_factory.mktemp("gpt2") / "bpe.pt"
+    save_checkpoint(ckpt, path)
+    with serving("--checkpoint", str(path)) as server:
+        yield server
 
 
 CHAT = [{"role": "user", "content": "ROMEO"}]
@@ -205,7 +224,8 @@ BAD = [  # (endpoint, body, status, words of the message, param)
     ("chat", {"messages": CHAT, "temperature": 7}, 400, "temperature", "temperature"),
     ("chat", {"messages": CHAT, "top_p": 0}, 400, "top_p", "top_p"),
     ("chat", {"messages": CHAT, "n": 2}, 400, "n must be 1", None),
-    ("chat", {"messages": CHAT, "stop": ""}, 400, "empty string", None),
+    ("chat", {"messages": CHAT, "stop": ""}, 400, "empty string", "stop"),
+    ("chat", {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
     ("chat", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("chat", {"messages": CHAT, "max_tokens": 30}, 400, "context of 32 tokens", "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "ROMEO " * 9}]}, 400, "context holds 32",
@@ -228,6 +248,54 @@ def test_a_bad_request_gets_a_4xx_in_openais_shape(chat_server, endpoint, body, 
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"] and error["param"] == param
+
+
+HALF = "half \ud800 a character"  # JSON's "\ud800": a surrogate without its pair
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": HALF}, "prompt"),
+    ("/v1/completions", {"prompt": [HALF]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HALF}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "a"}, {
+        "role": "user", "content": [{"type": "text", "text": HALF}]}]}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "stop": HALF}, "stop"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["x", HALF]}, "stop"),
+])
+def test_text_that_is_not_text_is_refused_alike_by_every_route(gpt2_server, path, body, param):
+    """A prompt was answered as if it held U+FFFD, while chat refused the same text: now
+    every route refuses it with a 400 naming the field (data.text.check_text)."""
+    code, _, answer = gpt2_server.request("POST", path, json.dumps({**body, "max_tokens": 2}),
+                                          {"content-type": "application/json"})
+    assert code == 400 and answer["error"]["param"] == param, answer
+    assert "holds half a character (\\ud800 at character 5" in answer["error"]["message"]
+    # the replacement character itself is text, and answered
+    good = json.loads(json.dumps(body).replace("\\ud800", "\\ufffd"))
+    code, _, answer = gpt2_server.request("POST", path, json.dumps({**good, "max_tokens": 2}),
+                                          {"content-type": "application/json"})
+    assert code == 200, answer
+
+
+def test_text_parts_and_the_developer_role_are_read_as_openai_clients_mean_them(chat_server):
+    """Content as a list of text parts (the openai client's, LangChain's and most UIs')
+    is the parts joined by newlines; "developer" is "system"; an image is refused by part."""
+    client, settings = chat_server.client(), dict(model="chat_sft", temperature=0, max_tokens=8)
+    plain = client.chat.completions.create(messages=[
+        {"role": "system", "content": "Be."}, {"role": "user", "content": "ROMEO\nNURSE"}],
+        **settings)
+    parts = client.chat.completions.create(messages=[
+        {"role": "developer", "content": [{"type": "text", "text": "Be."}]},
+        {"role": "user", "content": [{"type": "text", "text": "ROMEO"},
+                                     {"type": "text", "text": "NURSE"}]}], **settings)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens == 4 + len("Be.\n\nROMEO\nNURSE")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "ROMEO"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}],
+            **settings)
+    assert refused.value.param == "messages"
+    assert "message 1's content part 2 is of type 'image_url', not text" in refused.value.message
 
 
 @pytest.mark.parametrize("edge", [
