@@ -5,10 +5,12 @@ Usage:
     error_body("n must be 1", param="n")         # {"error": {"message", "type", "param", "code"}}
     chunk = chat_chunk(meta, {"content": "Hi"})  # one server-sent event's data
 
-Fields OpenAI defines that change nothing here (user, frequency_penalty 0, ...) are
-accepted and ignored, as clients send them; a value this server cannot honour (n > 1,
-logprobs) is refused by name rather than ignored. top_k is not OpenAI's, but llama.cpp's
-server and vLLM take it, and so does sample.py.
+Fields OpenAI defines that change nothing here (user, metadata, ...) are accepted and
+ignored, as clients send them. A field that would change the answer and that this server
+cannot honour (n > 1, logprobs, response_format, tools, penalties: UNHONOURED) is refused
+by name, with a 400 whose param is the field, unless its value asks for nothing (n 1,
+{"type": "text"}, an empty list of tools). top_k is not OpenAI's, but llama.cpp's server
+and vLLM take it, and so does sample.py.
 """
 
 from __future__ import annotations
@@ -18,9 +20,31 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from data.text import check_text
+
+NO_TOOLS = "this server calls no tools (its models were not trained to); drop the field"
+NOT_HERE = "not supported here; drop the field"
+# field -> (the values that ask for nothing, why any other is refused, after "field: ")
+UNHONOURED: dict[str, tuple[list, str]] = {
+    "n": ([1], "this server returns one choice per request; send n requests instead"),
+    "best_of": ([1], "this server draws one answer per request; drop the field"),
+    "logprobs": ([False, 0], NOT_HERE),
+    "top_logprobs": ([0], NOT_HERE),
+    "echo": ([False], NOT_HERE),
+    "suffix": ([""], NOT_HERE),
+    "response_format": ([{"type": "text"}], "this server answers in free text and cannot "
+                        "hold an answer to JSON or to a schema; drop the field (or send "
+                        "{\"type\": \"text\"}) and ask for JSON in the prompt"),
+    "tools": ([[]], NO_TOOLS),
+    "tool_choice": (["none", "auto"], NO_TOOLS),
+    "functions": ([[]], NO_TOOLS),
+    "function_call": (["none", "auto"], NO_TOOLS),
+    "frequency_penalty": ([0], "penalties are not applied here; drop the field or send 0"),
+    "presence_penalty": ([0], "penalties are not applied here; drop the field or send 0"),
+    "logit_bias": ([{}], NOT_HERE),
+}
 
 
 class BaseRequest(BaseModel):
@@ -36,17 +60,29 @@ class BaseRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1)
-    logprobs: bool | int | None = None
+    # refused unless they ask for nothing (UNHONOURED)
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
 
-    @model_validator(mode="after")
-    def check(self) -> BaseRequest:
-        if self.n != 1:
-            raise ValueError("n must be 1: this server returns one choice per request; send "
-                             "n requests instead")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported; drop the field")
-        return self
+    @field_validator(*UNHONOURED)
+    @classmethod
+    def honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        asks_nothing, why = UNHONOURED[info.field_name]
+        if value is not None and value not in asks_nothing:
+            raise ValueError(why)
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -77,15 +113,12 @@ class ChatRequest(BaseRequest):
 
 class CompletionRequest(BaseRequest):
     prompt: str | list[str] = ""
-    echo: bool = False
 
     @model_validator(mode="after")
     def one_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ValueError("prompt takes one string (a list of one); send one request per "
                              "prompt")
-        if self.echo:
-            raise ValueError("echo is not supported; drop the field")
         return self
 
     @property

@@ -223,7 +223,7 @@ BAD = [  # (endpoint, body, status, words of the message, param)
     ("chat", {"messages": CHAT, "temperature": "hot"}, 400, "temperature", "temperature"),
     ("chat", {"messages": CHAT, "temperature": 7}, 400, "temperature", "temperature"),
     ("chat", {"messages": CHAT, "top_p": 0}, 400, "top_p", "top_p"),
-    ("chat", {"messages": CHAT, "n": 2}, 400, "n must be 1", None),
+    ("chat", {"messages": CHAT, "n": 2}, 400, "n: this server returns one choice", "n"),
     ("chat", {"messages": CHAT, "stop": ""}, 400, "empty string", "stop"),
     ("chat", {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
     ("chat", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
@@ -274,6 +274,37 @@ def test_text_that_is_not_text_is_refused_alike_by_every_route(gpt2_server, path
     code, _, answer = gpt2_server.request("POST", path, json.dumps({**good, "max_tokens": 2}),
                                           {"content-type": "application/json"})
     assert code == 200, answer
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"type": "object"}}}),
+    ("tools", [{"type": "function", "function": {
+        "name": "now", "parameters": {"type": "object", "properties": {}}}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "now", "parameters": {"type": "object", "properties": {}}}]),
+    ("function_call", {"name": "now"}),
+    ("frequency_penalty", 0.5),
+    ("presence_penalty", -1.0),
+    ("logit_bias", {"5": 10}),
+])
+def test_a_field_the_server_cannot_honour_is_refused_by_name(chat_server, field, value):
+    """Text that is not JSON answered a request for JSON; tools were ignored. The real
+    openai client raises BadRequestError naming the field."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat_server.client().chat.completions.create(model="chat_sft", messages=CHAT,
+                                                     max_tokens=2, **{field: value})
+    assert refused.value.param == field and field in refused.value.message
+
+
+def test_values_that_ask_for_nothing_are_answered(chat_server):
+    client, settings = chat_server.client(), dict(model="chat_sft", messages=CHAT, temperature=0)
+    plain = client.chat.completions.create(**settings)
+    same = client.chat.completions.create(**settings, response_format={"type": "text"},
+                                          tools=[], tool_choice="none", frequency_penalty=0,
+                                          presence_penalty=0, logit_bias={}, n=1)
+    assert same.choices[0].message.content == plain.choices[0].message.content == "Romeo loves."
 
 
 def test_text_parts_and_the_developer_role_are_read_as_openai_clients_mean_them(chat_server):
