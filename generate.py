@@ -344,15 +344,19 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
 
 class TextStream:
     """Decode tokens as they arrive. BPE tokens are byte sequences and one character may
-    span several of them, so bytes wait until they complete a UTF-8 character."""
+    span several of them, so bytes wait until they complete a UTF-8 character. Special
+    tokens (<|assistant_end|>, <|endoftext|>) are left out of the text unless
+    skip_special_tokens is False, as vLLM and llama.cpp leave them out."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.bytes_of = getattr(tokenizer, "decode_bytes", None)
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.skip = frozenset(tokenizer.specials.values() if skip_special_tokens else ())
 
     def push(self, ids: list[int]) -> str:
         """The text that these tokens complete (possibly empty)."""
+        ids = [i for i in ids if i not in self.skip]
         if self.bytes_of is None:
             return self.tokenizer.decode(ids)
         return self.utf8.decode(self.bytes_of(ids))
@@ -367,11 +371,12 @@ class StopText:
     across tokens is still found: text is released only once no stop string can begin
     inside it. `stopped` says when one was met."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True) -> None:
         if any(not check_text(s, "a stop string") for s in stop):
             raise InputError("a stop string is empty, which would end every sample at once; "
                              "drop it or give some text")
-        self.text, self.stop, self.stopped = TextStream(tokenizer), stop, False
+        self.text, self.stop, self.stopped = TextStream(tokenizer, skip_special_tokens), stop, False
         self.held = ""  # decoded text not yet released
         self.hold = max((len(s) for s in stop), default=1) - 1
 
@@ -396,11 +401,11 @@ class StopText:
 def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   use_kv_cache: bool = True, generator: torch.Generator | None = None,
-                  stop: tuple[str, ...] = (),
-                  decode: str | DecodeStep = "auto") -> Iterator[str]:
+                  stop: tuple[str, ...] = (), decode: str | DecodeStep = "auto",
+                  skip_special_tokens: bool = True) -> Iterator[str]:
     """Yield the continuation of `ids` as text, piece by piece, ending before the
     end-of-text token or the first stop string (see StopText)."""
-    text = StopText(tokenizer, stop)
+    text = StopText(tokenizer, stop, skip_special_tokens)
     device = model.lm_head.weight.device
     tokens = stream(model, torch.tensor([ids], device=device), max_new_tokens, temperature,
                     top_k, top_p, use_kv_cache, generator, decode)
@@ -430,9 +435,10 @@ class Chat:
     def __init__(self, model: GPT, tokenizer: Tokenizer, *, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  generator: torch.Generator | None = None, decode: str | DecodeStep = "auto",
-                 system: str | None = None) -> None:
+                 system: str | None = None, skip_special_tokens: bool = True) -> None:
         check_sampling(temperature, top_k, top_p)
         self.model, self.tokenizer, self.ids_of = model, tokenizer, special_ids(tokenizer)
+        self.skip_special_tokens = skip_special_tokens  # in replies: see TextStream
         self.sampling = (temperature, top_k, top_p, generator)
         self.max_new_tokens = max_new_tokens
         self.step = decode_step(model, decode) if isinstance(decode, str) else decode
@@ -476,7 +482,7 @@ class Chat:
         closed with <|assistant_end|> either way."""
         end, device = self.ids_of[ASSISTANT_END], self.model.lm_head.weight.device
         budget = min(self.max_new_tokens, self.model.config.block_size - len(self.ids))
-        text, start = TextStream(self.tokenizer), len(self.ids)
+        text, start = TextStream(self.tokenizer, self.skip_special_tokens), len(self.ids)
         for _ in range(budget):
             new = torch.tensor([self.ids[self.cached:]], device=device)
             logits = prefill(self.model, self.step, new, self.cache, self.cached)

@@ -217,6 +217,9 @@ SeedOption = Annotated[int, typer.Option(help="Random seed: the same seed gives 
 KvCacheOption = Annotated[bool, typer.Option(
         help="Reuse keys/values of past tokens; --no-kv-cache recomputes the window each step.")]
 StreamOption = Annotated[bool, typer.Option(help="Print tokens as they are made.")]
+SkipSpecialTokensOption = Annotated[bool, typer.Option(
+        help="Leave special tokens (<|assistant_end|>, <|bos|>) out of the text, as vLLM and "
+             "llama.cpp do; --no-skip-special-tokens writes them.")]
 AttentionOption = Annotated[str | None, typer.Option(
         help="Also write PATH.html (an interactive inspector) and PATH.png (a grid of "
              "heatmaps): the attention of every layer and head over the prompt and the "
@@ -261,6 +264,7 @@ def main(
     kv_cache: KvCacheOption = True,
     decode: DecodeOption = "auto",
     stream: StreamOption = True,
+    skip_special_tokens: SkipSpecialTokensOption = True,
     attention: AttentionOption = None,
     chat: ChatOption = False,
     benchmark: BenchmarkOption = False,
@@ -291,7 +295,8 @@ def main(
         if chat:  # turns from stdin: the options of a prompt are refused, not ignored
             prompted = bool(prompt or prompt_file or stop or attention or num_samples > 1)
             return chat_loop(open_chat(run, checkpoint, init_from, device, dtype, prompted,
-                                       decode=decode if kv_cache else "eager", **sampling))
+                                       decode=decode if kv_cache else "eager",
+                                       skip_special_tokens=skip_special_tokens, **sampling))
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
         # checked before sampling, after loading: a failed load leaves no folder behind
         attention_path = attention_target(attention) if attention is not None else None
@@ -300,7 +305,8 @@ def main(
         step = decode_step(model, decode) if kv_cache else None
     first_sample = print_samples(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
-                              decode=step or "eager", **sampling), text, num_samples, stream)
+                              decode=step or "eager", skip_special_tokens=skip_special_tokens,
+                              **sampling), text, num_samples, stream)
     if attention_path is not None:
         with reported():
             write_attention(model, tokenizer, ids + tokenizer.encode(first_sample), attention_path)

@@ -9,8 +9,8 @@ Fields OpenAI defines that change nothing here (user, metadata, ...) are accepte
 ignored, as clients send them. A field that would change the answer and that this server
 cannot honour (n > 1, logprobs, response_format, tools, penalties: UNHONOURED) is refused
 by name, with a 400 whose param is the field, unless its value asks for nothing (n 1,
-{"type": "text"}, an empty list of tools). top_k is not OpenAI's, but llama.cpp's server
-and vLLM take it, and so does sample.py.
+{"type": "text"}, an empty list of tools). top_k and skip_special_tokens are not OpenAI's,
+but vLLM takes both and llama.cpp's server top_k, and so does sample.py.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class BaseRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    skip_special_tokens: bool = True  # vLLM's: leave <|assistant_end|> and its kind out of text
     # refused unless they ask for nothing (UNHONOURED)
     n: Any = None
     best_of: Any = None

@@ -98,7 +98,8 @@ class Service:
         return Sampling(max_tokens=min(given(max_tokens, self.max_tokens), room),
                         temperature=given(body.temperature, self.temperature),
                         top_k=given(body.top_k, self.top_k), top_p=given(body.top_p, self.top_p),
-                        seed=body.seed, stop=body.stops)
+                        seed=body.seed, stop=body.stops,
+                        skip_special_tokens=body.skip_special_tokens)
 
     def check_model(self, body: BaseRequest) -> None:
         if body.model not in (None, self.name):

@@ -47,14 +47,16 @@ class QueueFull(RuntimeError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one request samples: generate.sample_next's settings, its token budget, and its
-    stop strings. seed None draws from a fresh random seed."""
+    """How one request samples: generate.sample_next's settings, its token budget, its
+    stop strings, and whether special tokens stay out of its text (generate.TextStream).
+    seed None draws from a fresh random seed."""
     max_tokens: int
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
@@ -83,7 +85,7 @@ class Job:
     def __init__(self, ids: list[int], sampling: Sampling, ends: set[int],
                  deliver: Callable[[Piece | Done], None], tokenizer: Tokenizer) -> None:
         self.ids, self.sampling, self.ends, self.deliver = ids, sampling, ends, deliver
-        self.text = StopText(tokenizer, sampling.stop)
+        self.text = StopText(tokenizer, sampling.stop, sampling.skip_special_tokens)
         self.generator = torch.Generator()
         if sampling.seed is None:
             self.generator.seed()

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.tokenizer import CharTokenizer, GPT2Tokenizer
+from data.specials import CHAT_SPECIALS
+from data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer, with_specials
 from generate import (
     DECODE_BACKENDS,
     TextStream,
@@ -227,6 +228,15 @@ def test_every_filter_at_its_widest_samples_every_token(settings):
     assert all(1100 < n < 1550 for n in counts[:3]) and counts[3] == 0, counts
 
 
+def test_special_tokens_stay_out_of_text_unless_asked():
+    tok = load_tokenizer(with_specials(GPT2Tokenizer().to_meta(), CHAT_SPECIALS))
+    ids = [*tok.encode("Hi"), tok.specials["<|assistant_end|>"], *tok.encode(" there"),
+           tok.eot_token]
+    assert "".join(TextStream(tok).push([i]) for i in ids) == "Hi there"
+    assert "".join(TextStream(tok, skip_special_tokens=False).push([i]) for i in ids) == \
+        "Hi<|assistant_end|> there<|endoftext|>"
+
+
 def test_same_seed_same_text_and_temperature_zero_is_deterministic(model):
     prompt = torch.zeros(1, 1, dtype=torch.long)
     def run(seed, temperature):
@@ -327,6 +337,17 @@ def test_cli_sampling_filters_at_their_edges_print_the_greedy_text(trained_run):
         assert result.returncode == 0 and result.stdout == greedy.stdout, (edge, result.stderr)
     wide = run_sample(*args, "--temperature", "1e300", "--top-k", "1000000000000")
     assert wide.returncode == 0 and wide.stdout.startswith("ROMEO:"), wide.stderr
+
+
+def test_cli_leaves_special_tokens_out_of_text_unless_asked(sft_run):
+    """A chat model continuing a plain prompt ends replies with <|assistant_end|>: text
+    without it by default (as vLLM and llama.cpp give), with --no-skip-special-tokens."""
+    args = ("--run", str(sft_run[0]), "--prompt", "Romeo loves.", "--temperature", "0",
+            "--max-new-tokens", "20")
+    kept, left_out = run_sample(*args, "--no-skip-special-tokens"), run_sample(*args)
+    assert kept.returncode == left_out.returncode == 0, kept.stderr + left_out.stderr
+    assert "<|assistant_end|>" in kept.stdout
+    assert left_out.stdout == kept.stdout.replace("<|assistant_end|>", "")
 
 
 def test_cli_help_states_the_context_window_policy():

@@ -347,6 +347,23 @@ def test_every_sampling_filter_at_its_edge_answers_the_likeliest_tokens(chat_ser
     assert whole.choices[0].text == streamed == greedy
 
 
+def test_completions_leave_special_tokens_out_of_text_unless_asked(chat_server, sft_run):
+    """A chat model continuing a prompt ends its replies with <|assistant_end|>, which
+    text leaves out unless skip_special_tokens is false (vLLM's field and default)."""
+    client = chat_server.client()
+    settings = dict(model="chat_sft", prompt="Romeo loves.", max_tokens=20, temperature=0)
+    kept = client.completions.create(**settings, extra_body={"skip_special_tokens": False})
+    left_out = client.completions.create(**settings)
+    assert "<|assistant_end|>" in kept.choices[0].text
+    assert left_out.choices[0].text == kept.choices[0].text.replace("<|assistant_end|>", "")
+    assert left_out.usage.completion_tokens == kept.usage.completion_tokens == 20
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**settings, stream=True))
+    assert streamed == left_out.choices[0].text
+    assert "Romeo loves." + left_out.choices[0].text + "\n" == sample_py(
+        "--run", str(sft_run[0]), "--prompt", "Romeo loves.", "--temperature", "0",
+        "--max-new-tokens", "20")
+
+
 def test_a_body_over_a_megabyte_gets_413(chat_server):
     big = json.dumps({"prompt": "a" * (1 << 20)})
     code, _, answer = chat_server.request("POST", "/v1/completions", big)
