@@ -27,6 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.sources import DataError
+from data.text import check_text
 from data.tokenizer import Tokenizer
 from logprobs import token_logprobs
 from model import GPT
@@ -66,6 +67,9 @@ def item_of(record: object, where: str) -> Item:
         raise DataError(f"{where}: give ctx, endings and label (HellaSwag's fields) or "
                         f"context, choices and answer")
     context, choices, answer = (record[f] for f in fields)
+    for text in (context, *choices) if isinstance(choices, list) else (context,):
+        if isinstance(text, str):
+            check_text(text, where)  # a lone surrogate is no text: refused, not replaced
     if isinstance(answer, str) and answer.isdigit():  # HellaSwag's labels are strings
         answer = int(answer)
     if not (isinstance(context, str) and isinstance(choices, list) and len(choices) >= 2

@@ -48,7 +48,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanochat_run):
     result = run("export.py", str(nanochat_run), str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"wrote {tmp_path / 'hf'}/ from ") and "in nanochat's format" in result.stdout
+    assert result.stdout.startswith(f"wrote {tmp_path / 'hf'}/ from ")
+    assert "in nanochat's format" in result.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = make_corpus(20, seed=5)
