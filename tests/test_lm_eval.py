@@ -22,18 +22,19 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALL
 
 
 @pytest.fixture(scope="session")
-def gpt2_bpe_model(shared_dir, corpus_file) -> Path:
-    """A tiny model trained on the test corpus in GPT-2's BPE, and its export: GPT-2's
-    tokenizer gives lm-eval the end-of-text token it starts an empty context with."""
+def bpe_model(shared_dir, corpus_file) -> Path:
+    """A tiny model trained on the test corpus in a BPE of its own (300 tokens), and its
+    export: a BPE has the end-of-text token that lm-eval starts an empty context with."""
     def build(out: Path) -> None:
-        prepare_text(corpus_file.read_text(), "gpt2", out / "data", source=str(corpus_file))
+        prepare_text(corpus_file.read_text(), "bpe", out / "data", source=str(corpus_file),
+                     vocab_size=300)
         cfg = load_config(REPO / "config" / "tiny.toml", {
             "data_dir": str(out / "data"), "out_dir": str(out), "run_name": "run",
-            "max_iters": 150, "learning_rate": 1e-2, "sample_tokens": 0})
+            "max_iters": 100, "learning_rate": 1e-2, "sample_tokens": 0})
         train(cfg)
         result = python(["export.py", str(out / "run"), str(out / "hf")])
         assert result.returncode == 0, result.stderr
-    return built_once(shared_dir / "gpt2_bpe_model", build)
+    return built_once(shared_dir / "bpe_model", build)
 
 
 def write_task(folder: Path, n_items: int = 24) -> tuple[Path, Path]:
@@ -87,12 +88,12 @@ def lm_eval(folder: Path, tasks: Path, *model: str) -> dict:
     return json.loads(path.read_text())["results"]["mc_local"]
 
 
-def test_evaluate_task_scores_as_lm_eval_does(tmp_path, gpt2_bpe_model):
+def test_evaluate_task_scores_as_lm_eval_does(tmp_path, bpe_model):
     items, tasks = write_task(tmp_path)
-    hf = gpt2_bpe_model / "hf"
+    hf = bpe_model / "hf"
     theirs = lm_eval(tmp_path, tasks, "--model", "hf", "--model_args",
                      f"pretrained={hf},dtype=float32", "--batch_size", "8")
-    for source in (["--init-from", str(hf)], ["--run", str(gpt2_bpe_model / "run")]):
+    for source in (["--init-from", str(hf)], ["--run", str(bpe_model / "run")]):
         out = tmp_path / "ours.json"
         result = python(["evaluate.py", "--task", str(items), *source, "--json", str(out)])
         assert result.returncode == 0, result.stderr
@@ -119,12 +120,12 @@ def hub_cache(root: Path, repo: str, folder: Path) -> Path:
     return root
 
 
-def test_init_from_takes_a_hub_id_read_from_the_hub_cache(tmp_path, gpt2_bpe_model):
-    cache = hub_cache(tmp_path / "hub", "someone/tiny-gpt2", gpt2_bpe_model / "hf")
+def test_init_from_takes_a_hub_id_read_from_the_hub_cache(tmp_path, bpe_model):
+    cache = hub_cache(tmp_path / "hub", "someone/tiny-gpt2", bpe_model / "hf")
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     sampled = [python(["sample.py", "--init-from", source, "--prompt", "ROMEO:", "--temperature",
                        "0", "--max-new-tokens", "12"], env=env)
-               for source in ("someone/tiny-gpt2", str(gpt2_bpe_model / "hf"))]
+               for source in ("someone/tiny-gpt2", str(bpe_model / "hf"))]
     assert sampled[0].returncode == 0, sampled[0].stderr
     assert sampled[0].stdout == sampled[1].stdout and sampled[0].stdout.startswith("ROMEO:")
     missing = python(["evaluate.py", "--input", str(REPO / "README.md"), "--init-from",
