@@ -4,7 +4,7 @@
 # package, which convert_hf_to_gguf.py needs. Never run by CI: 20-40 minutes on 2 cores.
 #
 # Usage: bash benchmarks/build_llama_server.sh [FOLDER]      (default ~/.cache/gptlab/llama.cpp)
-# Then:  python -m benchmarks.serve --llama-server FOLDER/build/bin/llama-server ...
+# Then:  python -m benchmarks.serve --llama FOLDER ...
 set -euo pipefail
 dest="${1:-${GPTLAB_CACHE:-$HOME/.cache/gptlab}/llama.cpp}"
 mkdir -p "$dest"

@@ -5,6 +5,8 @@ Usage:
     from serving.engine import Engine                   # continuous batching
     from serving.app import Service, create_app         # the HTTP routes and the chat page
 
-engine.py batches (no HTTP), api.py holds OpenAI's shapes (no model), app.py joins them
-(routes, errors, server-sent events), limits.py caps request bodies, chat.html is the page.
+engine.py batches, reuses cached prefixes and prefills in chunks (no HTTP), api.py holds
+OpenAI's shapes (no model), answer.py turns a request's events into its answer, whole or
+streamed, app.py joins them (routes, errors), limits.py caps request bodies, chat.html is
+the page.
 """

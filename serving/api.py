@@ -7,10 +7,17 @@ Usage:
 
 Fields OpenAI defines that change nothing here (user, metadata, ...) are accepted and
 ignored, as clients send them. A field that would change the answer and that this server
-cannot honour (n > 1, logprobs, response_format, tools, penalties: UNHONOURED) is refused
-by name, with a 400 whose param is the field, unless its value asks for nothing (n 1,
-{"type": "text"}, an empty list of tools). top_k and skip_special_tokens are not OpenAI's,
-but vLLM takes both and llama.cpp's server top_k, and so does sample.py.
+cannot honour (n > 1, response_format, tools, penalties: UNHONOURED) is refused by name,
+with a 400 whose param is the field, unless its value asks for nothing (n 1, {"type":
+"text"}, an empty list of tools). top_k and skip_special_tokens are not OpenAI's, but vLLM
+takes both and llama.cpp's server top_k, and so does sample.py; cache_prompt is llama.cpp's.
+
+Logprobs are OpenAI's and vLLM's: a completion's `logprobs` (how many alternatives per
+token) and `echo` (the prompt's tokens come back first, with their logprobs; the first is
+null), whose `logprobs` object holds tokens, token_logprobs, top_logprobs and text_offset;
+a chat's `logprobs: true` and `top_logprobs`, as choices[].logprobs.content[]. A
+completion's prompt is a string, a list of strings, a list of token ids or a list of lists
+of them: one choice per prompt, each with its index, as lm-eval sends them.
 """
 
 from __future__ import annotations
@@ -26,13 +33,11 @@ from data.text import check_text
 
 NO_TOOLS = "this server calls no tools (its models were not trained to); drop the field"
 NOT_HERE = "not supported here; drop the field"
+MAX_LOGPROBS = 20  # alternatives per token at most, as vLLM's default
 # field -> (the values that ask for nothing, why any other is refused, after "field: ")
 UNHONOURED: dict[str, tuple[list, str]] = {
     "n": ([1], "this server returns one choice per request; send n requests instead"),
     "best_of": ([1], "this server draws one answer per request; drop the field"),
-    "logprobs": ([False, 0], NOT_HERE),
-    "top_logprobs": ([0], NOT_HERE),
-    "echo": ([False], NOT_HERE),
     "suffix": ([""], NOT_HERE),
     "response_format": ([{"type": "text"}], "this server answers in free text and cannot "
                         "hold an answer to JSON or to a schema; drop the field (or send "
@@ -52,7 +57,7 @@ class BaseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's logprobs alone
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
@@ -61,12 +66,10 @@ class BaseRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     skip_special_tokens: bool = True  # vLLM's: leave <|assistant_end|> and its kind out of text
+    cache_prompt: bool = True  # llama.cpp's: false prefills the whole prompt, reusing nothing
     # refused unless they ask for nothing (UNHONOURED)
     n: Any = None
     best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     suffix: Any = None
     response_format: Any = None
     tools: Any = None
@@ -89,13 +92,18 @@ class BaseRequest(BaseModel):
     @classmethod
     def check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4:
-            raise ValueError("takes at most 4 strings")
+        if len(stops) > 16:  # OpenAI's limit is 4; lm-eval's tasks may name more
+            raise ValueError("takes at most 16 strings")
         if any(not s for s in stops):
             raise ValueError("has an empty string, which would end every answer at once")
         for i, s in enumerate(stops, 1):
             check_text(s, f"stop string {i}")  # the rule of every text this server takes
         return stop
+
+    @property
+    def alternatives(self) -> int | None:
+        """The logprobs asked of each generated token: None, or how many alternatives."""
+        return None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -110,21 +118,81 @@ class ChatRequest(BaseRequest):
     # checked by data.chat.check_conversation, whose messages name the message at fault
     messages: list[Any]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-
-class CompletionRequest(BaseRequest):
-    prompt: str | list[str] = ""
+    @field_validator("max_tokens")
+    @classmethod
+    def some_tokens(cls, max_tokens: int | None) -> int | None:
+        if max_tokens == 0:  # a completion's echo may ask for none; a chat has nothing to echo
+            raise ValueError("must be at least 1")
+        return max_tokens
 
     @model_validator(mode="after")
-    def one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt takes one string (a list of one); send one request per "
-                             "prompt")
+    def check_asks(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs asks for logprobs: send logprobs: true with it")
         return self
 
     @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def alternatives(self) -> int | None:
+        """The logprobs asked of each generated token: None, or how many alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(BaseRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def some_prompt(cls, prompt: str | list) -> str | list:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("is an empty list; send a string, strings, or token ids")
+        return prompt
+
+    @model_validator(mode="after")
+    def something_asked(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for nothing without echo: ask for at least "
+                             "one token, or send echo: true to have the prompt's logprobs")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def alternatives(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """/tokenize's body, as vLLM takes it (add_special_tokens: no tokenizer here adds any)."""
+    model_config = ConfigDict(extra="ignore")
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
+
+
+class APIError(Exception):
+    """A request this server refuses: the status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.headers = status, headers
+        self.body = error_body(message, type, param, code)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -155,26 +223,59 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(meta: Meta, text: str | None, finish_reason: str | None, *, delta: bool) -> dict:
-    """A choice of an answer (delta False) or of a streamed chunk (delta True)."""
+def choice(meta: Meta, text: str | None, finish_reason: str | None, *, delta: bool,
+           index: int = 0, logprobs: dict | None = None) -> dict:
+    """A choice of an answer (delta False) or of a streamed chunk (delta True); logprobs in
+    the endpoint's own shape (text_logprobs or chat_logprobs), or None."""
     if meta.object == "text_completion":
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    if not delta:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
+        return {"index": index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    return {"index": 0, "delta": {} if text is None else {"content": text},
+    body = {"role": "assistant", "content": text} if not delta else \
+        {} if text is None else {"content": text}
+    return {"index": index, "message" if not delta else "delta": body, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
-def answer(meta: Meta, text: str, finish_reason: str, counts: dict) -> dict:
+def answer(meta: Meta, choices: list[dict], counts: dict) -> dict:
     """The whole answer of a request that did not stream."""
-    return {**meta.head(), "choices": [choice(meta, text, finish_reason, delta=False)],
-            "usage": counts}
+    return {**meta.head(), "choices": choices, "usage": counts}
 
 
-def chunk(meta: Meta, text: str | None, finish_reason: str | None = None) -> dict:
+def chunk(meta: Meta, text: str | None, finish_reason: str | None = None, index: int = 0,
+          logprobs: dict | None = None) -> dict:
     """One streamed event: a piece of text, or the finish reason at the end."""
-    return {**meta.head(streamed=True), "choices": [choice(meta, text, finish_reason, delta=True)]}
+    return {**meta.head(streamed=True), "choices": [
+        choice(meta, text, finish_reason, delta=True, index=index, logprobs=logprobs)]}
+
+
+@dataclass
+class Logprob:
+    """A token of an answer as logprobs show it: its text, and its logprob and the
+    alternatives', as text -> logprob (None where nothing predicts it: a prompt's first)."""
+    text: str
+    logprob: float | None
+    top: dict[str, float] | None
+
+
+def text_logprobs(tokens: list[Logprob], offset: int = 0) -> dict:
+    """A completion's logprobs object (OpenAI's legacy shape, which lm-eval reads): each
+    token's text, logprob, alternatives and where its text starts in the choice's text."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [t.top for t in tokens], "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[Logprob]) -> dict:
+    """A chat answer's logprobs object: choices[].logprobs.content[], each token with its
+    UTF-8 bytes and its top alternatives."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(t.text, t.logprob),
+                         "top_logprobs": [entry(text, lp) for text, lp in (t.top or {}).items()]}
+                        for t in tokens]}
 
 
 def role_chunk(meta: Meta) -> dict:

@@ -6,12 +6,13 @@ Usage:
     uvicorn.Server(uvicorn.Config(app)).run()        # serve.py does this
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events
-with "stream": true), GET /v1/models, /health, and / (serving/chat.html). Every error is a
-4xx in OpenAI's shape (serving/api.py), never a traceback: bad JSON and bad fields 400, a
-wrong or missing key 401 (with --api-key), an unknown model 404, a body over 1 MB 413, a
-full queue 429 with Retry-After. A client that hangs up cancels its request, streamed or
-not, waiting or running: a task per request waits for the disconnect (`until_gone`), and
-the API key is checked by a plain ASGI middleware (ApiKey), which leaves it visible.
+with "stream": true), GET /v1/models; vLLM's POST /tokenize and /detokenize and GET
+/tokenizer_info, which lm-eval's remote tokenizer reads; GET /health and /metrics
+(Prometheus's text format); and / (serving/chat.html). Every error is a 4xx in OpenAI's
+shape (serving/api.py), never a traceback: bad JSON and bad fields 400, a wrong or missing
+key 401 (with --api-key), an unknown model 404, a body over 1 MB 413, a full queue 429 with
+Retry-After. A client that hangs up cancels its request (serving/answer.py); the API key
+is checked by a plain ASGI middleware (ApiKey), which leaves the disconnect visible.
 """
 
 from __future__ import annotations
@@ -19,51 +20,46 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from data.chat import ASSISTANT_END, ConversationError, check_conversation, render_prompt, special_ids
+from data.chat import (
+    ASSISTANT_END,
+    ASSISTANT_START,
+    BOS,
+    CHAT_TEMPLATE,
+    ConversationError,
+    check_conversation,
+    render_prompt,
+    special_ids,
+)
+from data.text import check_text
 from data.tokenizer import Tokenizer
 from generate import prompt_ids
+from serving.answer import Answer, Work
 from serving.api import (
+    APIError,
     BaseRequest,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Meta,
-    answer,
-    chunk,
+    TokenizeRequest,
     error_body,
-    role_chunk,
-    usage,
-    usage_chunk,
 )
-from serving.engine import Done, Engine, Job, Piece, QueueFull, Sampling
+from serving.engine import Done, Engine, Job, Piece, QueueFull, Sampling, Scoring
 from serving.limits import BodyLimit
 
 PAGE = Path(__file__).with_name("chat.html")
-CUT_SHORT = {  # what a client hears of an answer that the engine ended early
-    "cancelled": "the server is stopping and cut this answer short; try again once it is back",
-    "error": "the server failed while answering (its log has the traceback); try again",
-}
-
-
-class APIError(Exception):
-    """A request this server refuses: the status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.headers = status, headers
-        self.body = error_body(message, type, param, code)
 
 
 @dataclass
@@ -82,10 +78,13 @@ class Service:
     created: int = field(default_factory=lambda: int(time.time()))  # what /v1/models says
 
     def sampling(self, body: BaseRequest, prompt_len: int, max_tokens: int | None,
-                 prompt_field: str) -> Sampling:
+                 prompt_field: str, echo: bool = False) -> Sampling:
         """The request's sampling, the defaults filling what it leaves out; a request that
-        cannot fit in the context is refused by name."""
+        cannot fit in the context is refused by name (an echo that generates nothing may
+        fill it: the last token is scored, never fed)."""
         room = self.block_size - prompt_len
+        if echo and max_tokens == 0 and room >= -1:
+            return Sampling(max_tokens=0, logprobs=body.alternatives)
         if room < 1:
             raise APIError(400, f"the prompt takes {prompt_len} tokens and the model's context "
                                 f"holds {self.block_size}, with room for at least one more; "
@@ -99,7 +98,8 @@ class Service:
                         temperature=given(body.temperature, self.temperature),
                         top_k=given(body.top_k, self.top_k), top_p=given(body.top_p, self.top_p),
                         seed=body.seed, stop=body.stops,
-                        skip_special_tokens=body.skip_special_tokens)
+                        skip_special_tokens=body.skip_special_tokens,
+                        logprobs=body.alternatives)
 
     def check_model(self, body: BaseRequest) -> None:
         if body.model not in (None, self.name):
@@ -113,8 +113,8 @@ def given(value: object, default: object) -> object:
     return default if value is None else value
 
 
-def chat_job(service: Service, body: ChatRequest, deliver: Callable) -> Job:
-    """A chat request's job: the messages rendered as the chat REPL renders them."""
+def chat_work(service: Service, body: ChatRequest) -> Work:
+    """A chat request: the messages rendered as the chat REPL renders them."""
     try:
         ends = {special_ids(service.tokenizer)[ASSISTANT_END]}
         turns = check_conversation(body.messages, ends_with="user")
@@ -124,103 +124,70 @@ def chat_job(service: Service, body: ChatRequest, deliver: Callable) -> Job:
     except ValueError as e:  # a base model's tokenizer, a character the vocabulary lacks
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return Job(ids, service.sampling(body, len(ids), max_tokens, "messages"), ends, deliver,
-               service.tokenizer)
+    return Work([ids], service.sampling(body, len(ids), max_tokens, "messages"), ends,
+                body.alternatives)
 
 
-def completion_job(service: Service, body: CompletionRequest, deliver: Callable) -> Job:
-    """A completion request's job: the prompt continued as sample.py --prompt does."""
-    try:
-        ids = prompt_ids(service.tokenizer, body.text)
-    except ValueError as e:
-        raise APIError(400, str(e), "prompt") from None
+def completion_work(service: Service, body: CompletionRequest) -> Work:
+    """A completion request: each prompt continued as sample.py --prompt continues one,
+    or taken as the token ids it is."""
+    vocab, prompts = service.tokenizer.vocab_size, []
+    for i, prompt in enumerate(body.prompts):
+        where = "prompt" if len(body.prompts) == 1 else f"prompt {i}"
+        if isinstance(prompt, list):
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None or not prompt:
+                raise APIError(400, f"{where}: token id {bad} is outside the vocabulary of "
+                                    f"{vocab:,}" if prompt else f"{where} has no tokens", "prompt")
+            prompts.append(prompt)
+            continue
+        try:
+            prompts.append(prompt_ids(service.tokenizer, prompt))
+        except ValueError as e:
+            raise APIError(400, f"{where}: {e}" if len(body.prompts) > 1 else str(e),
+                           "prompt") from None
+    longest = max(len(ids) for ids in prompts)
     eot = service.tokenizer.eot_token
-    return Job(ids, service.sampling(body, len(ids), body.max_tokens, "prompt"),
-               set() if eot is None else {eot}, deliver, service.tokenizer)
+    sampling = service.sampling(body, longest, body.max_tokens, "prompt", echo=body.echo)
+    return Work(prompts, sampling, set() if eot is None else {eot}, body.alternatives,
+                body.echo)
 
 
-async def respond(service: Service, request: Request, body: BaseRequest,
-                  make_job: Callable, meta: Meta) -> JSONResponse | StreamingResponse:
-    """Submit the request's job, then stream its events or gather them into one answer."""
+async def respond(service: Service, request: Request, body: BaseRequest, work: Work,
+                  meta: Meta) -> JSONResponse | StreamingResponse:
+    """Submit the request's sequences (and the scoring of an echoed prompt's logprobs),
+    then stream their events or gather them into one answer."""
     service.check_model(body)
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-    def deliver(event: Piece | Done) -> None:  # called from the engine's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop has closed: the server is gone
-            pass
+    def deliver(index: int) -> Callable:
+        def put(event: Piece | Done | list | Exception) -> None:  # from the engine's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            except RuntimeError:  # the loop has closed: the server is gone
+                pass
+        return put
 
-    job = make_job(service, body, deliver)
+    jobs = []
+    if work.echo and work.alternatives is not None:
+        jobs.append(Scoring(work.prompts, work.alternatives, deliver(-1)))
+    if work.sampling.max_tokens:
+        jobs += [Job(ids, work.sampling, work.ends, deliver(i), service.tokenizer,
+                     reuse=body.cache_prompt) for i, ids in enumerate(work.prompts)]
     try:
-        service.engine.submit(job)
+        for job in jobs:
+            service.engine.submit(job)
     except QueueFull as e:
+        for job in jobs:
+            job.cancel()
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
+    answer_ = Answer(service.tokenizer, work, meta, events, jobs)
     if body.stream:
-        return StreamingResponse(stream_events(job, events, meta, body.include_usage, request),
+        return StreamingResponse(answer_.stream(body.include_usage, request),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await gather(job, events, meta, request)
-
-
-async def until_gone(request: Request, job: Job) -> None:
-    """Cancel the job once its client hangs up. Run as a task beside the one that waits for
-    the job's events: ASGI says a disconnect by the next message of `receive` (the body
-    has been read), which comes at once, whether tokens flow or the job still waits."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.cancel()
-
-
-async def stream_events(job: Job, events: asyncio.Queue, meta: Meta, include_usage: bool,
-                        request: Request) -> AsyncIterator[str]:
-    """The job's events as server-sent events, ending with data: [DONE]. A client that
-    hangs up cancels the job, which frees its slot or its place in the queue."""
-    watcher = asyncio.create_task(until_gone(request, job))
-    try:
-        if meta.object == "chat.completion":
-            yield sse(role_chunk(meta))
-        while True:
-            event = await events.get()
-            if isinstance(event, Piece):
-                yield sse(chunk(meta, event.text))
-                continue
-            if event.finish_reason in ("stop", "length"):
-                yield sse(chunk(meta, None, event.finish_reason))
-            else:  # headers are sent: an error can only be an event of its own
-                yield sse(error_body(CUT_SHORT[event.finish_reason], "server_error"))
-            if include_usage:
-                yield sse(usage_chunk(meta, usage(event.prompt_tokens, event.completion_tokens)))
-            yield "data: [DONE]\n\n"
-            return
-    finally:
-        watcher.cancel()
-        job.cancel()
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def gather(job: Job, events: asyncio.Queue, meta: Meta, request: Request) -> JSONResponse:
-    """The job's whole answer. A client that hangs up before it ends cancels the job."""
-    pieces, watcher = [], asyncio.create_task(until_gone(request, job))
-    try:
-        while True:
-            event = await events.get()  # the engine ends every job, cancelled ones too
-            if isinstance(event, Piece):
-                pieces.append(event.text)
-                continue
-            if job.cancelled.is_set():  # by until_gone: nobody reads this
-                return JSONResponse(error_body("the client went away"), status_code=499)
-            if event.finish_reason not in ("stop", "length"):
-                raise APIError(503, CUT_SHORT[event.finish_reason], type="server_error")
-            return JSONResponse(answer(meta, "".join(pieces), event.finish_reason,
-                                       usage(event.prompt_tokens, event.completion_tokens)))
-    finally:
-        watcher.cancel()
-        job.cancel()
+    return await answer_.whole(request)
 
 
 class ApiKey:
@@ -254,11 +221,12 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await respond(service, request, body, chat_job, Meta("chat.completion", service.name))
+        return await respond(service, request, body, chat_work(service, body),
+                             Meta("chat.completion", service.name))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await respond(service, request, body, completion_job,
+        return await respond(service, request, body, completion_work(service, body),
                              Meta("text_completion", service.name))
 
     @app.get("/v1/models")
@@ -270,11 +238,81 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         return {"status": "ok", "model": service.name, **service.engine.load()}
 
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(service.name, service.engine.load()),
+                                 media_type="text/plain; version=0.0.4")
+
+    # the tokenizer's own endpoints, as vLLM names them: lm-eval's local-completions uses
+    # them to tokenize as the server does, with no tokenizer of its own
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ids = encode_specials(service.tokenizer, check_text(body.prompt, "prompt"))
+        return {"count": len(ids), "max_model_len": service.block_size, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = service.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary of {vocab:,}", "tokens")
+        return {"prompt": service.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenizer_description(service.tokenizer, service.block_size)
+
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return PAGE.read_text()
 
     return app
+
+
+def encode_specials(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of text in which a special token spelled out ("<|endoftext|>") is that token,
+    as Hugging Face's tokenizers read text, and vLLM's /tokenize: what lm-eval's remote
+    tokenizer expects of a special token's name. A completion's prompt never reads text so."""
+    if not tokenizer.specials:
+        return tokenizer.encode(text)
+    names = sorted(tokenizer.specials, key=len, reverse=True)
+    ids, at = [], 0
+    for match in re.finditer("|".join(map(re.escape, names)), text):
+        ids += tokenizer.encode(text[at:match.start()]) if match.start() > at else []
+        ids.append(tokenizer.specials[match.group()])
+        at = match.end()
+    return ids + (tokenizer.encode(text[at:]) if at < len(text) else [])
+
+
+def tokenizer_description(tokenizer: Tokenizer, block_size: int) -> dict:
+    """/tokenizer_info: vLLM's fields that lm-eval reads (eos_token, bos_token,
+    chat_template), and the context."""
+    eos = tokenizer.decode([tokenizer.eot_token]) if tokenizer.eot_token is not None else None
+    chat = ASSISTANT_START in tokenizer.specials
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos,
+            "bos_token": BOS if BOS in tokenizer.specials else eos, "pad_token": None,
+            "model_max_length": block_size, "chat_template": CHAT_TEMPLATE if chat else None}
+
+
+METRICS = {  # name -> (/health's key, type, help)
+    "prompt_tokens_total": ("prompt_tokens", "counter", "Prompt tokens of the requests taken."),
+    "prompt_tokens_reused_total": ("prompt_tokens_reused", "counter",
+                                   "Prompt tokens found in a slot's cache, not prefilled again."),
+    "prompt_tokens_prefilled_total": ("prompt_tokens_prefilled", "counter",
+                                      "Prompt tokens prefilled."),
+    "generation_tokens_total": ("tokens", "counter", "Tokens generated."),
+    "num_requests_running": ("active", "gauge", "Sequences in a slot."),
+    "num_requests_waiting": ("waiting", "gauge", "Requests waiting for a slot."),
+}
+
+
+def prometheus(model: str, load: dict[str, int]) -> str:
+    """/metrics in Prometheus's text format, named as vLLM names its own (gptlab: for vllm:)."""
+    lines = []
+    for name, (key, kind, help) in METRICS.items():
+        lines += [f"# HELP gptlab:{name} {help}", f"# TYPE gptlab:{name} {kind}",
+                  f'gptlab:{name}{{model_name="{model}"}} {load[key]}']
+    return "\n".join(lines) + "\n"
 
 
 def add_error_handlers(app: FastAPI) -> None:

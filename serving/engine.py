@@ -1,4 +1,5 @@
-"""Continuous batching: many requests decoded together, one batched step for all of them.
+"""Continuous batching: many requests decoded together, one batched step for all of them, a
+cached prefix reused across requests, and long prompts prefilled in chunks between steps.
 
 Usage:
     engine = Engine(model, tokenizer, slots=16, queue=64)
@@ -6,22 +7,29 @@ Usage:
     job = Job(ids, Sampling(max_tokens=64, temperature=0.0), ends={eot}, deliver=callback)
     engine.submit(job)        # QueueFull when the queue is full; deliver() gets Piece, Done
     job.cancel()              # the client went away: its slot (or place) is free by the next step
+    engine.submit(Scoring([[464, 3290, 318]], top=1, deliver=callback))   # echo's logprobs
     engine.drain(5.0)         # take no more; end run() once idle, cancelling what runs at 5 s
 
 The engine owns one KV cache with a row per slot (vLLM's and llama.cpp's server's shape,
-without paging). A request waits in a bounded queue until a slot is free; then its prompt is
-prefilled into that slot's row alone, and from the next step on it decodes with every other
-active sequence in one batched step, each at its own position. A sequence that ends frees its
-slot at once, and a waiting request takes it at the next step: nobody waits for the slowest
-sequence of a batch. All of this runs in one thread, which owns the model; the HTTP side
-only submits jobs and reads what they deliver. serve.py gives the engine the main thread:
-the C step's OpenMP threads run slower when started from any other (docs/serving.md).
+without paging). A slot keeps the tokens its row holds after its sequence ends, and a new
+request takes the free slot whose tokens share the longest prefix with its prompt, so that
+only the rest is prefilled: an OpenAI client sends a conversation's whole history with every
+turn, and all but the new turn is in the cache already (llama.cpp's cache_prompt, vLLM's
+prefix caching). A request waits in a bounded queue until a slot is free; its prompt is then
+prefilled in chunks, one chunk per step of the others, so that a long prompt holds nobody's
+next token back, and from then on it decodes with every other active sequence in one batched
+step, each at its own position. A sequence that ends frees its slot at once. All of this runs
+in one thread, which owns the model; the HTTP side only submits work and reads what it
+delivers. serve.py gives the engine the main thread: the C step's OpenMP threads run slower
+when started from any other (docs/serving.md).
 
 A decode step that steps rows (the C step, the default on a CPU) steps only the slots at
-work, each computed to the bit as a generation of its own would be, so a request's answer
-at temperature 0, or with a seed, does not depend on who else is served. The model's
-forward (a GPU's step, or --decode eager or compile) steps every slot at every step, the
-same shape alone or together, so there too an answer does not change with the traffic.
+work and computes every token alike, in a prefill chunk or a step, alone or beside others:
+so a request's answer at temperature 0, or with a seed, is the same to the bit on a cold
+server and with a reused prefix, whoever else is served. The model's forward (a GPU's step,
+or --decode eager or compile) steps every slot at every step, the same shape alone or
+together; a prefix it reuses holds keys and values that a cold prefill computes to float
+rounding (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -32,13 +40,17 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
 
 from data.tokenizer import Tokenizer
-from generate import StopText, check_sampling, decode_step, prefill, sample_next
+from generate import StopText, check_sampling, decode_step, sample_next
+from logprobs import Scored, token_logprobs
 from model import GPT
+
+MODEL_CHUNK = 256  # prompt tokens per prefill call where the model's forward prefills
 
 
 class QueueFull(RuntimeError):
@@ -48,8 +60,9 @@ class QueueFull(RuntimeError):
 @dataclass(frozen=True)
 class Sampling:
     """How one request samples: generate.sample_next's settings, its token budget, its
-    stop strings, and whether special tokens stay out of its text (generate.TextStream).
-    seed None draws from a fresh random seed."""
+    stop strings, whether special tokens stay out of its text (generate.TextStream), and
+    the logprobs it reports of each token it generates (None: none; N: the token's and N
+    alternatives'). seed None draws from a fresh random seed."""
     max_tokens: int
     temperature: float = 1.0
     top_k: int | None = None
@@ -57,15 +70,27 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token, its log-probability under the model (before the sampling
+    settings reshape it), and the likeliest alternatives there, as (id, logprob)."""
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Piece:
-    """Text of a sequence, in order; the pieces joined are its answer."""
+    """Text of a sequence, in order; the pieces joined are its answer. With logprobs, the
+    tokens taken since the last piece, whose text this piece completes."""
     text: str
+    tokens: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,12 +104,15 @@ class Done:
 
 
 class Job:
-    """One request's generation: its prompt ids, its sampling, the tokens that end it, and
-    where its Piece and Done events go (called from the thread that runs the engine)."""
+    """One sequence's generation: its prompt ids, its sampling, the tokens that end it,
+    where its Piece and Done events go (called from the thread that runs the engine), and
+    whether it may start from a slot's cached prefix (llama.cpp's cache_prompt)."""
 
     def __init__(self, ids: list[int], sampling: Sampling, ends: set[int],
-                 deliver: Callable[[Piece | Done], None], tokenizer: Tokenizer) -> None:
+                 deliver: Callable[[Piece | Done], None], tokenizer: Tokenizer,
+                 reuse: bool = True) -> None:
         self.ids, self.sampling, self.ends, self.deliver = ids, sampling, ends, deliver
+        self.reuse = reuse  # whether a cached prefix may stand for part of the prompt
         self.text = StopText(tokenizer, sampling.stop, sampling.skip_special_tokens)
         self.generator = torch.Generator()
         if sampling.seed is None:
@@ -92,15 +120,24 @@ class Job:
         else:
             self.generator.manual_seed(sampling.seed)
         self.generated = 0
+        self.taken: list[TokenLogprob] = []  # with logprobs: the tokens of the next piece
         self.cancelled = threading.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def sample(self, logits: torch.Tensor) -> int:
-        """The next token from this sequence's (1, vocab) logits."""
+        """The next token from this sequence's (1, vocab) logits, its logprobs noted when
+        the request asks for them."""
         s = self.sampling
-        return int(sample_next(logits, s.temperature, s.top_k, s.top_p, self.generator))
+        token = int(sample_next(logits, s.temperature, s.top_k, s.top_p, self.generator))
+        if s.logprobs is not None:
+            logp = F.log_softmax(logits[0].float(), dim=-1)
+            top = logp.topk(s.logprobs) if s.logprobs else None
+            self.taken.append(TokenLogprob(token, float(logp[token]), () if top is None else
+                                           tuple(zip(top.indices.tolist(), top.values.tolist(),
+                                                     strict=True))))
+        return token
 
     def take(self, token: int) -> bool:
         """Deliver what `token` adds; whether the sequence has ended."""
@@ -108,16 +145,36 @@ class Job:
         if token in self.ends:
             return self.finish("stop")
         if piece := self.text.push(token):
-            self.deliver(Piece(piece))
+            self.deliver(self.piece(piece))
         if self.text.stopped:
             return self.finish("stop")
         return self.generated >= self.sampling.max_tokens and self.finish("length")
 
+    def piece(self, text: str) -> Piece:
+        tokens, self.taken = tuple(self.taken), []
+        return Piece(text, tokens)
+
     def finish(self, reason: str) -> bool:
-        if reason in ("stop", "length") and (rest := self.text.flush()):
-            self.deliver(Piece(rest))
+        if reason in ("stop", "length"):  # the text held back, and the last tokens' logprobs
+            rest = self.text.flush()
+            if rest or self.taken:
+                self.deliver(self.piece(rest))
         self.deliver(Done(reason, len(self.ids), self.generated))
         return True
+
+
+@dataclass
+class Scoring:
+    """The logprobs of whole sequences, scored together (logprobs.token_logprobs): what a
+    completion that echoes its prompt reports of it. deliver gets the list of Scored, or an
+    Exception."""
+    sequences: list[list[int]]
+    top: int
+    deliver: Callable[[list[Scored] | Exception], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 class Engine:
@@ -126,37 +183,47 @@ class Engine:
     def __init__(self, model: GPT, tokenizer: Tokenizer, slots: int = 16, queue: int = 64,
                  decode: str = "auto") -> None:
         self.model, self.tokenizer, self.slots, self.queue_size = model, tokenizer, slots, queue
-        self.cache = model.new_kv_cache(slots, model.config.block_size)
+        self.block_size = model.config.block_size
+        self.cache = model.new_kv_cache(slots, self.block_size)
         self.step = decode_step(model, decode)
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.active: dict[int, Job] = {}  # slot -> job
-        self.position: dict[int, int] = {}  # slot -> the position of its next token
-        self.next_token: dict[int, int] = {}
-        self.starting = 0  # jobs taken from the queue whose prefill has not ended
-        self.tokens = self.widest_step = 0  # what load() reports
+        # a step that prefills (the C step) takes every chunk, so that a token's keys and
+        # values are the same whichever way they were computed
+        self.chunk = self.step.prefills if self.step.prefills > 1 else MODEL_CHUNK
+        self.waiting: collections.deque[Job | Scoring] = collections.deque()
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # each row's tokens in the cache
+        self.used: list[int] = [0] * slots  # when each slot last took a job: the oldest goes first
+        self.active: dict[int, Job] = {}  # slot -> job, decoding or still prefilling
+        self.pending: dict[int, list[int]] = {}  # slot -> prompt ids still to prefill
+        self.next_token: dict[int, int] = {}  # slot -> the token it feeds at the next step
+        self.starting = 0  # jobs taken from the queue whose admission has not ended
+        self.counts = collections.Counter()  # what load() and metrics() report
         self.wake = threading.Condition()
         self.deadline: float | None = None  # set by drain: when what still runs is cancelled
 
-    def submit(self, job: Job) -> None:
-        if len(job.ids) + job.sampling.max_tokens > self.model.config.block_size:
+    def submit(self, work: Job | Scoring) -> None:
+        if isinstance(work, Job) and len(work.ids) + work.sampling.max_tokens > self.block_size:
             raise ValueError("a prompt and its max_tokens must fit in block_size")
         with self.wake:
             if self.deadline is not None:
                 raise QueueFull("the server is shutting down")
-            # free slots (neither decoding nor being prefilled) take requests at once; a
+            # free slots (neither decoding nor being admitted) take requests at once; a
             # queue of 0 means that no request ever waits for a slot
             free = self.slots - len(self.active) - self.starting
             if len(self.waiting) >= self.queue_size + max(free, 0):
                 raise QueueFull(f"all {self.slots} slots are busy and {self.queue_size} "
                                 f"requests wait; try again shortly")
-            self.waiting.append(job)
+            self.waiting.append(work)
             self.wake.notify()
 
     def load(self) -> dict[str, int]:
         """What /health reports: slots at work, requests waiting, and since the start the
-        tokens generated and the most sequences one step has decoded."""
+        tokens generated, the prompt tokens prefilled and those reused from a slot's cache,
+        and the most sequences one step has decoded."""
         return {"slots": self.slots, "active": len(self.active), "waiting": len(self.waiting),
-                "tokens": self.tokens, "widest_step": self.widest_step}
+                "tokens": self.counts["tokens"], "prompt_tokens": self.counts["prompt"],
+                "prompt_tokens_reused": self.counts["reused"],
+                "prompt_tokens_prefilled": self.counts["prefilled"],
+                "widest_step": self.counts["widest"]}
 
     def drain(self, grace: float) -> None:
         """Take no more requests; let run() return once what runs has ended, cancelling
@@ -171,28 +238,35 @@ class Engine:
         with torch.inference_mode():
             while (admitted := self.next_admissions()) is not None:
                 try:
-                    for slot, job in admitted:
-                        self.start(slot, job)
+                    for slot, work in admitted:
+                        self.admit(slot, work)
                         self.starting -= 1
                     self.drop_cancelled()
-                    if self.active:
+                    if self.next_token:
                         self.decode()
+                    for slot in list(self.pending):
+                        self.prefill_chunk(slot)
                 except Exception:  # a bug: its requests end with an error, the others go on
                     traceback.print_exc(file=sys.stderr)
-                    for job in [*self.active.values(), *(job for _, job in admitted)]:
+                    for job in {*self.active.values(), *(job for _, job in admitted
+                                                         if isinstance(job, Job))}:
                         job.finish("error")
-                    for table in (self.active, self.position, self.next_token):
-                        table.clear()
+                    for slot in list(self.active):
+                        self.free(slot)
                     self.starting = 0
         with self.wake:  # drained: what is left is cancelled
             for job in [*self.active.values(), *self.waiting]:
-                job.finish("cancelled")
-            self.active.clear()
+                if isinstance(job, Job):
+                    job.finish("cancelled")
+                else:
+                    job.deliver(RuntimeError("the server is stopping"))
+            for slot in list(self.active):
+                self.free(slot)
             self.waiting.clear()
 
-    def next_admissions(self) -> list[tuple[int, Job]] | None:
-        """Wait for work; then the jobs that get a slot now (maybe none: the slots are
-        full), or None once drained: nothing left to do, or the deadline passed."""
+    def next_admissions(self) -> list[tuple[int, Job | Scoring]] | None:
+        """Wait for work; then the work that starts now (maybe none: the slots are full),
+        or None once drained: nothing left to do, or the deadline passed."""
         with self.wake:
             while not (self.waiting or self.active or self.deadline is not None):
                 self.wake.wait()
@@ -203,65 +277,114 @@ class Engine:
             self.starting = len(admitted)
             return admitted
 
-    def admissions(self) -> list[tuple[int, Job]]:
-        """The waiting jobs that get a free slot now, in the order they came."""
-        free = [s for s in range(self.slots) if s not in self.active]
-        admitted = []
-        while self.waiting and len(admitted) < len(free):
-            job = self.waiting.popleft()
-            if job.cancelled.is_set():
-                job.finish("cancelled")
+    def admissions(self) -> list[tuple[int, Job | Scoring]]:
+        """The waiting work that starts now, in the order it came: a Scoring at once, a Job
+        in the free slot whose cached tokens share the longest prefix with its prompt
+        (the longest-unused slot among equals). A cancelled one ends here."""
+        free = {s for s in range(self.slots) if s not in self.active}
+        admitted: list[tuple[int, Job | Scoring]] = []
+        while self.waiting and (free or isinstance(self.waiting[0], Scoring)):
+            work = self.waiting.popleft()
+            if work.cancelled.is_set():
+                if isinstance(work, Job):
+                    work.finish("cancelled")
                 continue
-            admitted.append((free[len(admitted)], job))
+            if isinstance(work, Scoring):
+                admitted.append((-1, work))
+                continue
+            slot = max(free, key=lambda s: (shared_prefix(self.held[s], work.ids), -self.used[s]))
+            free.remove(slot)
+            admitted.append((slot, work))
         return admitted
 
-    def start(self, slot: int, job: Job) -> None:
-        """Prefill the job's prompt into its slot's row, and take its first token."""
-        ids = torch.tensor([job.ids], device=self.cache.key_pos.device)
-        logits = prefill(self.model, self.step, ids, self.cache.rows(slot, slot + 1))
+    def admit(self, slot: int, work: Job | Scoring) -> None:
+        """Start the work: score a Scoring's sequences now; take a Job into its slot, its
+        prompt's cached prefix kept (all but the last token at most, whose logits the
+        first token is drawn from) and the rest left to prefill."""
+        if isinstance(work, Scoring):
+            try:
+                scored = token_logprobs(self.model, work.sequences, work.top)
+            except Exception as e:  # a bug: said in the log, and to the request
+                traceback.print_exc(file=sys.stderr)
+                scored = e
+            work.deliver(scored)
+            return
+        kept = min(shared_prefix(self.held[slot], work.ids), len(work.ids) - 1) if work.reuse else 0
+        del self.held[slot][kept:]
+        self.counts["prompt"] += len(work.ids)
+        self.counts["reused"] += kept
+        self.counts["used"] += 1
+        self.active[slot], self.used[slot] = work, self.counts["used"]
+        self.pending[slot] = work.ids[kept:]
+
+    def prefill_chunk(self, slot: int) -> None:
+        """The next chunk of the slot's prompt into its row; after the last one, the first
+        token is drawn from its logits."""
+        job, rest = self.active[slot], self.pending[slot]
+        chunk, self.pending[slot] = rest[:self.chunk], rest[self.chunk:]
+        start = len(self.held[slot])
+        ids = torch.tensor([chunk], device=self.cache.key_pos.device)
+        positions = torch.arange(start, start + len(chunk), device=ids.device)
+        row = self.cache.rows(slot, slot + 1)
+        if len(chunk) <= self.step.prefills:
+            logits = self.step(ids, row, positions)
+        else:
+            logits = self.model(ids, kv_cache=row, input_pos=positions, logits_from=-1)[0]
+        self.held[slot] += chunk
+        self.counts["prefilled"] += len(chunk)
+        if self.pending[slot]:
+            return
+        del self.pending[slot]
         token = job.sample(logits[:, -1, :])
-        self.tokens += 1
-        if not job.take(token):
-            self.active[slot], self.position[slot], self.next_token[slot] = job, len(job.ids), token
+        self.counts["tokens"] += 1
+        if job.take(token):
+            self.free(slot)
+        else:
+            self.next_token[slot] = token
 
     def drop_cancelled(self) -> None:
-        """End the jobs whose clients went away, running or waiting: their slots and their
-        places in the queue are free by the next step."""
         for slot, job in list(self.active.items()):
             if job.cancelled.is_set():
                 job.finish("cancelled")
                 self.free(slot)
-        with self.wake:
-            gone = [job for job in self.waiting if job.cancelled.is_set()]
-            for job in gone:
-                self.waiting.remove(job)
-        for job in gone:
-            job.finish("cancelled")
 
     def free(self, slot: int) -> None:
-        del self.active[slot], self.position[slot], self.next_token[slot]
+        """The slot takes new work; its row keeps its tokens for a prompt that shares them."""
+        self.active.pop(slot, None)
+        self.pending.pop(slot, None)
+        self.next_token.pop(slot, None)
 
     def decode(self) -> None:
-        """One batched step: every active sequence's newest token at its own position."""
-        slots = sorted(self.active)
-        self.widest_step = max(self.widest_step, len(slots))
-        if self.step.steps_rows:
-            rows = slots
-        else:  # every row steps; an idle row writes at its position 0, which a prefill rewrites
-            rows = list(range(self.slots))
+        """One batched step: every decoding sequence's newest token at its own position."""
+        slots = sorted(self.next_token)
+        self.counts["widest"] = max(self.counts["widest"], len(slots))
+        rows = slots if self.step.steps_rows else list(range(self.slots))
+        # a row that only comes along (the model's forward steps them all) writes its keys
+        # and values past the tokens it holds, where nothing reads them
+        positions = {r: len(self.held[r]) for r in rows}
+        for r in rows:
+            if r not in self.next_token and positions[r] >= self.block_size:
+                positions[r] = self.block_size - 1
+                del self.held[r][positions[r]:]
         device = self.cache.key_pos.device
         idx = torch.tensor([[self.next_token.get(r, 0)] for r in rows], device=device)
-        positions = torch.tensor([[self.position.get(r, 0)] for r in rows], device=device)
+        pos = torch.tensor([[positions[r]] for r in rows], device=device)
         chosen = torch.tensor(rows) if self.step.steps_rows else None
-        logits = self.step(idx, self.cache, positions, rows=chosen)
+        logits = self.step(idx, self.cache, pos, rows=chosen)
         for i, slot in enumerate(rows):
-            if slot not in self.active:
+            if slot not in self.next_token:
                 continue
             job = self.active[slot]
+            self.held[slot].append(self.next_token[slot])
             token = job.sample(logits[i:i + 1, -1, :])
-            self.tokens += 1
+            self.counts["tokens"] += 1
             if job.take(token):
                 self.free(slot)
             else:
-                self.position[slot] += 1
                 self.next_token[slot] = token
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b have in common from their start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -1,19 +1,23 @@
 """Published numbers: evaluate.py's multiple-choice tasks score as EleutherAI's
-lm-evaluation-harness scores (its hf backend, run here for real on the exported folder), on
-small local tasks that nothing downloads."""
+lm-evaluation-harness scores (its hf backend, run here for real on the exported folder), and
+lm-eval pointed at serve.py, with its defaults, scores as its hf backend does; on small local
+tasks that nothing downloads. And models from the Hugging Face Hub, read from its cache."""
 
 import json
 import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from data.prepare import prepare_text
 from tests.forked import python
 from tests.shared import built_once
+from tests.test_serve import Server, serving
 from train import train
 from training.config import load_config
 
@@ -37,10 +41,11 @@ def bpe_model(shared_dir, corpus_file) -> Path:
     return built_once(shared_dir / "bpe_model", build)
 
 
-def write_task(folder: Path, n_items: int = 24) -> tuple[Path, Path]:
-    """A multiple-choice task of the corpus's grammar (data/conftest.make_corpus): the right
-    ending is a phrase the corpus has, the others its words in the wrong order. Its items in
-    HellaSwag's fields, and lm-eval's YAML for them."""
+def write_tasks(folder: Path, n_items: int = 24) -> tuple[Path, Path]:
+    """Two tasks of the corpus's grammar (conftest.make_corpus). mc_local: multiple choice,
+    the right ending a phrase the corpus has, the others its words in the wrong order, in
+    HellaSwag's fields. gen_local: the ending generated, greedily, to the first full stop.
+    Their items, and the folder of lm-eval's YAML for them."""
     rng = random.Random(0)
     things = ["the moon", "the night", "a rose", "the sword", "her name"]
     lines = []
@@ -52,58 +57,131 @@ def write_task(folder: Path, n_items: int = 24) -> tuple[Path, Path]:
         endings.insert(label, right + ".")
         ctx = f"{rng.choice(['ROMEO', 'JULIET'])}: {rng.choice(['Nurse', 'Tybalt'])} " \
               f"{rng.choice(['loves', 'fears', 'sees'])}"
-        lines.append(json.dumps({"ctx": ctx, "endings": endings, "label": label}))
+        lines.append(json.dumps({"ctx": ctx, "endings": endings, "label": label,
+                                 "target": " " + right}))
     items = folder / "items.jsonl"
     items.write_text("\n".join(lines) + "\n")
-    task = folder / "tasks" / "mc_local.yaml"
-    task.parent.mkdir()
-    task.write_text(f"""task: mc_local
-dataset_path: json
+    tasks = folder / "tasks"
+    tasks.mkdir()
+    head = f"""dataset_path: json
 dataset_kwargs:
   data_files:
     test: {items}
 test_split: test
-output_type: multiple_choice
 doc_to_text: "{{{{ctx}}}}"
+"""
+    (tasks / "mc_local.yaml").write_text(f"""task: mc_local
+{head}output_type: multiple_choice
 doc_to_choice: "{{{{endings}}}}"
 doc_to_target: "{{{{label}}}}"
 metric_list:
   - metric: acc
   - metric: acc_norm
 """)
-    return items, task.parent
+    (tasks / "gen_local.yaml").write_text(f"""task: gen_local
+{head}output_type: generate_until
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["."]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return items, tasks
 
 
-def lm_eval(folder: Path, tasks: Path, *model: str) -> dict:
-    """The real lm_eval command's results, run where this repository's evaluate.py does not
-    shadow the `evaluate` package it imports."""
+def lm_eval(folder: Path, tasks: Path, *model: str) -> tuple[dict, list[str]]:
+    """The real lm_eval command's results, and the generations of gen_local, run where this
+    repository's evaluate.py does not shadow the `evaluate` package it imports."""
     out = folder / "lm_eval_out"
     result = subprocess.run(
-        [sys.executable, "-m", "lm_eval", *model, "--tasks", "mc_local", "--include_path",
-         str(tasks), "--output_path", str(out), "--device", "cpu"],
-        cwd=folder, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "lm_eval", *model, "--tasks", "mc_local,gen_local",
+         "--include_path", str(tasks), "--output_path", str(out), "--log_samples"],
+        cwd=tasks.parent, capture_output=True, text=True, timeout=600,
         env={**os.environ, **OFFLINE, "PYTHONPATH": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = out.rglob("results_*.json")
-    return json.loads(path.read_text())["results"]["mc_local"]
+    (samples,) = out.rglob("samples_gen_local_*.jsonl")
+    generated = [json.loads(line)["filtered_resps"][0] for line in samples.read_text().splitlines()]
+    return json.loads(path.read_text())["results"], generated
 
 
-def test_evaluate_task_scores_as_lm_eval_does(tmp_path, bpe_model):
-    items, tasks = write_task(tmp_path)
-    hf = bpe_model / "hf"
-    theirs = lm_eval(tmp_path, tasks, "--model", "hf", "--model_args",
-                     f"pretrained={hf},dtype=float32", "--batch_size", "8")
-    for source in (["--init-from", str(hf)], ["--run", str(bpe_model / "run")]):
+@pytest.fixture(scope="module")
+def bpe_server(bpe_model) -> Iterator[Server]:
+    with serving("--run", str(bpe_model / "run"), "--parallel", "4") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def hf_results(tmp_path_factory, bpe_model) -> tuple[Path, dict, list[str]]:
+    """lm-eval's hf backend on the exported folder: the yardstick of the tests below."""
+    folder = tmp_path_factory.mktemp("lm_eval_hf")
+    items, tasks = write_tasks(folder)
+    results, generated = lm_eval(folder, tasks, "--model", "hf", "--model_args",
+                                 f"pretrained={bpe_model / 'hf'},dtype=float32", "--device", "cpu",
+                                 "--batch_size", "8")
+    return items, results, generated
+
+
+def test_evaluate_task_scores_as_lm_eval_does(tmp_path, bpe_model, hf_results):
+    items, theirs, _ = hf_results
+    for source in (["--init-from", str(bpe_model / "hf")], ["--run", str(bpe_model / "run")]):
         out = tmp_path / "ours.json"
         result = python(["evaluate.py", "--task", str(items), *source, "--json", str(out)])
         assert result.returncode == 0, result.stderr
         ours = json.loads(out.read_text())
         assert ours["items"] == 24
-        assert ours["acc"] == pytest.approx(theirs["acc,none"], abs=1e-9)
-        assert ours["acc_norm"] == pytest.approx(theirs["acc_norm,none"], abs=1e-9)
-        assert ours["acc_stderr"] == pytest.approx(theirs["acc_stderr,none"], abs=1e-9)
+        assert ours["acc"] == pytest.approx(theirs["mc_local"]["acc,none"], abs=1e-9)
+        assert ours["acc_norm"] == pytest.approx(theirs["mc_local"]["acc_norm,none"], abs=1e-9)
+        assert ours["acc_stderr"] == pytest.approx(theirs["mc_local"]["acc_stderr,none"], abs=1e-9)
     assert ours["acc"] > 0.5  # the grammar's phrase beats its words reversed, mostly
     assert ours["centered"] == pytest.approx((ours["acc"] - 0.25) / 0.75)
+
+
+def test_lm_eval_through_serve_scores_as_its_hf_backend(tmp_path, bpe_server, hf_results):
+    # lm-eval's defaults: prompts as token ids from the server's own /tokenize, 4 a request
+    _, theirs, their_text = hf_results
+    _, tasks = write_tasks(tmp_path)
+    ours, our_text = lm_eval(tmp_path, tasks, "--model", "local-completions", "--model_args",
+                             f"base_url={bpe_server.url}/v1/completions,model=run,max_length=32",
+                             "--batch_size", "4")
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["mc_local"][metric] == pytest.approx(theirs["mc_local"][metric], abs=1e-9)
+    assert our_text == their_text and any(our_text)
+    assert ours["gen_local"]["exact_match,none"] == theirs["gen_local"]["exact_match,none"]
+
+
+def test_prompt_logprobs_equal_evaluate_and_transformers_whatever_the_batch(bpe_model,
+                                                                           bpe_server):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from logprobs import token_logprobs
+    from weights.loading import load_model
+    prompts = ["ROMEO: Nurse loves the moon.", "JULIET: Tybalt",
+               "NURSE: Romeo sees a rose. JULIET: Nurse fears"]
+    client = bpe_server.client()
+    together = client.completions.create(model="run", prompt=prompts, echo=True, logprobs=2,
+                                         max_tokens=0).choices
+    alone = client.completions.create(model="run", prompt=prompts[1], echo=True, logprobs=2,
+                                      max_tokens=0).choices[0]
+    model, tokenizer, _ = load_model(run=str(bpe_model / "run"))
+    transformers.logging.set_verbosity_error()
+    theirs = AutoModelForCausalLM.from_pretrained(bpe_model / "hf").eval()
+    for prompt, choice in zip(prompts, together, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert choice.text == prompt and choice.logprobs.token_logprobs[0] is None
+        ours = token_logprobs(model, [ids])[0].logprobs[1:]
+        with torch.no_grad():
+            logp = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), dim=-1)
+        hf = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+        served = choice.logprobs.token_logprobs[1:]
+        assert served == pytest.approx(ours, abs=1e-4) and served == pytest.approx(hf, abs=1e-4)
+        assert len(choice.logprobs.top_logprobs[1]) <= 2  # two alternatives (fewer: one text)
+        assert choice.logprobs.text_offset[:2] == [0, len(choice.logprobs.tokens[0])]
+    assert alone.logprobs.token_logprobs == pytest.approx(together[1].logprobs.token_logprobs,
+                                                          abs=1e-5)
 
 
 def hub_cache(root: Path, repo: str, folder: Path) -> Path:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -225,14 +226,21 @@ BAD = [  # (endpoint, body, status, words of the message, param)
     ("chat", {"messages": CHAT, "top_p": 0}, 400, "top_p", "top_p"),
     ("chat", {"messages": CHAT, "n": 2}, 400, "n: this server returns one choice", "n"),
     ("chat", {"messages": CHAT, "stop": ""}, 400, "empty string", "stop"),
-    ("chat", {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4", "stop"),
+    ("chat", {"messages": CHAT, "stop": [str(i) for i in range(17)]}, 400, "at most 16", "stop"),
     ("chat", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("chat", {"messages": CHAT, "max_tokens": 30}, 400, "context of 32 tokens", "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "ROMEO " * 9}]}, 400, "context holds 32",
      "messages"),
     ("chat", {"messages": CHAT, "model": "gpt-4"}, 404, "not served here", "model"),
     ("completions", {"prompt": "Ω"}, 400, "prompt", "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "one string", None),
+    ("completions", {"prompt": [[3, 99999]]}, 400, "token id 99999 is outside the vocabulary",
+     "prompt"),
+    ("completions", {"prompt": []}, 400, "empty list", "prompt"),
+    ("completions", {"prompt": "ROMEO", "logprobs": 21}, 400, "logprobs", "logprobs"),
+    ("completions", {"prompt": "ROMEO", "max_tokens": 0}, 400, "echo", None),
+    ("completions", {"prompt": "ROMEO " * 9, "echo": True, "max_tokens": 0, "logprobs": 1}, 400,
+     "context holds 32", "prompt"),
+    ("chat", {"messages": CHAT, "top_logprobs": 2}, 400, "logprobs: true", None),
     ("nothing", {}, 404, "not an endpoint", None),
 ]
 
@@ -508,3 +516,98 @@ def test_the_chat_page_in_headless_chromium(chat_server, tmp_path):
         assert driver.find_elements(By.CSS_SELECTOR, ".assistant")[0].text == "Nurse loves."
     finally:
         driver.quit()
+
+
+def test_logprobs_in_openais_shapes_streamed_or_whole(chat_server):
+    client = chat_server.client()
+    settings = dict(model="chat_sft", messages=CHAT, temperature=0.0, max_tokens=8,
+                    logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**settings)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and content
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) <= 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the top
+    streamed = [e for chunk in client.chat.completions.create(**settings, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # a completion's legacy shape, with its prompt echoed first, streamed or whole
+    args = dict(model="chat_sft", prompt="ROMEO", temperature=0.0, max_tokens=6, logprobs=1,
+                echo=True)
+    text = client.completions.create(**args).choices[0]
+    pieces = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    assert "".join(p.text for p in pieces) == text.text and text.text.startswith("ROMEO")
+    tokens = [t for p in pieces if p.logprobs for t in p.logprobs.tokens]
+    assert tokens == text.logprobs.tokens and text.logprobs.token_logprobs[0] is None
+    offsets = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset]
+    assert offsets == text.logprobs.text_offset
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory, char_data) -> Path:
+    """The tiny model with a context of 128 tokens, room for a conversation of turns."""
+    from train import train
+    from training.config import load_config
+    out = tmp_path_factory.mktemp("long")
+    train(load_config(REPO / "config" / "tiny.toml", {
+        "data_dir": str(char_data), "out_dir": str(out), "run_name": "long", "block_size": 128,
+        "max_iters": 30, "sample_tokens": 0, "log_attention": False}))
+    return out / "long"
+
+
+@pytest.mark.parametrize("decode", ["c", "eager"])
+def test_a_reused_prefix_answers_as_a_cold_prefill_does(long_run, decode):
+    # conversations sent whole at every turn, as OpenAI's clients send them: two at once, one
+    # that branches from an earlier turn, and one whose slot another request took meanwhile
+    with serving("--run", str(long_run), "--parallel", "2", "--decode", decode) as server:
+        client = server.client()
+
+        def ask(prompt: str, cold: bool, seed: int | None) -> tuple[str, list[float]]:
+            sampling = dict(temperature=0.0) if seed is None else dict(temperature=1.0, seed=seed)
+            choice = client.completions.create(
+                model="long", prompt=prompt, max_tokens=10, logprobs=1, **sampling,
+                extra_body={"cache_prompt": not cold}).choices[0]
+            return choice.text, choice.logprobs.token_logprobs
+
+        def talk(opening: str, lines: list[str], seed: int | None) -> list[tuple[str, str]]:
+            """Each turn's prompt (the whole history) and its warm answer, checked against
+            the same prompt prefilled whole."""
+            history, turns = opening, []
+            for line in lines:
+                history += line
+                warm, cold = ask(history, False, seed), ask(history, True, seed)
+                assert warm[0] == cold[0], (decode, history)
+                if decode == "c":  # every token computed alike: to the bit
+                    assert warm[1] == cold[1]
+                else:
+                    assert warm[1] == pytest.approx(cold[1], abs=1e-4)
+                turns.append((history, warm[0]))
+                history += warm[0]
+            return turns
+
+        lines = ["\nJULIET: Romeo", "\nNURSE: Tybalt", "\nROMEO: Nurse", "\nTYBALT: Juliet"]
+        with ThreadPoolExecutor(2) as pool:  # .result() raises what a thread's talk raised
+            for future in [pool.submit(talk, f"{who}: Nurse sees", lines, seed)
+                           for who, seed in (("ROMEO", None), ("JULIET", 7))]:
+                future.result(timeout=120)
+        first = talk("TYBALT: Romeo", lines[:2], None)
+        talk(first[0][0] + first[0][1], ["\nROMEO: Juliet"], None)  # branches from turn 1
+        talk("NURSE: a rose", lines[:1], 3)  # takes a slot that held the branch
+        talk(first[1][0] + first[1][1], lines[2:], None)  # its slot was taken meanwhile
+        health = server.health()
+        assert health["prompt_tokens_reused"] > health["prompt_tokens_prefilled"] / 4, health
+        metrics = http_text(server, "/metrics")
+        assert f"gptlab:prompt_tokens_reused_total{{model_name=\"long\"}} " \
+               f"{health['prompt_tokens_reused']}" in metrics
+
+
+def http_text(server: Server, path: str) -> str:
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().read().decode()
+    finally:
+        connection.close()
