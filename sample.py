@@ -160,8 +160,19 @@ def open_chat(run: str | None, checkpoint: str | None, init_from: str | None, de
     if prompted:
         raise UserError("--chat reads its turns from stdin; drop --prompt, --prompt-file, "
                           "--stop, --attention and --num-samples")
-    model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
-    return Chat(model, tokenizer, **settings)
+    loaded: list[str] = []
+    model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype, prefer="chat",
+                                     say=loaded.append)
+    chat = Chat(model, tokenizer, **settings)
+    say(loaded)
+    return chat
+
+
+def say(lines: list[str]) -> None:
+    """Notes on stderr (what was loaded), once the command's checks have passed: stdout
+    holds the samples alone, and a refusal is its one line alone."""
+    for line in lines:
+        print(line, file=sys.stderr)
 
 
 def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
@@ -297,12 +308,16 @@ def main(
             return chat_loop(open_chat(run, checkpoint, init_from, device, dtype, prompted,
                                        decode=decode if kv_cache else "eager",
                                        skip_special_tokens=skip_special_tokens, **sampling))
-        model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype)
+        # a text to continue: the newest base model, where the newest run is a chat model
+        loaded: list[str] = []
+        model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype,
+                                         prefer="base", say=loaded.append)
         # checked before sampling, after loading: a failed load leaves no folder behind
         attention_path = attention_target(attention) if attention is not None else None
         text = prompt_text(prompt, prompt_file)
         ids = prompt_ids(tokenizer, text)
         step = decode_step(model, decode) if kv_cache else None
+        say(loaded)
     first_sample = print_samples(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
                               decode=step or "eager", skip_special_tokens=skip_special_tokens,

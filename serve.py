@@ -147,8 +147,12 @@ def main(
         check_decode(decode, "--decode")
         device = str(resolve_device(device))
         sock = listen(host, port)
-        model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype)
+        loaded: list[str] = []
+        model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
+                                              say=loaded.append)
         engine = Engine(model, tokenizer, parallel, queue, decode)
+    for line in loaded:
+        print(line, file=sys.stderr)
     service = Service(engine, tokenizer, model_name(source, init_from), model.config.block_size,
                       max_tokens, temperature, top_k, top_p, api_key)
     shown = f"[{host}]" if ":" in host else host

@@ -6,6 +6,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -355,3 +356,22 @@ def test_fine_tuning_keeps_the_base_context_unless_block_size_is_given(tmp_path,
             f"block_size to keep the base's") in capsys.readouterr().out
     with pytest.raises(ConfigError, match=f"block_size 64 exceeds .*'s context of {base} tokens"):
         sft("longer", block_size=64)
+
+
+def test_sampling_text_prefers_the_newest_base_model_and_says_what_it_loaded(tmp_path,
+                                                                           trained_run, sft_run):
+    # the README's own order: a base model, then its chat model; then sample.py --prompt
+    runs = tmp_path / "runs"
+    for name, run in (("base", trained_run), ("chat", sft_run[0])):
+        (runs / name).mkdir(parents=True)
+        shutil.copy(run / "best.pt", runs / name / "best.pt")
+        time.sleep(0.01)  # the chat model is the newer
+    text = python([str(REPO / "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "8"],
+                  cwd=tmp_path)
+    assert text.returncode == 0 and "<|" not in text.stdout, text.stderr
+    assert text.stderr == (f"loaded {Path('runs') / 'base' / 'best.pt'} (the newest base model; "
+                           f"the newest run, {Path('runs') / 'chat'}, is a chat model: name it "
+                           f"with --run to use it)\n")
+    talk = python([str(REPO / "sample.py"), "--chat"], cwd=tmp_path, input="ROMEO\n")
+    assert talk.returncode == 0, talk.stderr
+    assert f"loaded {Path('runs') / 'chat' / 'best.pt'} (the newest run)" in talk.stderr
