@@ -68,5 +68,6 @@ def test_sample_cli_decodes_int8_with_the_c_step_as_eager_does(trained_run):
         return python(["sample.py", "--run", str(trained_run), "--dtype", "int8", "--temperature",
                        "0", "--max-new-tokens", "60", "--prompt", "ROMEO:", *args], timeout=120)
     default, eager = sample(), sample("--decode", "eager")
-    assert default.returncode == 0 and default.stderr == "", default.stderr
+    assert default.returncode == 0, default.stderr
+    assert default.stderr == eager.stderr == f"loaded {trained_run / 'best.pt'}\n"
     assert default.stdout == eager.stdout and len(default.stdout) == len("ROMEO:") + 60 + 1
