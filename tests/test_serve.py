@@ -3,6 +3,7 @@ client, raw HTTP and a real browser. Its answers equal sample.py's (--prompt and
 streamed answer equals the same answer whole, 16 requests at once equal the same 16 one by
 one, and every bad request gets a 4xx in OpenAI's error shape."""
 
+import asyncio
 import http.client
 import json
 import os
@@ -424,6 +425,29 @@ def test_the_key_the_queue_a_hang_up_and_sigterm(slow_run):
         assert len(answers) == 1 and answers[0]  # it finished, whole
         with pytest.raises(ConnectionRefusedError):  # and nothing listens any more
             server.health()
+
+
+def test_the_servers_connections_send_at_once():
+    # as uvicorn serves serve.listen's socket: Nagle's algorithm left on held each reply's body
+    # back until the client acked its headers, 40 ms later on a kept-alive connection
+    from serve import listen
+
+    async def nodelay_of_a_connection() -> int:
+        accepted = asyncio.get_running_loop().create_future()
+
+        def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connection, sock=listen("127.0.0.1", 0))
+        async with server:
+            _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+            result = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return result
+
+    assert asyncio.run(nodelay_of_a_connection()) == 1
 
 
 def hang_up(server: Server, n: int, body: dict, after: float, key: str | None = None) -> None:
