@@ -30,40 +30,49 @@ LOGITS_BYTES = 256 * 2**20  # a batch's logits in float32, at most: the rest of 
 class Scored:
     """One sequence's numbers, a position each: logprobs[i] is log p(ids[i] | ids[:i]) (None
     at 0, which nothing predicts), top[i] the likeliest tokens there, greedy[i] whether
-    ids[i] is the likeliest."""
+    ids[i] is the likeliest. With `following`, the logits (1, vocab) of the token after the
+    sequence."""
     logprobs: list[float | None]
     top: list[list[tuple[int, float]]]
     greedy: list[bool]
+    following: torch.Tensor | None = None
 
 
 @torch.inference_mode()
-def token_logprobs(model: GPT, sequences: list[list[int]], top: int = 0) -> list[Scored]:
-    """Each sequence's log-probabilities, in its order. A sequence holds at most block_size
-    + 1 tokens (the last is scored, never fed) and at least one; InputError otherwise."""
+def token_logprobs(model: GPT, sequences: list[list[int]], top: int = 0,
+                   following: bool = False) -> list[Scored]:
+    """Each sequence's log-probabilities, in its order. A sequence holds at least one token
+    and at most block_size + 1, the last scored and never fed; InputError otherwise. With
+    `following`, every token is fed (block_size at most), and the pass that scores the
+    sequence also gives the logits of the token after it."""
     block_size, vocab = model.config.block_size, model.config.vocab_size
+    longest = block_size if following else block_size + 1
     for ids in sequences:
-        if not 1 <= len(ids) <= block_size + 1:
+        if not 1 <= len(ids) <= longest:
             raise InputError(f"a sequence of {len(ids)} tokens cannot be scored: this model "
-                             f"scores 1 to {block_size + 1} (block_size + 1)")
+                             f"scores 1 to {longest}")
         if min(ids) < 0 or max(ids) >= vocab:
             raise InputError(f"token id {max(ids) if max(ids) >= vocab else min(ids)} is "
                              f"outside the vocabulary of {vocab:,}")
     device = model.lm_head.weight.device
     scored: list[Scored | None] = [None] * len(sequences)
+    # the last token is fed only where what follows it is asked for
+    fed = [ids if following else ids[:-1] or ids for ids in sequences]
     # longest first, so that a batch pads little; as many as keep its logits under the cap
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    order = sorted(range(len(sequences)), key=lambda i: -len(fed[i]))
     while order:
-        T = max(len(sequences[order[0]]) - 1, 1)
+        T = len(fed[order[0]])
         rows = max(1, LOGITS_BYTES // (T * vocab * 4))
         batch, order = order[:rows], order[rows:]
         idx = torch.zeros(len(batch), T, dtype=torch.long)
         for row, i in enumerate(batch):
-            ids = sequences[i][:-1] or sequences[i]
-            idx[row, :len(ids)] = torch.tensor(ids)
+            idx[row, :len(fed[i])] = torch.tensor(fed[i])
         logits, _ = model(idx.to(device))  # (B, T, vocab)
         logp = F.log_softmax(logits.float(), dim=-1).cpu()
         for row, i in enumerate(batch):
             scored[i] = score_row(logp[row], sequences[i], top)
+            if following:
+                scored[i].following = logits[row, len(sequences[i]) - 1][None].clone()
     return scored
 
 

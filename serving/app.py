@@ -168,14 +168,20 @@ async def respond(service: Service, request: Request, body: BaseRequest, work: W
                 pass
         return put
 
-    jobs = []
+    answers = [Job(ids, work.sampling, work.ends, deliver(i), service.tokenizer,
+                   reuse=body.cache_prompt)
+               for i, ids in enumerate(work.prompts)] if work.sampling.max_tokens else []
+    jobs: list[Job | Scoring] = list(answers)  # what a client's hang-up cancels
+    submitted = list(answers)
     if work.echo and work.alternatives is not None:
-        jobs.append(Scoring(work.prompts, work.alternatives, deliver(-1)))
-    if work.sampling.max_tokens:
-        jobs += [Job(ids, work.sampling, work.ends, deliver(i), service.tokenizer,
-                     reuse=body.cache_prompt) for i, ids in enumerate(work.prompts)]
+        # an echo and one token (lm-eval's loglikelihood): the token comes from the pass
+        # that scores the prompt, which prefills nothing; more tokens decode in slots
+        first = answers if work.sampling.max_tokens == 1 else []
+        scoring = Scoring(work.prompts, work.alternatives, deliver(-1), first)
+        submitted = [scoring] if first else [scoring, *answers]
+        jobs.append(scoring)
     try:
-        for job in jobs:
+        for job in submitted:
             service.engine.submit(job)
     except QueueFull as e:
         for job in jobs:

@@ -167,10 +167,13 @@ class Job:
 class Scoring:
     """The logprobs of whole sequences, scored together (logprobs.token_logprobs): what a
     completion that echoes its prompt reports of it. deliver gets the list of Scored, or an
-    Exception."""
+    Exception. `answers`, where given, are one Job per sequence of one token each, drawn
+    from the logits the same pass gives after the sequence, with no prefill of their own:
+    lm-eval asks for an echo and one token, and reads only the echo."""
     sequences: list[list[int]]
     top: int
     deliver: Callable[[list[Scored] | Exception], None]
+    answers: list[Job] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -303,11 +306,18 @@ class Engine:
         first token is drawn from) and the rest left to prefill."""
         if isinstance(work, Scoring):
             try:
-                scored = token_logprobs(self.model, work.sequences, work.top)
+                scored = token_logprobs(self.model, work.sequences, work.top,
+                                        following=bool(work.answers))
             except Exception as e:  # a bug: said in the log, and to the request
                 traceback.print_exc(file=sys.stderr)
-                scored = e
+                work.deliver(e)
+                for job in work.answers:
+                    job.finish("error")
+                return
             work.deliver(scored)
+            for job, s in zip(work.answers, scored, strict=False):  # none, or one a sequence
+                self.counts["tokens"] += 1
+                job.take(job.sample(s.following))
             return
         kept = min(shared_prefix(self.held[slot], work.ids), len(work.ids) - 1) if work.reuse else 0
         del self.held[slot][kept:]

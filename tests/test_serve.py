@@ -567,6 +567,22 @@ def test_logprobs_in_openais_shapes_streamed_or_whole(chat_server):
     assert tokens == text.logprobs.tokens and text.logprobs.token_logprobs[0] is None
     offsets = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset]
     assert offsets == text.logprobs.text_offset
+    # lm-eval's loglikelihood asks for an echo and one token: the pass that scores the
+    # prompts gives it, and no prompt is prefilled into a slot
+    prompts = ["ROMEO: Nurse", "JULIET: Tybalt sees"]
+    before = chat_server.health()
+    echoed = client.completions.create(model="chat_sft", prompt=prompts, max_tokens=1,
+                                       temperature=0.0, logprobs=1, echo=True).choices
+    after = chat_server.health()
+    assert after["prompt_tokens_prefilled"] == before["prompt_tokens_prefilled"]
+    assert after["tokens"] == before["tokens"] + 2
+    for prompt, choice in zip(prompts, echoed, strict=True):
+        alone = client.completions.create(model="chat_sft", prompt=prompt, max_tokens=1,
+                                          temperature=0.0, logprobs=1).choices[0]
+        assert choice.text == prompt + alone.text and choice.finish_reason == alone.finish_reason
+        assert choice.logprobs.tokens[-1] == alone.logprobs.tokens[0]
+        assert choice.logprobs.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0],
+                                                                   abs=1e-4)
 
 
 @pytest.fixture(scope="module")
