@@ -49,7 +49,7 @@ class GPTConfig:
     embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
     logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0: off, nanochat: 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
-    norm_eps: float = switch(1e-5, "every norm's epsilon (transformers' NanoChat uses 1e-6)")
+    norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat: 1e-6")
     rope_theta: float = switch(10000.0, "rope's base: pair i turns by p / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
@@ -169,7 +169,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # the explicit path's weights pass through it, where a forward hook can read them
+        # the explicit path's attention weights pass through attn_dropout, where a forward
+        # hook can read them (viz/)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -217,7 +218,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate each pair (x_i, x_{i + hd/2}) of (B, T, heads, hd) by its position's angle, with
     rope_tables' rows at the tokens' positions: a query at p and a key at s meet through p - s."""
     x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)  # fp32 tables: in fp32
+    return (x * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)  # the tables are fp32
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -225,7 +226,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Fused attention; mask: the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k), None for
     causal. Keys and values may have fewer heads than the queries (GQA)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # torch's CPU kernel is slower in bf16 than fp32 here (docs/model.md); autocast would undo it
+        # torch's CPU kernel runs short bf16 sequences slower than fp32 ones; autocast would
+        # cast them back to bf16
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,

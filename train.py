@@ -62,7 +62,7 @@ class TrainResult:
     best_val_loss: float
     final_losses: dict[str, float]
     wall_time: float
-    checkpoint: Path | None  # last.pt, or last.dcp: sharded, under FSDP; None: none saved
+    checkpoint: Path | None  # last.pt (last.dcp, sharded, under FSDP), or None if none was saved
     chat: bool = False  # trained on conversations: a model to talk to (sample.py --chat)
 
 
@@ -76,14 +76,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # --- where this process computes ------------------------------------------------
         device = resolve_device(cfg.device, dist.local_rank)
         sharded = check_parallel(cfg, dist)
-        if cfg.compile:  # a compiler that cannot work here, said before anything is written
+        if cfg.compile:  # refuse a compiler that cannot work here before writing anything
             check_compile(device, instead="drop --compile")
         torch.manual_seed(cfg.seed)
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        if resume:  # before the slow part: a run to continue
+        if resume:  # a run to continue must exist: checked before the data is prepared
             check_resumable_folder(run_dir_of(cfg))
 
         # --- the data: token ids in memory-mapped shards --------------------------------
@@ -111,6 +111,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                              cfg.batch_size, log.say)
                         for split, data in splits.items()}
             batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
+            tokens_per_iter = (cfg.gradient_accumulation_steps * cfg.batch_size
+                               * raw_model.config.block_size)
             iter_num, best_val_loss = 0, math.inf
             if saved is not None:
                 check_resumable(saved, raw_model, meta, cfg, checkpoint)
@@ -139,7 +141,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             peak, peak_source = peak_flops(device, dtype)
             processes = (f" x {dist.world_size} process{'es' * (dist.world_size > 1)}"
                          if dist.enabled else "")
-            log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {cfg.tokens_per_iter:,} "
+            log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} "
                     f"tokens/iter, device {device}{processes}, optimizer {cfg.optimizer}, "
                     f"writing to {run.path}/")
             log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
@@ -161,9 +163,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             losses = evaluate(iter_num) if iter_num == 0 else {}
             x, y = batches.next()
-            accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's
+            # each process runs its share of the micro-batches
+            accum_steps = cfg.gradient_accumulation_steps // dist.world_size
             t_log, iters_since_log = time.perf_counter(), 0
-            loss_sum = torch.zeros((), device=device)
+            loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed to a log point
             while iter_num < cfg.max_iters:
                 # warmup, then cosine decay; each param group has its own peak
                 lr_scale = lr_multiplier(iter_num, cfg)
@@ -199,14 +202,15 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                         raise TrainingError(f"training loss became {train_loss} at iter "
                                             f"{iter_num}; the last good checkpoint is kept: "
                                             f"lower learning_rate or set grad_clip")
-                    tokens_per_sec = (iters_since_log * cfg.tokens_per_iter
-                                      / (time.perf_counter() - t_log))
+                    tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                     mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
+                    # the lr shown is AdamW's; every group scales its own peak alike
                     log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                               grad_norm.item(), tokens_per_sec, mfu)
                     t_log, iters_since_log = time.perf_counter(), 0
                     loss_sum = torch.zeros_like(loss_sum)
 
+                paused = time.perf_counter()  # evaluating and saving are not training
                 evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
                 is_best = False
                 if evaluated:
@@ -214,12 +218,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     is_best = losses["val"] < best_val_loss
                     best_val_loss = min(best_val_loss, losses["val"])
                 stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
-                if evaluated or stopping:  # a step saved unmeasured has a val loss of NaN
+                if evaluated or stopping:  # saved without an evaluation: its val loss is NaN
                     state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                      best_val_loss, losses["val"] if evaluated else math.nan,
                                      cfg.to_dict(), meta["tokenizer"], device)
                     save(run, state, raw_model, optimizers, dist, is_best)
-                    t_log = time.perf_counter()  # evaluation time is not training throughput
+                t_log += time.perf_counter() - paused
                 if stopping:
                     raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
                                       f"{iter_num}; saved {run.checkpoint}; continue with "
@@ -252,7 +256,7 @@ def load_data(cfg: TrainConfig, dist: distributed.Dist,
     dataset is prepared on first use. Rank 0 prepares and reads it first, while the other
     processes wait: a missing or damaged dataset is one line from rank 0, for all."""
     data_dir = Path(cfg.data_dir)
-    read = None  # rank 0's reading: memmaps are not for a broadcast
+    read = None  # rank 0's memmaps; the other processes open their own
 
     def prepare_and_read() -> None:
         nonlocal read

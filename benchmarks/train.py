@@ -122,7 +122,7 @@ def run_recipe(recipe: Recipe, data_dir: Path, out_dir: Path, run_name: str, tar
         raise RuntimeError(f"recipe {recipe.name!r} failed: {proc.stderr.strip()[-500:]}")
     scalars = read_scalars(out_dir / run_name)
     cfg = load_config(recipe.config, overrides)
-    tokens_per_iter = cfg.tokens_per_iter
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size
     hit = next((e for e in scalars["loss/val"] if e.value <= target), None)
     return {
         "ms_per_iter": 1000 * tokens_per_iter / statistics.median(
@@ -209,7 +209,7 @@ def train_figures(config: Path, input: Path | None, overrides: dict) -> dict:
         memory = memory_mb(run_device)
         scalars = read_scalars(result.run_dir)
         chosen_dtype = load_checkpoint(result.run_dir / "last.pt")["dtype"]  # what auto chose
-    tokens_per_iter = cfg.tokens_per_iter
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size
     tok_s = statistics.median(e.value for e in scalars["perf/tokens_per_sec"])
     val = scalars["loss/val"][-1]
     return {

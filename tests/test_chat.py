@@ -350,7 +350,10 @@ def test_fine_tuning_keeps_the_base_context_unless_block_size_is_given(tmp_path,
 
     base = load_checkpoint(trained_run / "best.pt")["model_args"]["block_size"]  # 32
     assert load_checkpoint(sft("kept"))["model_args"]["block_size"] == base
-    assert "cropped" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    preset = load_config(REPO / "config" / "chat_sft.toml", {})
+    tokens = preset.gradient_accumulation_steps * preset.batch_size * base  # the model's context
+    assert "cropped" not in out and f" {tokens:,} tokens/iter, " in out
     assert load_checkpoint(sft("cropped", block_size=16))["model_args"]["block_size"] == 16
     assert (f"init_from: the context is cropped from {base} to 16 tokens (block_size); drop "
             f"block_size to keep the base's") in capsys.readouterr().out

@@ -133,11 +133,6 @@ class TrainConfig:
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
 
-    @property
-    def tokens_per_iter(self) -> int:
-        """Tokens in one optimizer step, over every micro-batch of every process."""
-        return self.gradient_accumulation_steps * self.batch_size * self.model.block_size
-
     def model_config(self, vocab_size: int) -> GPTConfig:
         """The model to build for a dataset of vocab_size tokens."""
         return replace(self.model, vocab_size=vocab_size)

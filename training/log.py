@@ -10,7 +10,7 @@ Usage:
         log.step()                                            # after every step
         log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
         log.evaluation(it, losses, sample_text, model)        # losses, the sample, attention
-        log.finish(best_val_loss)
+        log.finish(best_val_loss, it)
 
 A write that fails (a full disk) ends the run with one line that says which checkpoint is
 intact and how to resume from it.

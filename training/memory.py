@@ -23,7 +23,7 @@ def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
     """A lower bound on what one forward over `tokens` tokens keeps for its backward: 16
     bytes per layer and unit of width (a block keeps about ten tensors of the width, and
     four-wide ones, even in bf16 and compiled), and the logits in bf16. Measured steps take
-    2.4-4.2x as much (docs/reliability.md), so a step this bound does not fit cannot fit."""
+    several times as much (docs/reliability.md), so a step this bound does not fit cannot fit."""
     return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
 
 

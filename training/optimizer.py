@@ -12,10 +12,9 @@ Two recipes, chosen by TrainConfig.optimizer:
   AdamW at learning_rate on the rest: the token embedding (which is also the tied output
   head), the position embedding, the biases and the LayerNorm gains; an untied head too,
   while its token table takes embedding_lr, undecayed (configure_optimizers says why).
-  Muon orthogonalizes
-  each matrix's momentum, so every direction of the update moves at the same rate; that is
-  what suits the hidden matrices and not the embeddings, whose rows are looked up one at a
-  time.
+  Muon orthogonalizes each matrix's momentum, so every direction of the update moves at the
+  same rate; that suits the hidden matrices and not the embeddings, whose rows are looked
+  up one at a time.
 
 Weight decay, in both recipes: weight_decay on the matrices (Linear weights, embeddings),
 none on biases and LayerNorm gains, whose pull towards zero only hurts. Both optimizers
@@ -50,8 +49,7 @@ class Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype.
 
     torch's iteration casts to bf16, always: right on a GPU, but most x86 CPUs emulate bf16
-    arithmetic, and there the iteration takes over three times as long as in fp32; in bf16
-    it was a third of a quickstart step (docs/performance.md). The rest is torch's: the
+    arithmetic, and there the iteration is several times slower than in fp32. The rest is torch's: the
     settings and their checks, the state (one momentum buffer per matrix) and the update,
     op for op, so with ns_dtype bf16 a step equals torch.optim.Muon's bit for bit.
     """
@@ -123,10 +121,11 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     is the run's compute dtype: Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # an untied token table is a lookup: a row moves only where its token appears, and a
-    # much larger lr than the head's pays (as in nanochat), without decay, which at that lr
-    # would pull it twenty times harder; the head, whose every row the softmax reaches at
-    # every position, keeps learning_rate like the other AdamW weights
+    # an untied token table is a lookup: a row moves only where its token appears, so it
+    # learns faster with a much larger lr than the head's (as in nanochat), and without
+    # weight decay, which grows with the lr and would pull its rows to zero; the head, whose
+    # every row the softmax reaches at every position, keeps learning_rate like the other
+    # AdamW weights
     table = model.transformer.wte.weight if not model.config.tie_embeddings else None
     rest = [p for p in trained if p not in hidden and p is not table]
     adamw_groups = [

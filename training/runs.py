@@ -156,8 +156,8 @@ def run_dir_of(cfg: TrainConfig) -> Path:
 def check_resumable_folder(run_dir: Path) -> None:
     """A run folder that --resume can continue: one with a checkpoint."""
     if not any((run_dir / name).exists() for name in ("last.pt", "last.dcp")):
-        raise ConfigError(f"nothing to resume: {run_dir / 'last.pt'} not found; drop "
-                          f"--resume to start a new run")
+        raise ConfigError(f"nothing to resume: {run_dir} holds no last.pt (nor last.dcp); "
+                          f"drop --resume to start a new run")
 
 
 def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
