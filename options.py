@@ -26,7 +26,7 @@ RunOption = Annotated[str | None, typer.Option(
 CheckpointOption = Annotated[str | None, typer.Option(help="Checkpoint file to load.")]
 InitFromOption = Annotated[str | None, typer.Option(
         help="Load a Hugging Face GPT-2 or NanoChat folder (config.json, weights, "
-             "tokenizer.json) instead.")]
+             "tokenizer.json), or a Hub id such as gpt2, instead.")]
 TemperatureOption = Annotated[float, typer.Option(
         help="Softmax temperature; 0 is greedy (always the likeliest token). In serve.py, for "
              "requests that name none.")]

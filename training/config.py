@@ -51,8 +51,8 @@ class TrainConfig:
                         "meta.json, from data.prepare); data/shakespeare_char and "
                         "data/shakespeare_bpe are prepared automatically when missing")
     init_from: str = opt("", "the model to fine-tune: a run folder, a checkpoint, or a "
-                         "Hugging Face GPT-2 or NanoChat folder; it sets the model (the model "
-                         "fields are then ignored) and block_size crops its context")
+                         "Hugging Face GPT-2 or NanoChat folder or Hub id; it sets the model "
+                         "(the model fields are then ignored) and block_size crops its context")
     # the model: GPTConfig's fields (model.py declares each switch once, with its help),
     # written flat in a TOML file and on the command line: n_layer = 4, --n-layer 4
     model: GPTConfig = field(default_factory=lambda: GPTConfig(**MODEL_DEFAULTS))
