@@ -6,6 +6,7 @@ Usage:
     bash benchmarks/build_llama_server.sh                   # once; a long build (docs/serving.md)
     python -m benchmarks.serve --llama ~/.cache/gptlab/llama.cpp --json serve.json
     python -m benchmarks.serve --clients 1,16 --max-tokens 32 --servers ours-fp32
+    python -m benchmarks.serve --turns 8 --clients 1,4 --max-tokens 32   # conversations
 
 The model is GPT-2 small (124M) with random weights and GPT-2's tokenizer, written as a
 checkpoint for serve.py and exported (export.py) then converted (llama.cpp's
@@ -112,31 +113,36 @@ def get(host: str, port: int, path: str) -> int:
         connection.close()
 
 
-def timed_request(address: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    """One streamed completion: when each piece of text came, and the tokens it counted."""
+def timed_request(address: str, prompt: str, max_tokens: int,
+                  cache_prompt: bool = True) -> dict[str, float]:
+    """One streamed completion: when each piece of text came, and the tokens it counted.
+    cache_prompt false (a field of llama.cpp's and serve.py's) prefills the whole prompt."""
     host, port = address.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=600)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "cache_prompt": cache_prompt}
     start = time.perf_counter()
     connection.request("POST", "/v1/completions", json_module.dumps(body),
                        {"Content-Type": "application/json"})
     response = connection.getresponse()
     if response.status != 200:
         raise RuntimeError(f"the server answered {response.status}: {response.read()[:300]!r}")
-    arrivals, tokens = [], 0
+    arrivals, tokens, text = [], 0, []
     for line in response:
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
         event = json_module.loads(line[6:])
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
-        if any(c.get("text") for c in event.get("choices", [])):
+        pieces = [c.get("text") for c in event.get("choices", []) if c.get("text")]
+        if pieces:
             arrivals.append(time.perf_counter())
+            text += pieces
     connection.close()
     tokens = tokens or len(arrivals)
     return {"ttft": arrivals[0] - start, "end": arrivals[-1], "start": start, "tokens": tokens,
-            "per_token": (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1)}
+            "per_token": (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1), "text": "".join(text)}
 
 
 def level(address: str, clients: int, max_tokens: int) -> dict[str, float]:
@@ -170,6 +176,37 @@ def level(address: str, clients: int, max_tokens: int) -> dict[str, float]:
             "per_token_p95_ms": 1000 * percentile(per_token, 95)}
 
 
+def conversations(address: str, clients: int, turns: int, max_tokens: int,
+                  cache_prompt: bool) -> list[dict]:
+    """`clients` clients at once, each holding a conversation of `turns` turns: every turn
+    sends the whole history (each earlier line and its answer) and a new line, as an OpenAI
+    client sends a chat. Each turn's time to the first token, p50 and p95 over the clients,
+    and the history's length in characters."""
+    ttft: list[list[float]] = [[] for _ in range(turns)]
+    length = [0] * turns
+
+    def client(c: int) -> None:
+        history = ""
+        for t in range(turns):
+            history += f"\nClient {c}, turn {t}: " + " ".join(
+                WORDS[(c + t + j) % len(WORDS)] for j in range(20))
+            r = timed_request(address, history, max_tokens, cache_prompt)
+            ttft[t].append(r["ttft"])
+            length[t] = max(length[t], len(history))
+            history += r["text"]
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(len(times) != clients for times in ttft):
+        raise RuntimeError("a turn's request failed")
+    return [{"turn": t + 1, "clients": clients, "prompt_chars": length[t],
+             "ttft_p50_ms": 1000 * percentile(sorted(ttft[t]), 50),
+             "ttft_p95_ms": 1000 * percentile(sorted(ttft[t]), 95)} for t in range(turns)]
+
+
 def percentile(sorted_values: list[float], p: int) -> float:
     return sorted_values[min(len(sorted_values) - 1, round(p / 100 * (len(sorted_values) - 1)))]
 
@@ -196,8 +233,16 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
          slots: Annotated[int, typer.Option(min=1)] = 16, llama: Path | None = None,
          port: int = 8431, json: Path | None = None,
          device: Annotated[str, typer.Option(help="serve.py's --device.")] = "cpu",
-         decode: Annotated[str, typer.Option(help="serve.py's --decode.")] = "auto") -> None:
-    """Print each server's figures at each level of concurrency."""
+         decode: Annotated[str, typer.Option(help="serve.py's --decode.")] = "auto",
+         turns: Annotated[int, typer.Option(
+             min=0, help="Instead of the levels: each client holds a conversation of this "
+                         "many turns, sending its whole history at every turn; the time to "
+                         "the first token by turn.")] = 0,
+         cache_prompt: Annotated[bool, typer.Option(
+             help="With --turns: --no-cache-prompt asks each server to prefill the whole "
+                  "history every turn, reusing nothing.")] = True) -> None:
+    """Print each server's figures at each level of concurrency, or by turn of a
+    conversation (--turns)."""
     with reported():
         names = servers.split(",")
         if not set(names) <= set(SERVERS):
@@ -215,15 +260,29 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = write_model(Path(tmp))
             for name in names:
-                command = server_command(name, checkpoint, llama, port, slots, 128 + max_tokens,
+                context = 1024 if turns else 128 + max_tokens  # a slot's, for llama-server
+                command = server_command(name, checkpoint, llama, port, slots, context,
                                          device, decode)
                 with started(command, port) as address:
                     timed_request(address, "warm", 4)  # the first request builds the C step
-                    figures[name] = [level(address, c, max_tokens) for c in levels]
-                report(name, figures[name])
+                    if turns:
+                        figures[name] = [row for c in levels
+                                         for row in conversations(address, c, turns, max_tokens,
+                                                                  cache_prompt)]
+                    else:
+                        figures[name] = [level(address, c, max_tokens) for c in levels]
+                (report_turns if turns else report)(name, figures[name])
         if json is not None:
             json.write_text(json_module.dumps({"cpu": cpu_name(), "max_tokens": max_tokens,
                                                "slots": slots, "servers": figures}, indent=1))
+
+
+def report_turns(name: str, rows: list[dict[str, float]]) -> None:
+    print(f"\n{name}\n clients  turn  prompt chars  TTFT p50/p95 ms")
+    for r in rows:
+        print(f" {r['clients']:7d} {r['turn']:5d} {r['prompt_chars']:13,d}  {r['ttft_p50_ms']:7.0f} "
+              f"{r['ttft_p95_ms']:7.0f}")
+    sys.stdout.flush()
 
 
 def report(name: str, rows: list[dict[str, float]]) -> None:
