@@ -212,7 +212,8 @@ def percentile(sorted_values: list[float], p: int) -> float:
 
 
 def server_command(name: str, checkpoint: Path, llama: Path | None, port: int,
-                   slots: int, context: int, device: str, decode: str) -> list[str]:
+                   slots: int, context: int, device: str, decode: str,
+                   llama_args: str = "") -> list[str]:
     threads = str(torch.get_num_threads())
     if name.startswith("ours"):
         dtype = "int8" if name.endswith("int8") else "float32"
@@ -225,7 +226,7 @@ def server_command(name: str, checkpoint: Path, llama: Path | None, port: int,
     model = gguf(checkpoint, llama, name.split("-")[1])
     return [str(llama / "build" / "bin" / "llama-server"), "-m", str(model), "--port", str(port),
             "--parallel", str(slots), "-c", str(slots * context), "-t", threads, "-tb", threads,
-            "--no-webui"]
+            "--no-webui", *llama_args.split()]
 
 
 def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str = "1,4,16,64",
@@ -238,6 +239,9 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
              min=0, help="Instead of the levels: each client holds a conversation of this "
                          "many turns, sending its whole history at every turn; the time to "
                          "the first token by turn.")] = 0,
+         llama_args: Annotated[str, typer.Option(
+             help="More arguments for llama-server, as one string (--no-repack where its "
+                  "weight repacking stops with an illegal instruction).")] = "",
          cache_prompt: Annotated[bool, typer.Option(
              help="With --turns: --no-cache-prompt asks each server to prefill the whole "
                   "history every turn, reusing nothing.")] = True) -> None:
@@ -262,7 +266,7 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
             for name in names:
                 context = 1024 if turns else 128 + max_tokens  # a slot's, for llama-server
                 command = server_command(name, checkpoint, llama, port, slots, context,
-                                         device, decode)
+                                         device, decode, llama_args)
                 with started(command, port) as address:
                     timed_request(address, "warm", 4)  # the first request builds the C step
                     if turns:
