@@ -18,6 +18,7 @@ survives a power cut. A crash at any moment leaves the old file or the new one, 
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import threading
 from collections.abc import Iterator
@@ -55,9 +56,17 @@ def fsync_dir(folder: Path) -> None:
 @contextmanager
 def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     """A file object whose contents replace `path` only when the block ends without error;
-    on any error or interrupt the old file stays and no temporary file is left behind."""
+    otherwise the old file stays. The temporary file is named after this process, so that
+    processes writing one file (the cache) never write into each other's."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    prefix = f".{path.name}."
+    for stale in path.parent.glob(glob.escape(prefix) + "*.tmp"):  # what killed writers left
+        with suppress(ValueError, PermissionError):  # not a pid; another user's process
+            try:
+                os.kill(int(stale.name[len(prefix):-len(".tmp")]), 0)  # no signal: is it alive?
+            except ProcessLookupError:
+                stale.unlink(missing_ok=True)
+    tmp = path.with_name(f"{prefix}{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -74,9 +83,8 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
 
 
 def write_failure(error: BaseException) -> BaseException:
-    """The OSError behind a failed write, where a writer wrapped it: torch.save's zip writer
-    turns a full disk into a RuntimeError whose context is the OSError. So every failed
-    write is an OSError, which callers report in one line; other errors stay as they are."""
+    """The OSError behind a failed write, where a writer wrapped it (torch.save's zip writer
+    raises a RuntimeError for a full disk), so that callers report every one in one line."""
     if not isinstance(error, RuntimeError):
         return error
     cause = error.__cause__ or error.__context__
@@ -85,10 +93,8 @@ def write_failure(error: BaseException) -> BaseException:
 
 @contextmanager
 def quiet_writer_threads() -> Iterator[None]:
-    """TensorBoard writes its events from a thread, which re-raises a failed write (a full
-    disk) into threading's excepthook, and so prints a traceback; the main thread meets the
-    same error at its next write and reports it in one line. Meanwhile such errors are
-    silent in threads; every other error prints as before."""
+    """Silence OSErrors in threads: TensorBoard's writer thread prints a traceback for a
+    full disk, which the main thread meets at its next write and reports in one line."""
     previous = threading.excepthook
 
     def hook(args: threading.ExceptHookArgs) -> None:
@@ -107,10 +113,9 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
 
 
 def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -> str | None:
-    """What is wrong with a record read from disk (meta.json, a checkpoint's dict, a
-    tokenizer's description): the first of `fields` that it lacks or that is not of its
-    type, in a few words that name the key; None if nothing is. A bool is no count here,
-    as JSON's true is no number."""
+    """What is wrong with a record read from disk (meta.json, a checkpoint, a tokenizer's
+    description): the first of `fields` that it lacks or that is not of its type, in a few
+    words that name the key; None if nothing is. A bool is no number here."""
     if not isinstance(record, dict):
         return f"it is a {type(record).__name__}, not a record of keys"
     for key, kind in fields.items():
@@ -151,10 +156,9 @@ class FolderLock:
 
 
 def lock_folder(folder: Path, name: str) -> FolderLock | None:
-    """Make `folder` and take its lock, or None if another live process holds it. The lock
-    is an flock on folder/name: the kernel drops it when its holder exits, however it
-    exits, so a killed process never leaves a stale lock behind. The file stays empty:
-    taking a lock changes nothing else."""
+    """Make `folder` and take its lock, or None if another live process holds it: an flock
+    on the empty file folder/name, which the kernel drops when its holder exits, however
+    it exits."""
     made = [f for f in (*reversed(folder.parents), folder) if not f.exists()]
     if not (folder / name).exists():
         made.append(folder / name)

@@ -112,7 +112,7 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
         time.sleep(rng.uniform(0.2, 2.0))
         proc.kill()
         proc.communicate()
-        mid_write += (tmp_path / "tiny" / ".last.pt.tmp").exists()
+        mid_write += (tmp_path / "tiny" / f".last.pt.{proc.pid}.tmp").exists()
         if last.exists():
             try:
                 iters.append(load_checkpoint(last)["iter_num"])
@@ -157,12 +157,14 @@ def test_sigkill_during_checkpoint_writes_leaves_old_or_new_whole(tmp_path):
             os.kill(pid, signal.SIGKILL)
             while Path(f"/proc/{pid}").exists():  # until its parent has reaped it
                 time.sleep(0.01)
-            mid_write += (tmp_path / ".last.pt.tmp").exists()
+            mid_write += (tmp_path / f".last.pt.{pid}.tmp").exists()
             seen.append(load_checkpoint(path)["iter_num"])  # raises if not whole
         writers.stdin.close()
     print(f"\n8 SIGKILLs of a checkpoint writer, {mid_write} during a write, all loaded: {seen}")
     # about half land mid-write; at least one must, or the test proved nothing
     assert mid_write >= 1 and len(seen) == 8
+    # each writer's first save removed what the killed ones left; the last kill's may stay
+    assert len(list(tmp_path.glob(".last.pt.*.tmp"))) <= 1
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_config, monkeypatch):
@@ -482,3 +484,18 @@ def test_a_process_memory_limit_is_one_line_naming_the_batch_and_the_limit(tmp_p
                             preexec_fn=limited)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.splitlines()) == 1 and re.match(message, result.stderr), result.stderr
+
+
+def test_processes_that_write_one_file_at_once_leave_it_whole(tmp_path):
+    # the cache is shared: xdist's workers and torchrun's processes fetch into it at once, and
+    # with one temporary name for every writer, a rename found the file gone or put another
+    # writer's half in place
+    code = ("import sys\nfrom machine.files import write_bytes_atomic\n"
+            "for _ in range(40):\n    write_bytes_atomic(sys.argv[1], sys.argv[2].encode() * 200_000)")
+    writers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "file"), str(n)],
+                                cwd=REPO, stderr=subprocess.PIPE, text=True) for n in range(4)]
+    for writer in writers:
+        assert writer.wait(timeout=120) == 0, writer.stderr.read()
+    data = (tmp_path / "file").read_bytes()
+    assert len(data) == 200_000 and len(set(data)) == 1  # one writer's bytes, all of them
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]

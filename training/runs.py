@@ -34,13 +34,11 @@ LOCK = ".lock"
 
 
 class TrainingError(UserError):
-    """Training cannot go on (a non-finite loss, a failed write); the last good checkpoint
-    is kept."""
+    """Training cannot go on (a non-finite loss, a failed write); the last checkpoint stays."""
 
 
 class Interrupted(TrainingError):
-    """SIGINT, SIGTERM or SIGHUP arrived; a checkpoint of the last finished step was
-    written."""
+    """SIGINT, SIGTERM or SIGHUP arrived; the last finished step was saved."""
     label = "interrupted"  # what train.py's one line starts with, in place of "error"
     everywhere = True  # every process saves and leaves together
 
@@ -68,9 +66,8 @@ class Run:
                 f"same command and {self.resume_flags}")
 
     def check_room(self, model: GPT, dist: distributed.Dist) -> None:
-        """Fail before training rather than at the first checkpoint: the folder must take a
-        file, and the disk must hold last.pt, best.pt and one temporary copy (fp32 weights
-        and AdamW's two moments)."""
+        """Fail now, not at the first checkpoint, unless the folder takes a file and the disk
+        holds last.pt, best.pt and a temporary copy (fp32 weights and two AdamW moments)."""
         need = 3 * 3 * 4 * sum(p.numel() for p in model.parameters())
         distributed.from_main(lambda: check_writable(self.path, need), dist)
 
@@ -181,9 +178,8 @@ class StopRequest:
         self.signal: int | None = None
 
     def asked(self, dist: distributed.Dist, device: torch.device, at_log_point: bool) -> bool:
-        """Whether a signal asked this run to stop. Processes must agree on when to leave;
-        under torchrun they compare notes only at log points, where the loop waits for the
-        device anyway, never on every step."""
+        """Whether a signal asked this run to stop. Under torchrun the processes agree only
+        at log points, where the loop waits for the device anyway, not at every step."""
         if not dist.enabled:
             return self.signal is not None
         return at_log_point and distributed.any_true(self.signal is not None, dist, device)
