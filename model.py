@@ -169,8 +169,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # the explicit path's attention weights pass through attn_dropout, where a forward
-        # hook can read them (viz/)
+        # the explicit path's attention weights pass here, where a forward hook can read them
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -226,8 +225,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Fused attention; mask: the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k), None for
     causal. Keys and values may have fewer heads than the queries (GQA)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # torch's CPU kernel runs short bf16 sequences slower than fp32 ones; autocast would
-        # cast them back to bf16
+        # torch's CPU kernel is slower on short bf16 sequences than fp32; autocast would undo it
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
