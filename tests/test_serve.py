@@ -604,11 +604,17 @@ def test_a_reused_prefix_answers_as_a_cold_prefill_does(long_run, decode):
     with serving("--run", str(long_run), "--parallel", "2", "--decode", decode) as server:
         client = server.client()
 
-        def ask(prompt: str, cold: bool, seed: int | None) -> tuple[str, list[float]]:
+        def ask(prompt: str, cold: bool, seed: int | None,
+                stream: bool = False) -> tuple[str, list[float]]:
             sampling = dict(temperature=0.0) if seed is None else dict(temperature=1.0, seed=seed)
-            choice = client.completions.create(
-                model="long", prompt=prompt, max_tokens=10, logprobs=1, **sampling,
-                extra_body={"cache_prompt": not cold}).choices[0]
+            settings = dict(model="long", prompt=prompt, max_tokens=10, logprobs=1, **sampling,
+                            extra_body={"cache_prompt": not cold})
+            if stream:
+                chunks = [c.choices[0] for c in client.completions.create(**settings, stream=True)
+                          if c.choices]
+                return ("".join(c.text for c in chunks),
+                        [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs])
+            choice = client.completions.create(**settings).choices[0]
             return choice.text, choice.logprobs.token_logprobs
 
         def talk(opening: str, lines: list[str], seed: int | None) -> list[tuple[str, str]]:
@@ -617,12 +623,13 @@ def test_a_reused_prefix_answers_as_a_cold_prefill_does(long_run, decode):
             history, turns = opening, []
             for line in lines:
                 history += line
-                warm, cold = ask(history, False, seed), ask(history, True, seed)
-                assert warm[0] == cold[0], (decode, history)
-                if decode == "c":  # every token computed alike: to the bit
-                    assert warm[1] == cold[1]
-                else:
-                    assert warm[1] == pytest.approx(cold[1], abs=1e-4)
+                cold = ask(history, True, seed)
+                for warm in ask(history, False, seed), ask(history, False, seed, stream=True):
+                    assert warm[0] == cold[0], (decode, history)
+                    if decode == "c":  # every token computed alike: to the bit
+                        assert warm[1] == cold[1]
+                    else:
+                        assert warm[1] == pytest.approx(cold[1], abs=1e-4)
                 turns.append((history, warm[0]))
                 history += warm[0]
             return turns
