@@ -67,6 +67,7 @@ class BaseRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     skip_special_tokens: bool = True  # vLLM's: leave <|assistant_end|> and its kind out of text
     cache_prompt: bool = True  # llama.cpp's: false prefills the whole prompt, reusing nothing
+    ignore_eos: bool = False  # vLLM's and llama.cpp's: go on past the end token, to max_tokens
     # refused unless they ask for nothing (UNHONOURED)
     n: Any = None
     best_of: Any = None

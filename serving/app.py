@@ -168,7 +168,8 @@ async def respond(service: Service, request: Request, body: BaseRequest, work: W
                 pass
         return put
 
-    answers = [Job(ids, work.sampling, work.ends, deliver(i), service.tokenizer,
+    ends = set() if body.ignore_eos else work.ends
+    answers = [Job(ids, work.sampling, ends, deliver(i), service.tokenizer,
                    reuse=body.cache_prompt)
                for i, ids in enumerate(work.prompts)] if work.sampling.max_tokens else []
     jobs: list[Job | Scoring] = list(answers)  # what a client's hang-up cancels

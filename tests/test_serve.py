@@ -585,6 +585,17 @@ def test_logprobs_in_openais_shapes_streamed_or_whole(chat_server):
                                                                    abs=1e-4)
 
 
+def test_ignore_eos_goes_on_to_max_tokens(chat_server):
+    # vLLM's and llama.cpp's field, which benchmarks send so that every answer is as long
+    client = chat_server.client()
+    settings = dict(model="chat_sft", messages=CHAT, temperature=0.0, max_tokens=20)
+    ended = client.chat.completions.create(**settings)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 20
+    longer = client.chat.completions.create(**settings, extra_body={"ignore_eos": True})
+    assert longer.choices[0].finish_reason == "length" and longer.usage.completion_tokens == 20
+    assert longer.choices[0].message.content.startswith(ended.choices[0].message.content)
+
+
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory, char_data) -> Path:
     """The tiny model with a context of 128 tokens, room for a conversation of turns."""
