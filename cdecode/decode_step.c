@@ -251,28 +251,36 @@ static inline float dot_params(const param_t *restrict w, const float *restrict 
 
 enum { SET, ADD };  /* what a product does with its output */
 
-/* The products' kernel: four weight rows w[0..3] against NB <= 2 inputs x + c * stride,
- * the 4 * NB dot products into out[r][c]. Each weight vector loaded serves NB inputs and
- * each input vector four rows, so in a batch the loads per fma fall from 2 to 0.75, and the
- * four or eight sums in flight keep both fma units busy. Every dot product is summed in the
+/* Inputs per pass of the products' kernel: with AVX-512's 32 vector registers, four rows
+ * by four inputs keep their 16 sums in registers; AVX2's 16 hold eight. */
+#if LANES == 16
+#define MAX_NB 4
+#else
+#define MAX_NB 2
+#endif
+
+/* The products' kernel: four weight rows w[0..3] against NB <= MAX_NB inputs
+ * x + c * stride, the 4 * NB dot products into out[r][c]. Each weight vector loaded serves
+ * NB inputs and each input vector four rows, so in a batch the loads per fma fall from 2 to
+ * 0.5, and the sums in flight keep both fma units busy. Every dot product is summed in the
  * same order whatever NB is (one vector sum each, then its lanes, then the tail), so a
  * sequence's logits are the same bits alone and in any batch: a server's answer does not
  * depend on who else is served. NB is a constant where this is called, so each case
  * compiles to its own unrolled loop, the sums held in registers. */
 static inline __attribute__((always_inline)) void dot_4xN(
         const weight_t *const w[4], const float *restrict x, size_t stride, int n, int NB,
-        float out[4][2]) {
+        float out[4][MAX_NB]) {
 #ifdef LANES
     int j = 0;
-    vec acc[4][2];
+    vec acc[4][MAX_NB];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < NB; c++) acc[r][c] = vec_zero();
     for (; j + LANES <= n; j += LANES) {
-        vec v0 = vec_load(x + j), v1 = NB > 1 ? vec_load(x + stride + j) : v0;
+        vec v[MAX_NB];
+        for (int c = 0; c < NB; c++) v[c] = vec_load(x + c * stride + j);
         for (int r = 0; r < 4; r++) {
             vec row = vec_load_weights(w[r] + j);
-            acc[r][0] = vec_fma(row, v0, acc[r][0]);
-            if (NB > 1) acc[r][1] = vec_fma(row, v1, acc[r][1]);
+            for (int c = 0; c < NB; c++) acc[r][c] = vec_fma(row, v[c], acc[r][c]);
         }
     }
     for (int r = 0; r < 4; r++)
@@ -291,7 +299,7 @@ static inline __attribute__((always_inline)) void dot_4xN(
 
 /* y[b] (op)= (W x[b]) * scales + bias for B rows: W is (n_out, n_in), scales (n_out,) or NULL
  * for a float W. Groups of four rows of W are split between the threads, and each group is
- * read once for all B inputs, two at a time. */
+ * read once for all B inputs, MAX_NB at a time. */
 static void matvec(float *restrict y, const float *restrict x, const weight_t *restrict W,
                    const float *restrict scales, const param_t *restrict bias,
                    int B, int n_in, int n_out, int op) {
@@ -304,11 +312,17 @@ static void matvec(float *restrict y, const float *restrict x, const weight_t *r
          * not run far enough ahead of a stream this fast */
         for (int j = 0; j < rows * n_in; j += 64 / sizeof(weight_t))
             __builtin_prefetch(w[0] + 4096 / sizeof(weight_t) + j);
-        for (int b = 0; b < B; b += 2) {
-            float s[4][2];
-            int nb = B - b < 2 ? 1 : 2;
-            if (nb == 2) dot_4xN(w, x + (size_t)b * n_in, n_in, n_in, 2, s);
-            else dot_4xN(w, x + (size_t)b * n_in, n_in, n_in, 1, s);
+        for (int b = 0; b < B; b += MAX_NB) {
+            float s[4][MAX_NB];
+            int nb = B - b < MAX_NB ? B - b : MAX_NB;
+            const float *xb = x + (size_t)b * n_in;
+            /* a constant NB in each call, so that each compiles to its own unrolled loop */
+            if (nb == MAX_NB) dot_4xN(w, xb, n_in, n_in, MAX_NB, s);
+#if MAX_NB == 4
+            else if (nb == 3) dot_4xN(w, xb, n_in, n_in, 3, s);
+#endif
+            else if (nb == 2) dot_4xN(w, xb, n_in, n_in, 2, s);
+            else dot_4xN(w, xb, n_in, n_in, 1, s);
             for (int r = 0; r < rows; r++) {
                 float scale = scales ? scales[i + r] : 1.0f;
                 float shift = bias ? load(bias, i + r) : 0.0f;
