@@ -3,6 +3,7 @@
 Usage:
     python -m benchmarks.train --time-to-loss 1.95 --input FILE
     python -m benchmarks.decode --preset baby_gpt --lengths 248
+    python -m benchmarks.wallclock -- python ../nanoGPT/train.py ...   # any trainer's pace
     from benchmarks import check_paths; check_paths(input, json_path)   # before the work
 
 Each runs under machine.errors: a bad input, path or option is one line and exit 1.

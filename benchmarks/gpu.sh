@@ -36,7 +36,7 @@ step() {
     rc=$?
     cat "$LOG.step" >>"$LOG"
     echo "=== exit $rc after $(( $(date +%s) - t0 )) s: $name" | tee -a "$LOG"
-    grep -vE "it/s\]|s/it\]" "$LOG.step" | tail -n 16
+    grep -vE "it/s\]|s/it\]" "$LOG.step" | tail -n 40
     rm -f "$LOG.step"
 }
 
@@ -44,20 +44,29 @@ nanogpt() {  # the reference trainer, in its own folder
     (cd "$NANOGPT" && exec python train.py "$@")
 }
 
+# nanoGPT is timed by when its log lines arrive (benchmarks/wallclock.py says why), as ours
+# are; its baby GPT has no biases (nanoGPT's bias = False), so ours is run without them too
 short="--max-iters 300 --eval-interval 300 --eval-iters 20"
 if [ -n "${NANOGPT:-}" ]; then
     export -f nanogpt; export NANOGPT
-    step nanogpt_baby 120 bash -c 'nanogpt config/train_shakespeare_char.py --max_iters=300 \
-        --lr_decay_iters=300 --eval_interval=300 --eval_iters=20 --log_interval=10 --out_dir=/tmp/ng_baby'
+    step nanogpt_baby 120 python -m benchmarks.wallclock --tokens-per-iter 16384 -- bash -c \
+        'nanogpt config/train_shakespeare_char.py --max_iters=300 --lr_decay_iters=300 \
+        --eval_interval=300 --eval_iters=20 --log_interval=10 --out_dir=/tmp/ng_baby'
 fi
-step baby_adamw 120 python -m benchmarks.train --config config/baby_gpt_adamw.toml --input "$TEXT" $short
+step baby_adamw 120 python -m benchmarks.train --config config/baby_gpt_adamw.toml --input "$TEXT" \
+    --set bias=false $short
+step baby_adamw_profile 100 python -m benchmarks.train --config config/baby_gpt_adamw.toml \
+    --input "$TEXT" --set bias=false --max-iters 100 --eval-interval 100 --eval-iters 2 --profile
 step baby_muon 120 python -m benchmarks.train --config config/baby_gpt.toml --input "$TEXT" $short
 step gpt2_small 150 python -m benchmarks.train --config config/gpt2_small.toml --max-iters 80 \
     --eval-interval 80 --eval-iters 10
+step gpt2_small_profile 120 python -m benchmarks.train --config config/gpt2_small.toml \
+    --max-iters 20 --eval-interval 20 --eval-iters 2 --profile
 if [ -n "${NANOGPT:-}" ]; then
-    step nanogpt_gpt2 120 bash -c 'nanogpt --dataset=shakespeare --batch_size=16 \
-        --gradient_accumulation_steps=4 --max_iters=80 --lr_decay_iters=80 --eval_interval=80 \
-        --eval_iters=10 --log_interval=5 --out_dir=/tmp/ng_gpt2'
+    step nanogpt_gpt2 120 python -m benchmarks.wallclock --tokens-per-iter 65536 -- bash -c \
+        'nanogpt --dataset=shakespeare --batch_size=16 --gradient_accumulation_steps=4 \
+        --max_iters=80 --lr_decay_iters=80 --eval_interval=80 --eval_iters=10 --log_interval=5 \
+        --out_dir=/tmp/ng_gpt2'
 fi
 step decode_batch1 150 python sample.py --benchmark --preset gpt2 --device cuda --decode compile \
     --lengths 256 --repeats 3

@@ -4,6 +4,7 @@ Usage:
     python -m benchmarks.train --input tinyshakespeare/input.txt     # the quickstart preset, CPU
     python -m benchmarks.train --config config/baby_gpt.toml         # on a GPU: bf16, compiled
     python -m benchmarks.train --config config/gpt2_small.toml --max-iters 200 --no-compile
+    python -m benchmarks.train --config config/baby_gpt_adamw.toml --set bias=false --profile
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt --ablate
 
@@ -11,7 +12,15 @@ One preset (by default config/quickstart.toml) is trained in this process into a
 folder, on the text of --input (prepared char-level there) or else on the preset's own
 data_dir. It prints median ms/iter and tokens/s, median MFU, the wall time of the whole run
 (evaluations included), the final val loss and peak memory: allocated tensors on CUDA, the
-process's resident size on the CPU.
+process's resident size on the CPU. --set KEY=VALUE changes any TrainConfig setting (the
+value in TOML: --set bias=false, --set sample_prompt='"ROMEO:"').
+
+--profile runs the same training under torch's profiler and prints where the time went: on
+a GPU, the kernels that took the most device time, the device's busy time per iteration
+beside the wall clock's (busy well below the wall: the GPU waits on Python, so fewer or
+fused launches pay; near it: the kernels themselves), and every place that made the
+process wait for the GPU, with how often. The profiler's own cost makes that run slower:
+its ms/iter are not the figures.
 
 --time-to-loss races the training recipes of RECIPES instead (with --ablate, those of
 ablation_recipes: what each switch of the model's layout buys), each as its own `train.py`
@@ -30,6 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+import warnings
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,6 +50,7 @@ from typing import Annotated, Any
 import torch
 import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.autograd import DeviceType
 
 from benchmarks import check_paths
 from data.documents import read_text
@@ -194,9 +208,25 @@ def race(input: Path, recipes: list[Recipe], target: float, repeats: int,
         json_path.write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def train_figures(config: Path, input: Path | None, overrides: dict) -> dict:
+def parse_settings(settings: list[str]) -> dict[str, Any]:
+    """--set KEY=VALUE options as config overrides, each value read as TOML's."""
+    overrides = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except ValueError:  # TOML's errors are ValueErrors
+            raise UserError(f"--set {setting}: give KEY=VALUE with a TOML value, e.g. "
+                            f"--set bias=false or --set sample_prompt='\"ROMEO:\"'") from None
+    return overrides
+
+
+def train_figures(config: Path, input: Path | None, overrides: dict,
+                  profile: bool = False) -> dict:
     """Train the preset once (on `input`, char-level, if given) and read its figures back
-    from its TensorBoard events and checkpoint."""
+    from its TensorBoard events and checkpoint; with profile, print where the time went."""
     with tempfile.TemporaryDirectory() as tmp:
         if input is not None:
             overrides["data_dir"] = str(Path(tmp) / "data")
@@ -205,8 +235,12 @@ def train_figures(config: Path, input: Path | None, overrides: dict) -> dict:
                                    "sample_tokens": 0})
         run_device = resolve_device(cfg.device)
         reset_peak_memory(run_device)
-        result = train(cfg)
+        profiler = Profile(run_device) if profile else nullcontext()
+        with profiler:
+            result = train(cfg)
         memory = memory_mb(run_device)
+        if profile:
+            profiler.report(result.iter_num, result.wall_time)
         scalars = read_scalars(result.run_dir)
         chosen_dtype = load_checkpoint(result.run_dir / "last.pt")["dtype"]  # what auto chose
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size
@@ -220,6 +254,50 @@ def train_figures(config: Path, input: Path | None, overrides: dict) -> dict:
         "wall_time_s": result.wall_time, "val_loss": val.value, "val_loss_step": val.step,
         "peak_memory_mb": memory[1] if memory else None,
     }
+
+
+class Profile:
+    """torch's profiler over a whole run and, on a GPU, torch's warning at every wait for the
+    device (set_sync_debug_mode), counted by the line of code that waited."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.waits: Counter[str] = Counter()
+
+    def __enter__(self) -> Profile:
+        if self.cuda:
+            self.caught = warnings.catch_warnings(record=True)
+            self.warned = self.caught.__enter__()
+            warnings.simplefilter("always")  # every wait, not the first from each line
+            torch.cuda.set_sync_debug_mode("warn")
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.profiler.__exit__(*exc)
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self.caught.__exit__(*exc)
+            self.waits = Counter(f"{w.filename}:{w.lineno}" for w in self.warned
+                                 if "synchroniz" in str(w.message))
+
+    def report(self, iters: int, wall_s: float) -> None:
+        events = self.profiler.key_averages()
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=20))
+        if self.cuda:  # the run's evaluations are in both figures
+            # the kernels' own rows, as the table's total counts them (an op's row repeats
+            # its kernels' time)
+            busy = sum(e.self_device_time_total for e in events
+                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1000
+            print(f"device busy {busy / iters:.2f} ms/iter against {1000 * wall_s / iters:.2f} "
+                  f"ms/iter of wall clock (compilation included), {iters} iterations")
+            for where, count in self.waits.most_common(15):
+                print(f"{count:>8} waits for the GPU at {where} ({count / iters:.2f} per iter)")
 
 
 def main(
@@ -238,6 +316,10 @@ def main(
     repeats: Annotated[int, typer.Option(min=1, help="Rounds of the race.")] = 2,
     ablate: Annotated[bool, typer.Option(
         help="With --time-to-loss: race the layout switches (ablation_recipes) instead.")] = False,
+    settings: Annotated[list[str] | None, typer.Option(
+        "--set", help="KEY=VALUE: any other setting, the value in TOML (bias=false).")] = None,
+    profile: Annotated[bool, typer.Option(
+        help="Under torch's profiler: print where the time went (see the module's doc).")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
     """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
@@ -251,8 +333,9 @@ def main(
         overrides = {"max_iters": max_iters, "eval_interval": eval_interval,
                      "eval_iters": eval_iters, "dtype": dtype, "device": device,
                      "compile": compile}
-        figures = train_figures(config, input, {k: v for k, v in overrides.items()
-                                                if v is not None})
+        overrides = {**parse_settings(settings or []),
+                     **{k: v for k, v in overrides.items() if v is not None}}
+        figures = train_figures(config, input, overrides, profile)
         for key, value in figures.items():
             print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
         if json_path:

@@ -266,7 +266,8 @@ def test_every_preset_is_a_valid_config():
 def test_training_benchmark_reads_its_figures_back(tmp_path, corpus_file):
     out = tmp_path / "figures.json"
     proc = python(["-m", "benchmarks.train", "--config", "config/tiny.toml", "--input",
-                   str(corpus_file), "--max-iters", "20", "--json", str(out)])
+                   str(corpus_file), "--max-iters", "20", "--json", str(out),
+                   "--set", "bias=false", "--set", 'optimizer="muon"', "--profile"])
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
     assert figures["iters"] == 20 and figures["val_loss_step"] == 20
@@ -275,6 +276,23 @@ def test_training_benchmark_reads_its_figures_back(tmp_path, corpus_file):
     uniform_guess = math.log(len(set(corpus_file.read_text())))
     assert figures["val_loss"] < uniform_guess and figures["peak_memory_mb"] > 0
     assert "median_ms_per_iter" in proc.stdout
+    assert figures["optimizer"] == "muon"  # --set's TOML string, over the config's "adamw"
+    # the profile's table, by CPU time: the matmuls are there, run 20 x 3 x 2 x 2 times at least
+    calls = re.search(r"^ +aten::mm +.* (\d+) *$", proc.stdout, re.MULTILINE)
+    assert calls and int(calls.group(1)) >= 240, proc.stdout
+
+
+def test_wallclock_times_a_trainer_between_its_log_lines(char_data, tmp_path):
+    proc = python(["-m", "benchmarks.wallclock", "--tokens-per-iter", "256", "--",
+                   sys.executable, "train.py", "--config", "config/tiny.toml", "--data-dir",
+                   str(char_data), "--out-dir", str(tmp_path), "--max-iters", "40",
+                   "--eval-interval", "20"])
+    assert proc.returncode == 0, proc.stderr
+    # log points at 5, 10, ..., 40 and evaluations at 0, 20 and 40: the spans 0-5, ..., 15-20
+    # and 20-25, ..., 35-40, the first left out as warm-up
+    last = proc.stdout.splitlines()[-1]
+    assert re.fullmatch(r"wall clock: median [\d.]+ ms/iter over 7 spans between log "
+                        r"points, [\d,]+ tokens/s", last), last
 
 
 def test_cli_help_documents_every_config_field():
