@@ -1,7 +1,7 @@
 """Generation: from a prompt's token ids to new tokens, and on to text.
 
 Usage:
-    from generate import generate, stream, generate_text, decode_step
+    from generate import Chat, decode_step, generate, generate_text, stream
     out = generate(model, idx, max_new_tokens=100)             # (B, T + 100): the fast path
     out = generate(model, idx, 100, temperature=0.0, decode="eager")
     step = decode_step(model, "compile")                      # build a backend once, reuse it
@@ -10,17 +10,18 @@ Usage:
     chat = Chat(model, tokenizer, temperature=0.0)            # a conversation, cache kept
     chat.add_user("Who am I?"); reply = "".join(chat.reply())
 
-The pieces, in the order a token meets them (gpt-fast's layout):
-- prefill: the prompt's window in one forward pass, which fills the KV cache;
-- decode: one token per step, attending over the cache, run by a decode step that says what
-  it can do besides (DecodeStep), built by one of DECODE_BACKENDS: "eager" (model.forward),
+The loop is `stream` (`generate` collects it): the prompt's window in one forward pass,
+which fills the KV cache (prefill); then one token per step, attending over the cache
+(decode); each step's logits sampled; the window moved on when it is full. What it uses is
+defined above it, in this order:
+- the decode step (DecodeStep), built by one of DECODE_BACKENDS: "eager" (model.forward),
   "compile" (torch.compile's inductor, replayed as a CUDA graph on a GPU) or "c" (the
   hand-written C step of cdecode/). "auto", the default everywhere, is the C step on a CPU
-  when it builds (else eager, with one line on stderr saying why and what to do), and eager
-  elsewhere;
-- sampling: temperature, top-k and top-p as small pure functions;
-- the context window (see `stream`), the same for cached and uncached generation;
-- text: tokens decoded as they come, cut at end-of-text or a stop string.
+  when it builds and no autocast is on (else eager, with one line on stderr where the
+  build failed), and eager elsewhere;
+- sampling: temperature, top-k and top-p as small pure functions.
+Below it: text, decoded as the tokens come and cut at end-of-text or a stop string, and
+Chat, a conversation that keeps its cache across turns.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def check_decode(decode: str, name: str = "decode") -> None:
 class DecodeStep(Protocol):
     """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
     window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
-    their keys and values into the cache, and returns (B, 1, vocab_size) logits.
+    their keys and values into the cache, and returns (B, 1, vocab_size) logits. Some steps
+    also take a prompt's window, up to max_prefill tokens (below).
 
-    name: the step's label in a benchmark's rows: "eager", "compiled" or "C step".
-    prefills: the most tokens, at consecutive positions input_pos (T,), that one call may
+    name: what it is called in messages and measurements: "eager", "compiled" or "C step".
+    max_prefill: the most tokens, at consecutive positions input_pos (T,), that one call may
         take, returning the logits of the last one (1 for a plain step); `prefill` passes
         longer windows to the model's forward instead.
     steps_rows: whether a call may step only some rows of the cache, the B rows named by
@@ -75,7 +77,7 @@ class DecodeStep(Protocol):
     """
 
     name: str
-    prefills: int
+    max_prefill: int
     steps_rows: bool
 
     def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
@@ -88,7 +90,7 @@ class ModelStep:
     cache, one token at a time."""
     name: str
     forward: Callable[[torch.Tensor, KVCache, torch.Tensor], torch.Tensor]
-    prefills: int = 1
+    max_prefill: int = 1
     steps_rows: bool = False
 
     def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
@@ -125,7 +127,8 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
     probs = F.softmax(sorted_logits, dim=-1)
     drop = probs.cumsum(dim=-1) - probs >= p  # the probability of the tokens ranked above
-    # the top token's is 0, and so is a p under float32's smallest (1e-46, 5e-324): 0 >= 0
+    # nothing ranks above the top token, but a p that rounds to 0 in float32 would drop it
+    # too (0 >= 0): keep it always
     drop[..., 0] = False
     sorted_logits[drop] = float("-inf")
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
@@ -137,17 +140,15 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # Subtract the largest logit first: it becomes 0 and the others negative, so however
-    # small the temperature, dividing cannot overflow to inf (the others go to -inf, and
-    # sampling becomes greedy). The temperature is clamped to float32's normal numbers, past
-    # which it divides as 0 or inf would (0 / 0 and -inf / inf are nan). top_k comes first:
-    # a huge temperature may round distinct logits to one value. Each filter keeps at least
-    # the likeliest token.
+    # nanoGPT divides by the temperature first; the order here keeps the extremes finite
     logits = logits.float()
+    # the largest logit becomes 0 and the others negative: a tiny temperature sends them to
+    # -inf, never to +inf, and sampling becomes greedy
     logits = logits - logits.amax(dim=-1, keepdim=True)
-    if top_k is not None:
-        logits = filter_top_k(logits, top_k)
+    if top_k is not None:  # before dividing: a huge temperature may round distinct logits
+        logits = filter_top_k(logits, top_k)  # to one value, and then topk picks among ties
     finfo = torch.finfo(torch.float32)
+    # a temperature past float32's normal range divides as 0 or inf would: 0 / 0 is nan
     logits = logits / min(max(temperature, finfo.tiny), finfo.max)
     if top_p is not None and top_p < 1.0:
         logits = filter_top_p(logits, top_p)
@@ -241,20 +242,22 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
 def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
             start: int = 0) -> torch.Tensor:
     """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
-    the last token's logits (B, 1, vocab_size). Up to step.prefills tokens go through the
+    the last token's logits (B, 1, vocab_size). Up to step.max_prefill tokens go through the
     step (the C step reads each weight once for all of them); longer windows go through the
     model's forward, whose matrix products are faster there."""
     positions = torch.arange(start, start + idx.size(1), device=idx.device)
-    if idx.size(1) <= step.prefills:
+    if idx.size(1) <= step.max_prefill:
         return step(idx, cache, positions)
     return model(idx, kv_cache=cache, input_pos=positions, logits_from=-1)[0]
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Slots of a generation's KV cache. Every step attends over every slot, so no more
-    than the generation can fill, rounded up to a power of two so that a compiled decode
-    step (built for one cache size) is rebuilt for only a few sizes."""
-    return min(block_size, 1 << (prompt_len + max_new_tokens - 1).bit_length())
+    """Slots of a generation's KV cache. Every step attends over every slot (one shape at
+    every step, see KVCache), so no more than the generation fills: the prompt and every
+    new token but the last, which is never fed back. Rounded up to a power of two, so that
+    a compiled decode step (built for one cache size) is rebuilt for only a few sizes."""
+    filled = prompt_len + max_new_tokens - 1
+    return min(block_size, 1 << (filled - 1).bit_length())  # the power of two >= filled
 
 
 @torch.inference_mode()
@@ -266,15 +269,21 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
 
     Context window: the model sees at most block_size tokens. When the next token would
     not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
-    least one), and the cache is rebuilt from them by one prefill. The cached and uncached
-    paths use the same window, so they produce the same logits at every step.
+    least one), and the cache is rebuilt from them by one prefill. It jumps rather than
+    slides by one token (nanoGPT's idx[:, -block_size:]) because a cached key holds its
+    position (wpe or rope): after a slide every key would be at a new position, and the
+    whole cache would be computed again at every step; a jump pays that once per
+    block_size // 2 tokens. The cached and uncached paths use the same window, so they
+    produce the same logits at every step.
     decode: a backend name (see decode_step) or a step built by decode_step; ignored when
     use_kv_cache is False.
     """
     check_sampling(temperature, top_k, top_p)
     B, n = idx.size()
     if n == 0:
-        raise InputError("generate needs a prompt of at least one token")
+        raise InputError("generation needs a prompt of at least one token")
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
     block_size = model.config.block_size
     # the tokens the model sees, and room for the one sampled last: memory does not grow
     # with max_new_tokens, so a generation can go on for as long as it is read
@@ -285,20 +294,23 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     if use_kv_cache:
         cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
         step = decode_step(model, decode) if isinstance(decode, str) else decode
-    fresh = True  # the cache holds nothing of the current window yet
-    next_token = idx[:, -1:]  # the newest token, which a decode step feeds in
+    needs_prefill = True  # the cache holds nothing of the current window yet
+    next_token = None  # the token sampled last, which the next decode step feeds in
     for _ in range(max_new_tokens):
         if T > block_size:
             keep = max(1, block_size // 2)  # one, for a bigram model's block_size 1
-            window[:, :keep] = window[:, T - keep:T]  # the two ranges do not overlap
+            # T - keep >= keep: the ranges do not overlap, so the copy reads no slot it wrote
+            window[:, :keep] = window[:, T - keep:T]
             T = keep
-            fresh = True
+            needs_prefill = True
         if cache is None:
             logits, _ = model(window[:, :T], logits_from=-1)
-        elif fresh:
+        elif needs_prefill:  # the window's tokens at positions 0..T-1
             logits = prefill(model, step, window[:, :T], cache)
-            fresh = False
-        else:  # decode: only the newest token, attending over the cache
+            needs_prefill = False
+        else:  # decode: the token sampled last, at its position in the window, T - 1;
+            # the slots past it still hold keys from before a jump, which the cache's mask
+            # hides (a query at p sees keys 0..p only)
             input_pos = torch.tensor([T - 1], device=idx.device)
             logits = step(next_token, cache, input_pos)
         next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)

@@ -320,7 +320,8 @@ def main(
         say(loaded)
     first_sample = print_samples(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
-                              decode=step or "eager", skip_special_tokens=skip_special_tokens,
+                              decode=step or "eager",  # without the cache: unused
+                              skip_special_tokens=skip_special_tokens,
                               **sampling), text, num_samples, stream)
     if attention_path is not None:
         with reported():

@@ -171,7 +171,7 @@ class CDecodeStep:
 
     It also prefills: (B, T) tokens at consecutive positions input_pos (T,) in one call,
     with the logits of the last. Each weight is then read once for all B * T tokens, so a
-    short window costs little more than one step; past `prefills` tokens, PyTorch's matrix
+    short window costs little more than one step; past `max_prefill` tokens, PyTorch's matrix
     products are faster, and generate.py prefills with the model instead. And it steps
     rows: a server's batch steps only the cache rows of the sequences at work.
     """
@@ -195,7 +195,7 @@ class CDecodeStep:
                              f"{self.wte.device.type}; choose --decode eager or compile")
         self.config = model.config
         self.lib = build(self.wte.dtype, march)
-        self.prefills = self.PREFILL_TOKENS[self.wte.dtype]
+        self.max_prefill = self.PREFILL_TOKENS[self.wte.dtype]
         # the C function gets only addresses: these references keep the tensors alive
         self.wte_scales = params.get("transformer.wte.scales")  # None unless int8
         # each None below is C's NULL: a switch of the layout that leaves the tensor out

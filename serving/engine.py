@@ -191,7 +191,7 @@ class Engine:
         self.step = decode_step(model, decode)
         # a step that prefills (the C step) takes every chunk, so that a token's keys and
         # values are the same whichever way they were computed
-        self.chunk = self.step.prefills if self.step.prefills > 1 else MODEL_CHUNK
+        self.chunk = self.step.max_prefill if self.step.max_prefill > 1 else MODEL_CHUNK
         self.waiting: collections.deque[Job | Scoring] = collections.deque()
         self.held: list[list[int]] = [[] for _ in range(slots)]  # each row's tokens in the cache
         self.used: list[int] = [0] * slots  # when each slot last took a job: the oldest goes first
@@ -336,7 +336,7 @@ class Engine:
         ids = torch.tensor([chunk], device=self.cache.key_pos.device)
         positions = torch.arange(start, start + len(chunk), device=ids.device)
         row = self.cache.rows(slot, slot + 1)
-        if len(chunk) <= self.step.prefills:
+        if len(chunk) <= self.step.max_prefill:
             logits = self.step(ids, row, positions)
         else:
             logits = self.model(ids, kv_cache=row, input_pos=positions, logits_from=-1)[0]

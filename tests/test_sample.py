@@ -16,6 +16,7 @@ from data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer, with_sp
 from generate import (
     DECODE_BACKENDS,
     TextStream,
+    cache_length,
     decode_step,
     filter_top_k,
     filter_top_p,
@@ -24,6 +25,7 @@ from generate import (
     sample_next,
     stream,
 )
+from machine.errors import InputError
 from model import GPT, GPTConfig
 from sample import attention_target, print_samples
 from tests.forked import python
@@ -94,6 +96,22 @@ def test_the_window_keeps_the_newest_half_block_when_the_next_token_would_not_fi
         logits, _ = model(out[:, start:n])
         assert torch.equal(logits[:, -1].argmax(-1), out[:, n]), n
     assert jumps == 4  # at 21, 30, 39 and 48 tokens
+
+
+@pytest.mark.parametrize("new_tokens, slots", [(5, 8), (6, 16)])
+def test_the_cache_is_as_long_as_the_generation_fills(model, new_tokens, slots):
+    # the prompt's 4 and every new token but the last, which is never fed back: 8 or 9
+    # positions, rounded up to a power of two; the cached tokens are still the uncached ones
+    assert cache_length(4, new_tokens, 1024) == slots
+    prompt = torch.randint(0, 40, (1, 4), generator=torch.Generator().manual_seed(5))
+    cached = generate(model, prompt, new_tokens, temperature=0.0, decode="eager")
+    assert torch.equal(cached, generate(model, prompt, new_tokens, temperature=0.0,
+                                        use_kv_cache=False))
+
+
+def test_a_negative_number_of_new_tokens_is_refused(model):
+    with pytest.raises(InputError, match="max_new_tokens must be at least 0, got -3"):
+        generate(model, torch.zeros(1, 2, dtype=torch.long), -3)
 
 
 def test_a_bigram_model_with_block_size_1_generates_past_its_window():
