@@ -385,7 +385,9 @@ class StopText:
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
                  skip_special_tokens: bool = True) -> None:
-        if any(not check_text(s, "a stop string") for s in stop):
+        for s in stop:
+            check_text(s, "a stop string")  # InputError for what is not text
+        if "" in stop:
             raise InputError("a stop string is empty, which would end every sample at once; "
                              "drop it or give some text")
         self.text, self.stop, self.stopped = TextStream(tokenizer, skip_special_tokens), stop, False
