@@ -10,18 +10,16 @@ Usage:
     chat = Chat(model, tokenizer, temperature=0.0)            # a conversation, cache kept
     chat.add_user("Who am I?"); reply = "".join(chat.reply())
 
-The loop is `stream` (`generate` collects it): the prompt's window in one forward pass,
-which fills the KV cache (prefill); then one token per step, attending over the cache
-(decode); each step's logits sampled; the window moved on when it is full. What it uses is
-defined above it, in this order:
+The loop is `stream` (`generate` collects it): the prompt's window in one forward pass
+fills the KV cache (prefill), then one token per step attends over it (decode), each step's
+logits are sampled, and the window moves on when full. Above it, what it uses:
 - the decode step (DecodeStep), built by one of DECODE_BACKENDS: "eager" (model.forward),
   "compile" (torch.compile's inductor, replayed as a CUDA graph on a GPU) or "c" (the
   hand-written C step of cdecode/). "auto", the default everywhere, is the C step on a CPU
   when it builds and no autocast is on (else eager, with one line on stderr where the
   build failed), and eager elsewhere;
 - sampling: temperature, top-k and top-p as small pure functions.
-Below it: text, decoded as the tokens come and cut at end-of-text or a stop string, and
-Chat, a conversation that keeps its cache across turns.
+Below it: text, cut at end-of-text or a stop string, and Chat, which keeps its cache across turns.
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ def check_decode(decode: str, name: str = "decode") -> None:
 class DecodeStep(Protocol):
     """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
     window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
-    their keys and values into the cache, and returns (B, 1, vocab_size) logits. Some steps
-    also take a prompt's window, up to max_prefill tokens (below).
+    their keys and values into the cache, and returns (B, 1, vocab_size) logits.
 
     name: what it is called in messages and measurements: "eager", "compiled" or "C step".
     max_prefill: the most tokens, at consecutive positions input_pos (T,), that one call may
@@ -127,8 +124,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
     probs = F.softmax(sorted_logits, dim=-1)
     drop = probs.cumsum(dim=-1) - probs >= p  # the probability of the tokens ranked above
-    # nothing ranks above the top token, but a p that rounds to 0 in float32 would drop it
-    # too (0 >= 0): keep it always
+    # nothing ranks above the top token; keep it even where p rounds to 0 in float32 (0 >= 0)
     drop[..., 0] = False
     sorted_logits[drop] = float("-inf")
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
@@ -140,10 +136,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # nanoGPT divides by the temperature first; the order here keeps the extremes finite
     logits = logits.float()
-    # the largest logit becomes 0 and the others negative: a tiny temperature sends them to
-    # -inf, never to +inf, and sampling becomes greedy
+    # unlike nanoGPT, subtract the largest logit before dividing: the others are negative,
+    # so a tiny temperature sends them to -inf, never +inf, and sampling becomes greedy
     logits = logits - logits.amax(dim=-1, keepdim=True)
     if top_k is not None:  # before dividing: a huge temperature may round distinct logits
         logits = filter_top_k(logits, top_k)  # to one value, and then topk picks among ties
@@ -252,10 +247,9 @@ def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Slots of a generation's KV cache. Every step attends over every slot (one shape at
-    every step, see KVCache), so no more than the generation fills: the prompt and every
-    new token but the last, which is never fed back. Rounded up to a power of two, so that
-    a compiled decode step (built for one cache size) is rebuilt for only a few sizes."""
+    """Slots of a generation's KV cache. Every step attends over every slot (see KVCache), so
+    no more than the generation fills: the prompt and every new token but the last, never
+    fed back; rounded up to a power of two, so a compiled step is built for few sizes."""
     filled = prompt_len + max_new_tokens - 1
     return min(block_size, 1 << (filled - 1).bit_length())  # the power of two >= filled
 
@@ -269,14 +263,11 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
 
     Context window: the model sees at most block_size tokens. When the next token would
     not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
-    least one), and the cache is rebuilt from them by one prefill. It jumps rather than
-    slides by one token (nanoGPT's idx[:, -block_size:]) because a cached key holds its
-    position (wpe or rope): after a slide every key would be at a new position, and the
-    whole cache would be computed again at every step; a jump pays that once per
-    block_size // 2 tokens. The cached and uncached paths use the same window, so they
-    produce the same logits at every step.
-    decode: a backend name (see decode_step) or a step built by decode_step; ignored when
-    use_kv_cache is False.
+    least one), and the cache is rebuilt from them by one prefill. It jumps, where nanoGPT
+    slides by one (idx[:, -block_size:]), because a cached key holds its position: a slide
+    would move every key and recompute the cache at every step; a jump, every block_size // 2
+    tokens. The cached and uncached paths use the same window: the same logits at every step.
+    decode: a backend name (see decode_step) or a step it built; unused without the cache.
     """
     check_sampling(temperature, top_k, top_p)
     B, n = idx.size()
@@ -299,8 +290,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     for _ in range(max_new_tokens):
         if T > block_size:
             keep = max(1, block_size // 2)  # one, for a bigram model's block_size 1
-            # T - keep >= keep: the ranges do not overlap, so the copy reads no slot it wrote
-            window[:, :keep] = window[:, T - keep:T]
+            window[:, :keep] = window[:, T - keep:T]  # T - keep >= keep: no overlap
             T = keep
             needs_prefill = True
         if cache is None:
@@ -308,9 +298,8 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
         elif needs_prefill:  # the window's tokens at positions 0..T-1
             logits = prefill(model, step, window[:, :T], cache)
             needs_prefill = False
-        else:  # decode: the token sampled last, at its position in the window, T - 1;
-            # the slots past it still hold keys from before a jump, which the cache's mask
-            # hides (a query at p sees keys 0..p only)
+        else:  # decode the token sampled last at its window position; slots past it may
+            # hold keys from before a jump, which the mask hides (a query at p sees 0..p)
             input_pos = torch.tensor([T - 1], device=idx.device)
             logits = step(next_token, cache, input_pos)
         next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
@@ -385,9 +374,7 @@ class StopText:
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
                  skip_special_tokens: bool = True) -> None:
-        for s in stop:
-            check_text(s, "a stop string")  # InputError for what is not text
-        if "" in stop:
+        if any(check_text(s, "a stop string") == "" for s in stop):  # or InputError: not text
             raise InputError("a stop string is empty, which would end every sample at once; "
                              "drop it or give some text")
         self.text, self.stop, self.stopped = TextStream(tokenizer, skip_special_tokens), stop, False
