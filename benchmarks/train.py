@@ -17,10 +17,10 @@ value in TOML: --set bias=false, --set sample_prompt='"ROMEO:"').
 
 --profile runs the same training under torch's profiler and prints where the time went: on
 a GPU, the kernels that took the most device time, the device's busy time per iteration
-beside the wall clock's (busy well below the wall: the GPU waits on Python, so fewer or
-fused launches pay; near it: the kernels themselves), and every place that made the
-process wait for the GPU, with how often. The profiler's own cost makes that run slower:
-its ms/iter are not the figures.
+(to set beside the median ms/iter of a run without --profile: busy well below it, the GPU
+waits on Python, so fewer or fused launches pay; near it, the kernels themselves), and
+every place that made the process wait for the GPU, with how often. The profiler's own
+cost makes that run slower: its ms/iter are not the figures.
 
 --time-to-loss races the training recipes of RECIPES instead (with --ablate, those of
 ablation_recipes: what each switch of the model's layout buys), each as its own `train.py`
@@ -240,7 +240,7 @@ def train_figures(config: Path, input: Path | None, overrides: dict,
             result = train(cfg)
         memory = memory_mb(run_device)
         if profile:
-            profiler.report(result.iter_num, result.wall_time)
+            profiler.report(result.iter_num)
         scalars = read_scalars(result.run_dir)
         chosen_dtype = load_checkpoint(result.run_dir / "last.pt")["dtype"]  # what auto chose
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.model.block_size
@@ -285,17 +285,16 @@ class Profile:
             self.waits = Counter(f"{w.filename}:{w.lineno}" for w in self.warned
                                  if "synchroniz" in str(w.message))
 
-    def report(self, iters: int, wall_s: float) -> None:
+    def report(self, iters: int) -> None:
         events = self.profiler.key_averages()
         sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         print(events.table(sort_by=sort, row_limit=20))
-        if self.cuda:  # the run's evaluations are in both figures
+        if self.cuda:
             # the kernels' own rows, as the table's total counts them (an op's row repeats
-            # its kernels' time)
+            # its kernels' time); the run's few evaluation batches are in it too
             busy = sum(e.self_device_time_total for e in events
                        if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1000
-            print(f"device busy {busy / iters:.2f} ms/iter against {1000 * wall_s / iters:.2f} "
-                  f"ms/iter of wall clock (compilation included), {iters} iterations")
+            print(f"device busy {busy / iters:.2f} ms/iter over {iters} iterations")
             for where, count in self.waits.most_common(15):
                 print(f"{count:>8} waits for the GPU at {where} ({count / iters:.2f} per iter)")
 
