@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json as json_module
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -226,7 +227,7 @@ def server_command(name: str, checkpoint: Path, llama: Path | None, port: int,
     model = gguf(checkpoint, llama, name.split("-")[1])
     return [str(llama / "build" / "bin" / "llama-server"), "-m", str(model), "--port", str(port),
             "--parallel", str(slots), "-c", str(slots * context), "-t", threads, "-tb", threads,
-            "--no-webui", *llama_args.split()]
+            "--no-webui", *shlex.split(llama_args)]  # as a shell splits them
 
 
 def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str = "1,4,16,64",
