@@ -5,7 +5,6 @@ measured faster. Bit-exact resume and torchrun with Muon are tested beside AdamW
 test_train.py and test_distributed.py."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -61,7 +60,7 @@ def test_muon_loss_falls_and_its_state_lands_in_the_checkpoint(tiny_config):
     result = train(cfg)
     val = val_losses(result.run_dir)
     vocab_size = load_meta(cfg.data_dir)["vocab_size"]
-    assert val[0] == pytest.approx(math.log(vocab_size), abs=0.1)  # the uniform guess
+    assert len(val) == 2 and val[0] > val[-1]  # evaluated at 30 and 60
     assert val[-1] < 2.1
     ckpt = load_checkpoint(result.run_dir / "last.pt")
     adamw_state, muon_state = ckpt["optimizer"]

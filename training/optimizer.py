@@ -24,12 +24,14 @@ matrices faster for the same weight_decay.
 Every group follows one schedule: a linear warmup, then a cosine decay to min_lr /
 learning_rate of its peak.
 
-Muon here is torch.optim.Muon with one change: its Newton-Schulz iteration runs in bf16
-only when the run computes in bf16, and in fp32 otherwise (see the Muon class below).
+Muon here is torch.optim.Muon with two changes: its Newton-Schulz iteration runs in bf16
+only when the run computes in bf16, and in fp32 otherwise, and it orthogonalizes the
+matrices of one shape together, in one batched product (see the Muon class below).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -45,13 +47,34 @@ def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
     return {p for p in model.transformer.h.parameters() if p.dim() == 2 and p.requires_grad}
 
 
-class Muon(torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype.
+class Uncompiled:
+    """torch.optim's methods as torch writes them, without the wrapper that keeps
+    torch.compile out of them. That wrapper imports the compiler (torch._dynamo, about a
+    second) the first time it runs, and this trainer never compiles its optimizers, so
+    without it a run reaches its first step a second sooner."""
+
+    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+    state_dict = inspect.unwrap(torch.optim.Optimizer.state_dict)
+    load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
+
+
+class AdamW(Uncompiled, torch.optim.AdamW):
+    """torch.optim.AdamW, step for step. Its step's own wrapper sets no_grad, as here."""
+
+    step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))
+
+
+class Muon(Uncompiled, torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of
+    one shape together.
 
     torch's iteration casts to bf16, always: right on a GPU, but most x86 CPUs emulate bf16
-    arithmetic, and there the iteration is several times slower than in fp32. The rest is torch's: the
-    settings and their checks, the state (one momentum buffer per matrix) and the update,
-    op for op, so with ns_dtype bf16 a step equals torch.optim.Muon's bit for bit.
+    arithmetic, and there the iteration is several times slower than in fp32. torch also
+    orthogonalizes one matrix at a time, and a model's blocks hold several matrices of each
+    shape, which one batched product handles in fewer, larger steps. The rest is torch's:
+    the settings and their checks, the state (one momentum buffer per matrix) and the
+    update, so a step equals torch.optim.Muon's to rounding.
     """
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
@@ -68,19 +91,18 @@ class Muon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            updates = (self.blended(p, group["momentum"], group["nesterov"]) for p in params)
+            updates = [self.blended(p, group["momentum"], group["nesterov"]) for p in params]
 
             def newton_schulz(g: torch.Tensor, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
                                      group["eps"], self.ns_dtype)
             # Newton-Schulz needs each whole matrix: sharded ones (FSDP) are shared out, each
-            # orthogonalized on one process and its rows handed back; plain ones go one at a
-            # time, as the generator yields them
+            # orthogonalized on one process and its rows handed back
             if any(is_dtensor(p) for p in params):
                 from training.fsdp import each_on_one_process
-                orthogonal = iter(each_on_one_process(list(updates), newton_schulz))
+                orthogonal = each_on_one_process(updates, newton_schulz)
             else:
-                orthogonal = map(newton_schulz, updates)
+                orthogonal = by_shape(updates, newton_schulz)
             lr = group["lr"]
             for p, update in zip(params, orthogonal, strict=True):
                 # a tall matrix's update has smaller entries; the original rule makes up
@@ -100,19 +122,39 @@ class Muon(torch.optim.Muon):
         return p.grad.lerp(buf, momentum) if nesterov else buf
 
 
+def by_shape(matrices: list[torch.Tensor],
+             fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """fn of each matrix, computed once per shape on the stack of the matrices of that shape
+    (fn must treat the leading dimension as a batch); the results in the matrices' order."""
+    results: list[torch.Tensor | None] = [None] * len(matrices)
+    shapes: dict[torch.Size, list[int]] = {}
+    for i, m in enumerate(matrices):
+        shapes.setdefault(m.shape, []).append(i)
+    for indices in shapes.values():
+        stacked = fn(torch.stack([matrices[i] for i in indices]))
+        for i, result in zip(indices, stacked, strict=True):
+            results[i] = result
+    return results
+
+
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """About U V^T of g = U S V^T: Muon's quintic Newton-Schulz iteration, in dtype. It
-    pushes every singular value towards 1 (to somewhere in 0.5-1.5, which trains as well)."""
+    """About U V^T of g = U S V^T: Muon's quintic Newton-Schulz iteration, in dtype, on one
+    matrix or on each matrix of a stack (..., rows, cols). It pushes every singular value
+    towards 1 (to somewhere in 0.5-1.5, which trains as well)."""
     a, b, c = coefficients
-    x = g.to(dtype)
-    if g.size(0) > g.size(1):  # iterate on the wide side: the Gram matrix is the smaller
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # singular values <= 1, where the iteration converges
+    x = g.to(dtype).reshape(-1, *g.shape[-2:])  # a stack, (n, rows, cols)
+    tall = g.size(-2) > g.size(-1)
+    if tall:  # iterate on the wide side, where the Gram matrix is the smaller
+        x = x.mT
+    # each matrix divided by its norm, so that its singular values are at most 1, where the
+    # iteration converges
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if g.size(0) > g.size(1) else x
+        gram = x @ x.mT  # A = X X^T
+        # X <- aX + (bA + cA^2) X, as two fused multiply-adds
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).reshape(g.shape)
 
 
 def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
@@ -140,7 +182,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     # the fused kernel does the whole update in one pass over the parameters (of plain
     # tensors: FSDP's sharded ones take the default path)
     sharded = any(is_dtensor(p) for p in trained)
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
+    optimizers: list[torch.optim.Optimizer] = [AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
         fused=device.type in ("cuda", "cpu") and not sharded)]
     if hidden:
