@@ -15,7 +15,14 @@ from machine.device import DeviceError, resolve_device
 from model import GPT
 from train import train
 from training.config import ConfigError
-from training.optimizer import Muon, configure_optimizers, lr_multiplier, muon_parameters, orthogonalize
+from training.optimizer import (
+    Muon,
+    by_shape,
+    configure_optimizers,
+    lr_multiplier,
+    muon_parameters,
+    orthogonalize,
+)
 from training.precision import choose_cpu_dtype
 from weights.checkpoint import load_checkpoint
 
@@ -110,6 +117,18 @@ def test_orthogonalize_in_fp32_flattens_the_spectrum_as_bf16_does():
     # bf16's roundings move the singular values within that band, and so the matrix by a few
     # percent (an unrelated matrix of the same norm is 140% away)
     assert (fp32 - bf16.float()).norm() / fp32.norm() < 0.1
+
+
+def test_matrices_of_one_shape_are_orthogonalized_together_as_one_by_one():
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(96, 32), (32, 96), (96, 32), (48, 48), (96, 32), (32, 96)]
+    grads = [torch.randn(shape, generator=generator) for shape in shapes]
+    coefficients = (3.4445, -4.775, 2.0315)
+    alone = [orthogonalize(g, coefficients, 5, 1e-7, torch.float32) for g in grads]
+    together = by_shape(grads, lambda g: orthogonalize(g, coefficients, 5, 1e-7, torch.float32))
+    for a, b, g in zip(alone, together, grads, strict=True):
+        assert b.shape == g.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_resuming_with_the_other_optimizer_is_one_clear_error(tiny_config):
