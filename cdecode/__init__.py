@@ -6,33 +6,22 @@ Usage:
     logits = step(idx, kv_cache, input_pos)       # (B, 1, vocab_size), as generate.py calls it
 
 generate.py's decode="auto" (the default) runs this step on a CPU whenever it builds. The
-C compiler (`cc`, or $CC) builds the file once per weight dtype, for this CPU and with
-OpenMP where it can (a build without them says so on stderr), into
-$GPTLAB_CACHE/decode_step (default ~/.cache/gptlab), with its sha256 beside it: a damaged
-copy is built again. A cache folder that cannot be used is a BuildError, so the default
-step falls back to eager. The step reads the model's own parameter and cache tensors in
-place, so it sees later weight updates, but the model must not be moved or cast after the
-step is built.
+C compiler builds the file once per weight dtype, for this CPU, and keeps it in the cache
+(machine/cbuild.py). A build that fails, or a cache folder that cannot be used, is a
+BuildError, so the default step falls back to eager. The step reads the model's own
+parameter and cache tensors in place, so it sees later weight updates, but the model must
+not be moved or cast after the step is built.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from machine.device import cpu_identity
-from machine.errors import UserError
-from machine.files import cache_dir, cache_unusable, write_bytes_atomic
+from machine.cbuild import BuildError, build_library
 from model import GPT, KVCache
 
 SOURCE = Path(__file__).with_name("decode_step.c")
@@ -42,57 +31,12 @@ WEIGHT_DEFINES = {torch.float32: [], torch.bfloat16: ["-DWEIGHT_BF16"],
                   torch.int8: ["-DWEIGHT_INT8"]}
 
 
-class BuildError(UserError):
-    """The C step cannot be built or cannot run this model; the message says what to do."""
-
-
-def compiler() -> str:
-    """$CC, else the first of cc, gcc and clang on the PATH."""
-    found = [c for c in ("cc", "gcc", "clang") if shutil.which(c)]
-    name = os.environ.get("CC") or (found[0] if found else "cc")
-    if shutil.which(name) is None:
-        raise BuildError(f"the C decode step needs a C compiler, and {name!r} was not found; "
-                         f"install gcc or clang (or set CC), or choose --decode eager")
-    return name
-
-
 @functools.cache  # once per process: a generation builds its step, and many may run
 def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
-    """Compile decode_step.c for weights of `dtype` (or reuse the cached build) and load it.
-
-    march: the instruction set to build for, as gcc's -march names it; "native" is this CPU.
-    """
-    cc = compiler()
-    base = ["-O3", "-shared", "-fPIC", *WEIGHT_DEFINES[dtype]]
-    # the library is built on the machine that runs it, so it may use all of this CPU,
-    # and full-width AVX-512 in the loops left to the compiler (attention, LayerNorm)
-    arch = [f"-march={march}"]
-    if platform.machine() == "x86_64":
-        arch.append("-mprefer-vector-width=512")
-    # threads need OpenMP; a compiler without it (Apple's clang) builds a one-thread step
-    attempts = {"": [*base, *arch, "-fopenmp"],
-                f"without -march={march}": [*base, "-fopenmp"],
-                f"without -march={march} or OpenMP (one thread)": base}
-    # the key names the CPU: -march=native builds for this one, and a cache folder may be
-    # shared between machines
-    key = hashlib.sha256(" ".join([cc, *attempts[""], cpu_identity()]).encode()
-                         + SOURCE.read_bytes()).hexdigest()[:16]
-    out = cache_dir() / "decode_step" / f"{key}.so"
-    note = out.with_suffix(".note")  # what a fallback build lacks, kept beside it
-    try:
-        # a library damaged in the cache (a copy cut short) can crash the process that
-        # loads it (SIGBUS), so it is checked against the digest written when it was built
-        if not intact(out):
-            if sys.stderr.isatty():  # seconds of compiling, said where someone watches
-                print(f"building the C decode step with {cc} (once: it is kept in "
-                      f"{out.parent})", file=sys.stderr, flush=True)
-            compile_library(cc, attempts, out, note)
-        lib = ctypes.CDLL(str(out))
-    except OSError as e:  # GPTLAB_CACHE names a file, a folder this user cannot write, ...
-        raise BuildError(cache_unusable(e)) from None
-    if note.exists():
-        print(f"note: {cc} built the C decode step {note.read_text()}, so it runs slower "
-              f"than it could", file=sys.stderr)
+    """decode_step.c built for weights of `dtype` (machine/cbuild.py keeps the build) and
+    loaded. march: the instruction set to build for, as gcc's -march names it."""
+    lib = build_library(SOURCE, WEIGHT_DEFINES[dtype], "the C decode step",
+                        instead="choose --decode eager", march=march)
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
     # the C signature: logits, tokens, pos, rows, T, wte, wte_scales, wpe, rope_cos, rope_sin,
     # blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B, n_layer,
@@ -101,43 +45,6 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
                                 ptr, ptr, ptrs, ptrs, ptr, *[i32] * 6, ctypes.POINTER(Layout), i32]
     lib.decode_step.restype = None
     return lib
-
-
-def compile_library(cc: str, attempts: dict[str, list[str]], out: Path, note: Path) -> None:
-    """Build decode_step.c into `out` with the first flags in `attempts` that work, and say
-    in `note` what that build lacks, if anything."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        lacks = None
-        for without, flags in attempts.items():
-            result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode == 0:
-                lacks = without
-                break
-            if "File too large" in result.stderr or "No space left" in result.stderr:
-                # the disk, not the flags: a smaller fallback build would be cached for good
-                raise BuildError(f"{cc} could not write the C decode step in {out.parent} (the "
-                                 f"disk is full or a file size limit is set); free space")
-        if lacks is None:
-            last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
-            raise BuildError(f"{cc} could not build {SOURCE.name}: {last_line}")
-        if lacks:
-            write_bytes_atomic(note, lacks.encode())
-        # whole or not at all: a concurrent build never loads half a library
-        library = tmp_out.read_bytes()
-        write_bytes_atomic(out, library)
-        write_bytes_atomic(out.with_suffix(".sha256"), hashlib.sha256(library).hexdigest().encode())
-
-
-def intact(library: Path) -> bool:
-    """Whether a cached library is there and has the digest recorded when it was built."""
-    digest = library.with_suffix(".sha256")
-    try:
-        return hashlib.sha256(library.read_bytes()).hexdigest() == digest.read_text()
-    except OSError:  # missing, or unreadable
-        return False
 
 
 class Layout(ctypes.Structure):

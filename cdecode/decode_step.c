@@ -144,12 +144,11 @@ static void relu_square(float *x, size_t n) {
 }
 
 /* model.py's apply_rope on one head of n floats at a position whose rows of rope_tables
- * are cos and sin (n each; sin's second half holds the angles' sines unnegated): pair
- * (x_i, x_{i + n/2}) turns by that position's angle i */
+ * are cos and sin (n / 2 each): pair (x_i, x_{i + n/2}) turns by that position's angle i */
 static inline void rope(float *x, const param_t *cos, const param_t *sin, int n) {
     int half = n / 2;
     for (int i = 0; i < half; i++) {
-        float x1 = x[i], x2 = x[i + half], c = load(cos, i), s = load(sin, half + i);
+        float x1 = x[i], x2 = x[i + half], c = load(cos, i), s = load(sin, i);
         x[i] = x1 * c - x2 * s;
         x[i + half] = x1 * s + x2 * c;
     }
@@ -342,7 +341,7 @@ static inline void place_head(float *x, int qk_norm, float eps, const param_t *r
                               const param_t *rope_sin, int p, int head_dim) {
     if (qk_norm) rms_norm(x, head_dim, eps);
     if (rope_cos) {
-        size_t at = (size_t)p * head_dim;
+        size_t at = (size_t)p * (head_dim / 2);
         rope(x, rope_cos + at, rope_sin + at, head_dim);
     }
 }
