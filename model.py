@@ -1,14 +1,15 @@
-"""A decoder-only transformer (GPT-2's layout, or a modern one) with a KV cache for decoding.
+"""A decoder-only transformer: GPT-2's layout, or a modern one, switch by switch.
 
 Usage:
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
-    logits, loss = model(idx, targets)                          # training
-    cache = model.new_kv_cache(batch_size=1)                    # for generate.py's decoding
-    logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
+    logits, loss = model(idx, targets)                                    # training
+    logits, _ = model(idx, kv_cache=model.new_kv_cache(1), input_pos=torch.arange(T))
 
-The model alone: no I/O, CLI, training state or sampling. GPT-2's names and, by default, layout;
-each switch of GPTConfig turns on one idea of later models (nanochat, the modded-nanogpt speedruns).
+In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then the KV cache
+and the configuration's checks and named shapes. Each switch of GPTConfig turns on one idea
+of later models (nanochat, modded-nanogpt); at the defaults the model is GPT-2, and a reader
+can skip each `if` that tests a switch. The model alone: no I/O, CLI or training state.
 """
 
 from __future__ import annotations
@@ -23,61 +24,172 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from machine.cpu_kernels import ReLUSquared, RMSNormFunction
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps): LayerNorm without its mean, bias or gain (a gain before a
+    Linear would only rescale the Linear's columns, which the Linear can learn itself)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.eps)
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # on a CPU, its gradient written out
+    return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx, self.dropout = layer_idx, config.dropout
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
+        # queries, keys and values from one matmul; with GQA, keys and values have fewer heads
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
+                                bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # the explicit path's attention weights pass here, where a forward hook can read them
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None, attention: str = "sdpa") -> torch.Tensor:
+        B, T, C = x.size()
+        nh, n_kv = self.n_head, self.n_kv_head
+        qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
+        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys are normed and turned alike
+        if self.qk_norm:  # bounds the logits q.k, which allows a higher learning rate
+            qk = rms_norm(qk, self.eps)
+        if self.rope:
+            qk = apply_rope(qk, *rope)
+        q, k = qk.transpose(1, 2).split([nh, n_kv], dim=1)  # (B, nh, T, hd), (B, n_kv, T, hd)
+        v = v.transpose(1, 2)
+        mask = None  # None: causal attention over these T tokens; with a cache, over all it holds
+        if kv_cache is not None:
+            k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
+        if attention == "sdpa":
+            y = sdpa_attention(q, k, v, mask, self.dropout if self.training else 0.0)
+        else:
+            y = explicit_attention(q, k, v, mask, self.attn_dropout)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again: (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """Fused attention. mask holds the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k); None
+    means causal. Keys and values may have fewer heads than the queries (GQA)."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
+        # in fp32, because torch's CPU kernel is slower on short bf16 sequences; without autocast,
+        # because it would cast the fp32 inputs straight back
+        with torch.autocast("cpu", enabled=False):
+            return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d_k)) V written out, the weights passing `dropout` (attn_dropout)."""
+    group = q.size(1) // k.size(1)  # query heads per key/value head (GQA)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if mask is None:
+        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
+    att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+    return dropout(att) @ v  # (B, nh, T_q, hd)
+
+
+def rope_tables(config: GPTConfig) -> Rope:
+    """cos and sin of every position's angles, (block_size, head_dim / 2) each."""
+    freqs = config.rope_theta ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
+    angles = torch.arange(config.block_size).double()[:, None] * freqs  # (block_size, hd/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
+    its token's angle (rope_tables' rows): a query and a key then meet through how far apart
+    they are, not where."""
+    if can_rotate(x, cos):  # the same rotation in one pass over x (machine/cpu_kernels.py)
+        return RotatePairs.apply(x, cos, sin)
+    x1, x2 = x.chunk(2, dim=-1)
+    y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
+    y2 = x1 * sin + x2 * cos  # [y2] = [sin   cos] [x2]
+    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # the tables are fp32
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.relu2 = config.mlp == "relu2"
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)  # (B, T, mlp_hidden)
+        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's GELU
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    """A pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None, attention: str = "sdpa") -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attention)
+        return x + self.mlp(self.ln_2(x))
 
 
 def switch(default: object, help: str) -> Any:
-    """A GPTConfig field and its one-line description: train.py's --help shows it."""
+    """A GPTConfig field and its description, which train.py's --help shows."""
     return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = switch(65, "tokens in the vocabulary: the dataset's")
-    block_size: int = switch(256, "context length in tokens: the longest the model sees")
+    vocab_size: int = switch(65, "tokens in the vocabulary (the dataset's)")
+    block_size: int = switch(256, "the context length: the most tokens the model sees at once")
     n_layer: int = switch(6, "transformer blocks")
     n_head: int = switch(6, "attention heads per block")
-    n_embd: int = switch(384, "embedding width; a multiple of n_head")
+    n_embd: int = switch(384, "the embedding width; a multiple of n_head")
     dropout: float = switch(0.0, "dropout probability (0 for small data or short runs)")
-    bias: bool = switch(True, "biases in Linear and LayerNorm layers, as in GPT-2")
+    bias: bool = switch(True, "biases in the Linear and LayerNorm layers, as GPT-2 has")
     pos_embedding: str = switch("learned", "learned (GPT-2's table), rope (rotary) or none")
     norm: str = switch("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
     qk_norm: bool = switch(False, "RMS-normalize each head's queries and keys before attention")
     mlp: str = switch("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
     tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
-    n_kv_head: int = switch(0, "key/value heads (GQA); 0 means n_head, 1 is multi-query")
+    n_kv_head: int = switch(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
     embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
-    logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0: off, nanochat: 15")
+    logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, nanochat's 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
-    norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat: 1e-6")
+    norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat's is 1e-6")
     rope_theta: float = switch(10000.0, "rope's base: pair i turns by p / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
-        # a file (a checkpoint, a config.json) may hold 1.0 or "12" for a count: refuse it here
-        for f in fields(self):
-            value, (kind, described) = getattr(self, f.name), FIELD_TYPES[f.type]
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-                raise ValueError(f"{f.name} must be {described}, got {value!r}")
-        self.n_kv_head = self.n_kv_head or self.n_head
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_head % self.n_kv_head != 0:
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
-                             f"({self.n_kv_head}): each key/value head serves a group of heads")
-        if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"rope rotates pairs of dimensions: the head size "
-                             f"n_embd / n_head ({self.n_embd // self.n_head}) must be even")
-        for name, choices in CHOICES.items():
-            if (value := getattr(self, name)) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for name, low in {"logit_softcap": 0, "n_inner": 0, "norm_eps": 1e-12, "rope_theta": 1}.items():
-            if not (math.isfinite(value := getattr(self, name)) and value >= low):  # NaN too
-                raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
+        check_config(self)
 
     @property
     def mlp_hidden(self) -> int:
@@ -89,7 +201,7 @@ class GPTConfig:
 
     @property
     def is_gpt2(self) -> bool:
-        """GPT-2's layout, all a Hugging Face GPT-2 folder holds: default switches, no GQA, 4x MLP."""
+        """Whether this is GPT-2's layout, which is all a Hugging Face GPT-2 folder can hold."""
         return (all(getattr(self, name) == default for name, default in SWITCH_DEFAULTS.items())
                 and self.n_kv_head == self.n_head and self.mlp_hidden == 4 * self.n_embd)
 
@@ -101,47 +213,123 @@ class GPTConfig:
         return cls(**PRESETS[name])
 
 
-# the switches of the layout (the other fields are the shape) at GPT-2's values
-SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
-    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap", "norm_eps")}
-FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
-               "bool": (bool, "true or false"), "str": (str, "a string")}
-CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
-           "mlp": ("gelu", "relu2")}
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        # The weights draw from their own generator, seeded by one draw from torch's, so that
+        # building the layers on the meta device (FSDP's way) gives the same initial_values().
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=make_norm(config),
+        ))
+        if config.pos_embedding == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        if config.pos_embedding == "rope":  # computed once, and not weights, so not saved
+            cos, sin = rope_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # the head reads tokens with the table that embeds them
+            self.transformer.wte.weight = self.lm_head.weight
+        if not self.lm_head.weight.is_meta:
+            with torch.no_grad():
+                for param, value in self.initial_values():
+                    param.copy_(value)
 
-# the named layouts: GPT-2's, every switch on but GQA (which saves cache memory, not loss), nanochat's
-MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
-LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
-    **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
+                attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits for (B, T) token ids, and the mean cross-entropy when targets are given.
+        kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
+        input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
+            by default) or (B, T) with each row's own; with a cache, the caller advances them.
+        attention: "sdpa" (the fused kernel) or "explicit" (written out, see explicit_attention).
+        logits_from: without targets, the logits from this position on only (-1: the last)."""
+        B, T = idx.size()
+        if attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
+        if input_pos is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+            input_pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if "wpe" in self.transformer:  # GPT-2's positions, a learned vector added to each token
+            x = x + self.transformer.wpe(input_pos)
+        if self.config.embed_norm:
+            x = rms_norm(x, self.config.norm_eps)
+        rope = None  # no rotation: the positions are learned, or there are none
+        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2): heads alike
+            rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x, rope, kv_cache, input_pos, attention)
+        x = self.transformer.ln_f(x if targets is not None else x[:, logits_from:, :])
+        logits, cap = self.lm_head(x), self.config.logit_softcap  # (B, T, vocab)
+        if cap:  # squashed smoothly into (-cap, cap), in fp32
+            logits = cap * torch.tanh(logits.float() / cap)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
 
-PRESETS = {
-    "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
-    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(vocab_size=50257, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
-    "nanochat-d12": dict(vocab_size=65536, block_size=2048, n_layer=12, n_head=6, n_embd=768),
-}
+    def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter and its whole initial value, GPT-2's: N(0, 0.02), zero biases, LayerNorm
+        at the identity, and the projections into the residual stream scaled down with depth,
+        because each block adds two terms to the stream. A tied table keeps lm_head's value."""
+        generator = torch.Generator().manual_seed(self.init_seed)
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if name == "bias" or isinstance(module, nn.LayerNorm):
+                    yield param, torch.full(param.shape, float(name == "weight"))
+                else:
+                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
+                    yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """The parameter count, by default without the tables that are only looked up: wpe,
+        and wte where the head does not share it."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        if non_embedding and not self.config.tie_embeddings:
+            n -= self.transformer.wte.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
+        return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * (
+            seq_len or self.config.block_size)
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty cache on this model's device, in the dtype its keys come out in."""
+        p = self.transformer.wte.weight
+        dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
+        if torch.is_autocast_enabled(p.device.type):
+            dtype = torch.get_autocast_dtype(p.device.type)
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, dtype, p.device)
 
 
 class KVCache:
-    """Preallocated keys and values of every layer, written in place at the positions each
-    forward is given; the caller keeps the position. Attention reads the whole buffer under
-    a mask, so a decode step has one shape at every position (torch.compile builds it once)."""
+    """Every layer's keys and values, preallocated and written in place at the positions each
+    forward is given (the caller keeps the position). Attention reads the whole buffer under a
+    mask, so a decode step has one shape at every position, which torch.compile builds once."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
-        # a tensor per layer: to write into a view of one stacked buffer, compiled code copies it all
+        # a tensor a layer: compiled code that writes into a view of one buffer copies it all
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store (B, n_kv_head, T, head_dim) keys/values at input_pos, (T,) for every row or
-        (B, T) for each its own (a server's batch); return all keys and values, (B, n_kv_head,
-        max_len, head_dim), and the (T, max_len) or (B, 1, T, max_len) mask of allowed keys."""
+        """Store (B, n_kv_head, T, head_dim) keys and values at input_pos, (T,) for every row or
+        (B, T) with each row's own (a server's batch). Return all the keys and values and the
+        mask of the keys each query may see, (T, max_len) or (B, 1, T, max_len)."""
         if input_pos.dim() == 1:
             self.k[layer][:, :, input_pos] = k
             self.v[layer][:, :, input_pos] = v
@@ -159,242 +347,54 @@ class KVCache:
         return view
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx, self.dropout = layer_idx, config.dropout
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        # queries, keys and values from one matmul; with GQA, keys and values have fewer heads
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
-                                bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # the explicit path's attention weights pass here, where a forward hook can read them
-        self.attn_dropout = nn.Dropout(config.dropout)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attention: str = "sdpa") -> torch.Tensor:
-        B, T, C = x.size()
-        nh, n_kv = self.n_head, self.n_kv_head
-        qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
-        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys are normed and rotated alike
-        if self.qk_norm:  # bounds the logits q.k, which allows a higher learning rate
-            qk = rms_norm(qk, self.eps)
-        if self.rope:
-            qk = apply_rope(qk, *rope)
-        q, k = qk.transpose(1, 2).split([nh, n_kv], dim=1)  # (B, nh, T, hd), (B, n_kv, T, hd)
-        v = v.transpose(1, 2)
-        mask = None  # None: plain causal attention over these T tokens
-        if kv_cache is not None:
-            k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
-        if attention == "sdpa":
-            y = sdpa_attention(q, k, v, mask, self.dropout if self.training else 0.0)
-        else:
-            y = explicit_attention(q, k, v, mask, self.attn_dropout)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads: (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+# the configuration's checks, and its named layouts and shapes
+FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
+               "bool": (bool, "true or false"), "str": (str, "a string")}
+CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
+           "mlp": ("gelu", "relu2")}
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension, without a gain: before a Linear,
-    a gain would only rescale the Linear's columns, which the Linear can learn itself."""
-    if x.is_cuda:  # torch's fused kernel; elsewhere the one with its gradient written out
-        return F.rms_norm(x, (x.size(-1),), eps=eps)
-    return RMSNormFunction.apply(x, eps)
+def check_config(config: GPTConfig) -> None:
+    """Raise ValueError for a shape or a switch the model cannot be built with. A file (a
+    checkpoint, a config.json) may hold 1.0 or "12" for a count, so types are checked too."""
+    for f in fields(config):
+        value, (kind, described) = getattr(config, f.name), FIELD_TYPES[f.type]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise ValueError(f"{f.name} must be {described}, got {value!r}")
+    config.n_kv_head = config.n_kv_head or config.n_head
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+    if config.n_embd % config.n_head != 0:
+        raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+    if config.n_head % config.n_kv_head != 0:  # each key/value head serves a group of query heads
+        raise ValueError(f"n_head ({config.n_head}) must be divisible by n_kv_head ({config.n_kv_head})")
+    if config.pos_embedding == "rope" and config.head_dim % 2:  # rope turns pairs of dimensions
+        raise ValueError(f"with rope, the head size n_embd / n_head ({config.head_dim}) must be even")
+    for name, choices in CHOICES.items():
+        if (value := getattr(config, name)) not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
+    for name, low in {"logit_softcap": 0, "n_inner": 0, "norm_eps": 1e-12, "rope_theta": 1}.items():
+        if not (math.isfinite(value := getattr(config, name)) and value >= low):  # NaN too
+            raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
 
 
-def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, (block_size, head_dim) each, laid out for apply_rope."""
-    freqs = config.rope_theta ** (-torch.arange(0, config.head_dim, 2).double() / config.head_dim)
-    angles = torch.arange(config.block_size).double()[:, None] * freqs  # (block_size, hd/2)
-    cos, sin = angles.cos().float(), angles.sin().float()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+# the switches of the layout (the other fields are the shape), at GPT-2's values
+SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
+    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap", "norm_eps")}
 
+# the named layouts: GPT-2's; every switch on but GQA (which saves cache memory, not loss); nanochat's
+MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
+LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
+    **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i + hd/2}) of (B, T, heads, hd) by its position's angle, with
-    rope_tables' rows at the tokens' positions: a query at p and a key at s meet through p - s."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)  # the tables are fp32
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention; mask: the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k), None for
-    causal. Keys and values may have fewer heads than the queries (GQA)."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # torch's CPU kernel is slower on short bf16 sequences than fp32; autocast would undo it
-        with torch.autocast("cpu", enabled=False):
-            return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
-
-
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d_k)) V written out, the (B, nh, T_q, T_k) weights passed through
-    `dropout` (a layer's attn_dropout) on their way to V."""
-    group = q.size(1) // k.size(1)  # query heads per key/value head (GQA)
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if mask is None:
-        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T_q, T_k)
-    att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
-    return dropout(att) @ v  # (B, nh, T_q, hd)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        self.relu2 = config.mlp == "relu2"
-        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)  # (B, T, mlp_hidden)
-        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's
-        return self.dropout(self.c_proj(h))
-
-
-class RMSNorm(nn.Module):
-    """rms_norm as a module, where the layout has a LayerNorm; it has no parameters."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps)
-
-
-def make_norm(config: GPTConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-
-
-class Block(nn.Module):
-    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.ln_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = make_norm(config)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attention: str = "sdpa") -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attention)
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.config = config
-        # seeds the weights' own generator: a model built on the meta device draws the same values
-        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=make_norm(config),
-        ))
-        if config.pos_embedding == "learned":
-            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        if config.pos_embedding == "rope":  # computed once; not weights, so not saved
-            for name, table in zip(("rope_cos", "rope_sin"), rope_tables(config), strict=True):
-                self.register_buffer(name, table, persistent=False)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # the output layer reads tokens with the table that embeds them
-            self.transformer.wte.weight = self.lm_head.weight
-        if not self.lm_head.weight.is_meta:  # on the meta device: filled once sharded (training/fsdp.py)
-            self.init_weights()
-
-    def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter and its full initial value, GPT-2's: N(0, 0.02), zero biases, LayerNorm
-        at identity, and the residual projections scaled down with depth, since each block adds
-        two terms to the residual stream, whose variance would grow. A tied table comes twice
-        (as wte's, then lm_head's) and keeps the second value."""
-        generator = torch.Generator().manual_seed(self.init_seed)
-        for module_name, module in self.named_modules():
-            for name, param in module.named_parameters(recurse=False):
-                if name == "bias" or isinstance(module, nn.LayerNorm):
-                    yield param, torch.full(param.shape, float(name == "weight"))
-                else:
-                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
-                    yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        for param, value in self.initial_values():
-            param.copy_(value)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count, by default without the tables only looked up: wpe, and wte untied."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
-        if non_embedding and not self.config.tie_embeddings:
-            n -= self.transformer.wte.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
-        seq_len = seq_len or self.config.block_size
-        return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * seq_len
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
-                attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for (B, T) token ids, and the mean cross-entropy when targets are given.
-
-        kv_cache: write this pass's keys/values into the cache and attend over all it holds.
-        input_pos: (T,) positions of idx's tokens in the window, 0.. by default, or (B, T),
-            a row's own; with a cache, the caller advances them, below block_size.
-        attention: "sdpa" (the fused kernel) or "explicit" (written out; its weights pass
-            through each layer's attn.attn_dropout, where a forward hook can read them).
-        logits_from: without targets, logits from this position on only (-1: the last).
-        """
-        B, T = idx.size()
-        if attention not in ("sdpa", "explicit"):
-            raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
-        if input_pos is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
-            input_pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx)  # (B, T, C)
-        if "wpe" in self.transformer:
-            x = x + self.transformer.wpe(input_pos)
-        if self.config.embed_norm:
-            x = rms_norm(x, self.config.norm_eps)
-        rope = None  # without positions, the causal mask alone carries order
-        if self.config.pos_embedding == "rope":  # (T, 1, hd) or (B, T, 1, hd): heads alike
-            rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
-            x = block(x, rope, kv_cache, input_pos, attention)
-        x = self.transformer.ln_f(x)
-        if targets is not None:
-            logits = self.logits(x)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
-            return logits, loss
-        return self.logits(x[:, logits_from:, :]), None
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The output layer, and logit_softcap's squashing (in fp32) when it is on."""
-        logits, cap = self.lm_head(x), self.config.logit_softcap
-        return cap * torch.tanh(logits.float() / cap) if cap else logits
-
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty cache on this model's device, in the dtype its keys come out in (float32 for int8)."""
-        p = self.transformer.wte.weight
-        dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
-        if torch.is_autocast_enabled(p.device.type):
-            dtype = torch.get_autocast_dtype(p.device.type)
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, dtype, p.device)
+PRESETS = {
+    "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(vocab_size=50257, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    "nanochat-d12": dict(vocab_size=65536, block_size=2048, n_layer=12, n_head=6, n_embd=768),
+}

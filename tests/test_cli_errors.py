@@ -369,8 +369,8 @@ CASES = {
                                           "error: n_head (2) must be divisible by n_kv_head (3)"),
     "rope with an odd head size": ([*TRAIN, "--pos-embedding", "rope", "--n-embd", "36",
                                     "--n-head", "12"], nothing, 1,
-                                   "error: rope rotates pairs of dimensions: the head size "
-                                   "n_embd / n_head (3) must be even"),
+                                   "error: with rope, the head size n_embd / n_head (3) must "
+                                   "be even"),
     "an unknown norm": ([*TRAIN, "--norm", "batchnorm"], nothing, 1,
                         "error: norm must be one of layernorm, rmsnorm, got 'batchnorm'"),
     "a modern layout exported to GPT-2": (["export.py", "{tmp}/c.pt", "{tmp}/hf-out", "--format",

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from machine.cpu_kernels import ReLUSquared, RMSNormFunction
-from model import GPT, GPTConfig, explicit_attention, sdpa_attention
+from model import GPT, GPTConfig, apply_rope, explicit_attention, sdpa_attention
 from tests.layouts import LAYOUTS
 
 
@@ -114,21 +114,34 @@ def test_short_bf16_attention_on_a_cpu_computes_in_fp32():
         assert q.grad.dtype == torch.bfloat16 and q.grad.abs().max() > 0
 
 
+def rotated_as_complex_numbers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope's rotation another way: each pair as x1 + i x2, times e^(i angle)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    turned = torch.complex(x1, x2) * torch.complex(cos, sin)
+    return torch.cat([turned.real, turned.imag], dim=-1).to(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gradients_written_out_equal_autograds(dtype):
-    # RMSNorm's and ReLU^2's backward are written by hand for speed: the same values and
-    # gradients as autograd through the composed ops, in fp32 and from bf16 activations
+    # RMSNorm, ReLU^2 and the rotary rotation are written out for speed (in C for float32,
+    # machine/cpu_kernels.c): the same values and gradients as autograd through the composed
+    # operations, in fp32 and from bf16 activations
+    from machine.cpu_kernels import kernels
+    assert kernels() is not None  # the C kernels are built here, so float32 runs them
     gen = torch.Generator().manual_seed(0)
+    angles = torch.rand(7, 1, 16, generator=gen) * 6  # (T, 1, hd / 2): one row a position
+    cos, sin = angles.cos(), angles.sin()
     for fast, composed in [
         (lambda x: RMSNormFunction.apply(x, 1e-6), lambda x: F.rms_norm(x, (x.size(-1),), eps=1e-6)),
         (ReLUSquared.apply, lambda h: F.relu(h) * F.relu(h)),
+        (lambda x: apply_rope(x, cos, sin), lambda x: rotated_as_complex_numbers(x, cos, sin)),
     ]:
-        x = (3 * torch.randn(4, 7, 32, generator=gen)).to(dtype).requires_grad_()
-        g = torch.randn(4, 7, 32, generator=gen).to(dtype)
+        x = (3 * torch.randn(4, 7, 3, 32, generator=gen)).to(dtype).requires_grad_()
+        g = torch.randn(4, 7, 3, 32, generator=gen).to(dtype)
         ours, = torch.autograd.grad(fast(x), x, g)
         theirs, = torch.autograd.grad(composed(x), x, g)
         assert fast(x).dtype == composed(x).dtype == ours.dtype == dtype
-        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(fast(x), composed(x), rtol=tol, atol=tol)
         torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
         assert ours.abs().max() > 0.1  # not an empty comparison
@@ -189,6 +202,19 @@ def test_parameter_count_and_flops_follow_the_shape():
     untied = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384,
                            tie_embeddings=False))
     assert untied.num_params() == expected
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS.values(), {"bias": False}, {"norm": "rmsnorm", "bias": False},
+                                    {"norm": "layernorm", "bias": False, "tie_embeddings": False}])
+def test_the_memory_checks_parameter_counts_equal_a_built_models(layout):
+    from training.memory import parameter_counts
+    from training.optimizer import muon_parameters
+    config = GPTConfig(vocab_size=65, block_size=32, n_layer=3, n_head=4, n_embd=32, **layout)
+    model = GPT(config)
+    block, matrices, root = parameter_counts(config)
+    assert block == sum(p.numel() for p in model.transformer.h[0].parameters())
+    assert config.n_layer * matrices == sum(p.numel() for p in muon_parameters(model))
+    assert config.n_layer * block + root == model.num_params(non_embedding=False)
 
 
 @pytest.mark.parametrize("kwargs, message", [
