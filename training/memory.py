@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from machine.perf import memory_room
-from model import GPT, GPTConfig
+from model import GPTConfig
 from training import distributed
 from training.config import ConfigError, TrainConfig
 
@@ -27,22 +27,32 @@ def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
     return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
 
 
+def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
+    """The parameters of one block, of one block's matrices (the 2-D weights that Muon
+    trains), and of the rest (the embeddings, the final norm and the head), counted from
+    the shape as model.py builds the model. Building it, even on the meta device, would
+    initialize its weights through torch's compiler, which takes a second to import;
+    tests/test_model.py holds these counts equal to a built model's."""
+    C, hidden, kv = config.n_embd, config.mlp_hidden, 2 * config.n_kv_head * config.head_dim
+    matrices = C * (C + kv) + C * C + 2 * C * hidden  # c_attn, c_proj, c_fc, mlp.c_proj
+    biases = (C + kv) + C + hidden + C if config.bias else 0
+    norm = C * (1 + config.bias) if config.norm == "layernorm" else 0  # RMSNorm has none
+    positions = config.block_size * C if config.pos_embedding == "learned" else 0
+    tables = config.vocab_size * C * (1 if config.tie_embeddings else 2)  # wte, lm_head
+    return matrices + biases + 2 * norm, matrices, tables + positions + norm
+
+
 def state_bytes(config: GPTConfig, cfg: TrainConfig, world_size: int) -> int:
     """What one process holds besides activations: fp32 weights and gradients, AdamW's two
     moments or Muon's one (momentum), each 1/N under FSDP, plus the largest group FSDP
     gathers whole for a moment (a block, or the root's embeddings and head: its weights and
     their gradients)."""
-    from training.optimizer import muon_parameters
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # allocates nothing
-        model = GPT(config)
-    params = model.num_params(non_embedding=False)
-    muon = sum(p.numel() for p in muon_parameters(model)) if cfg.optimizer == "muon" else 0
+    block, matrices, root = parameter_counts(config)
+    params = config.n_layer * block + root
+    muon = config.n_layer * matrices if cfg.optimizer == "muon" else 0
     total = 16 * params - 4 * muon  # weights, gradients, two moments; Muon's one
     if cfg.parallel != "fsdp":
         return total
-    in_blocks = {id(p) for p in model.transformer.h.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-    block = sum(p.numel() for p in model.transformer.h[0].parameters())
     return total // world_size + 8 * max(root, block)
 
 
