@@ -237,7 +237,8 @@ class SectionedCommand(click.Command):
     plain text that fits a terminal: full option names, and each one's default."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)
+                   if isinstance(p, click.Option)}
         fields = {name for names in SECTIONS.values() for name in names}
         with formatter.section("Options"):
             formatter.write_dl([r for name, r in records.items() if name not in fields and r])
@@ -248,13 +249,17 @@ class SectionedCommand(click.Command):
 
 def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None],
                  ) -> click.Command:
-    """A command that calls main(config file, overrides, resume, debug) with --config,
-    --resume, --debug and one option per field (--n-layer for n_layer, --compile and
+    """A command that calls main(config file, overrides, resume, debug) with the config file
+    (first, or as --config), --resume, --debug and one option per field (--n-layer for n_layer, --compile and
     --no-compile for a switch). Each option defaults to None, so that only what is given on
     the command line overrides the config file; its help shows the field's own default."""
     params: list[click.Parameter] = [
+        # nanoGPT's habit, `train.py config/x.py`, works here with a TOML file
+        click.Argument(["preset"], required=False, type=click.Path(path_type=Path),
+                       metavar="[CONFIG]"),
         click.Option(["--config"], type=click.Path(path_type=Path), metavar="FILE",
-                     help="TOML preset (see config/); its keys are the options below."),
+                     help="TOML preset (see config/); its keys are the options below. Or "
+                          "give the file first, without --config."),
         click.Option(["--resume"], is_flag=True,
                      help="Continue runs/<run_name> from its last checkpoint."),
         click.Option(["--debug"], is_flag=True,
@@ -269,7 +274,11 @@ def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None]
             type=CLICK_TYPES[type(default)], default=None,
             help=f"{field_help(name)}  [default: {shown}]"))
 
-    def callback(config: Path | None, resume: bool, debug: bool, **fields: Any) -> None:
-        main(config, {k: v for k, v in fields.items() if v is not None}, resume, debug)
+    def callback(preset: Path | None, config: Path | None, resume: bool, debug: bool,
+                 **fields: Any) -> None:
+        if preset is not None and config is not None and preset != config:
+            raise click.UsageError(f"two configs, {preset} and --config {config}; give one")
+        main(preset or config, {k: v for k, v in fields.items() if v is not None}, resume,
+             debug)
     return SectionedCommand("train.py", params=params, callback=callback, help=main.__doc__,
                             context_settings={"help_option_names": ["-h", "--help"]})
