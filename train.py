@@ -33,7 +33,7 @@ from tqdm import tqdm
 from data.loader import BatchStream, Sampler, Tokens, batch_sampler, load_dataset
 from data.sources import BUILTIN
 from data.tokenizer import Tokenizer
-from machine.device import check_compile, resolve_device
+from machine.device import check_compile, resolve_device, reuse_freed_memory
 from machine.errors import reported, run_command
 from machine.perf import peak_flops
 from model import GPT, GPTConfig
@@ -79,6 +79,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if cfg.compile:  # refuse a compiler that cannot work here before writing anything
             check_compile(device, instead="drop --compile")
         torch.manual_seed(cfg.seed)
+        reuse_freed_memory()  # every step frees and allocates the same activations
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -149,19 +150,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     f"({peak_source})")
 
             def evaluate(it: int) -> dict[str, float]:
-                """Both splits' losses, a text sample and the attention pictures, logged."""
+                """Both splits' losses, logged as soon as they are known, then a text sample
+                and the attention pictures."""
                 model.eval()  # no dropout while measuring or sampling
                 losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
-                text = sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist)
-                log.evaluation(it, losses, text, raw_model)
-                model.train()
+                log.losses(it, losses)
                 if not math.isfinite(losses["val"]):
                     raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last "
                                         f"good checkpoint is kept: lower learning_rate or set "
                                         f"grad_clip")
+                text = sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist)
+                log.pictures(it, text, raw_model)
+                model.train()
                 return losses
 
-            losses = evaluate(iter_num) if iter_num == 0 else {}
+            losses: dict[str, float] = {}  # the last evaluation's
             x, y = batches.next()
             # each process runs its share of the micro-batches
             accum_steps = cfg.gradient_accumulation_steps // dist.world_size
@@ -356,7 +359,7 @@ def sample(model: GPT, ids: list[int], tokenizer: Tokenizer, cfg: TrainConfig,
 
 
 def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bool) -> None:
-    """Train a GPT. Settings: TrainConfig's defaults < --config FILE < options."""
+    """Train a GPT. Settings: TrainConfig's defaults < the CONFIG file < options."""
     rank = distributed.environment().rank  # under torchrun, rank 0 reports
     try:
         with reported(debug=debug, rank=rank):

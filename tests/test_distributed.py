@@ -214,7 +214,7 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     for line in proc.stdout:
-        if "iter 0:" in line:
+        if line.startswith("iter "):  # the first log point: training has begun
             break
     time.sleep(1.0)
     workers = [int(p) for p in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"],

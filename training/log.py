@@ -9,7 +9,8 @@ Usage:
         log.say("a line above the bar")
         log.step()                                            # after every step
         log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
-        log.evaluation(it, losses, sample_text, model)        # losses, the sample, attention
+        log.losses(it, losses)                                # at each evaluation
+        log.pictures(it, sample_text, model)                  # the sample, attention
         log.finish(best_val_loss, it)
 
 A write that fails (a full disk) ends the run with one line that says which checkpoint is
@@ -43,7 +44,7 @@ class RunLog:
         self.run, self.cfg, self.is_main = run, cfg, dist.is_main
         self.tokenizer, self.probe_ids, self.attention = tokenizer, probe_ids, attention
         self.writer: SummaryWriter | None = None
-        self.pictures = None
+        self.layer_pictures = None  # made at the first evaluation
         self.bar: tqdm | None = None
         self.quiet = quiet_writer_threads()
 
@@ -60,10 +61,6 @@ class RunLog:
         if not iter_num:
             settings = "\n".join(f"{k} = {v!r}" for k, v in self.cfg.to_dict().items())
             self.writer.add_text("config", text_block(settings))
-        if self.attention:
-            from viz.attention_maps import LayerPictures, token_labels
-            self.pictures = LayerPictures(token_labels(self.tokenizer, self.probe_ids),
-                                          model.n_head)
         # a live bar on a terminal; elsewhere a plain line per log point (see point)
         self.bar = tqdm(total=self.cfg.max_iters, initial=iter_num, unit="it",
                         dynamic_ncols=True, disable=not sys.stderr.isatty())
@@ -77,7 +74,7 @@ class RunLog:
         self.quiet.__exit__(kind, error, traceback)
         if self.bar is not None:
             self.bar.close()
-        for closeable in (self.writer, self.pictures):
+        for closeable in (self.writer, self.layer_pictures):
             if closeable is not None:
                 with suppress(OSError):  # after a failure, quietly: it is reported already
                     closeable.close()
@@ -112,19 +109,26 @@ class RunLog:
         tqdm.write(f"iter {it}/{self.cfg.max_iters}: loss {loss:.4f}, {tokens_per_sec:,.0f} "
                    f"tokens/s, MFU {mfu:.1%}, {tqdm.format_interval(left)} left")
 
-    def evaluation(self, it: int, losses: dict[str, float], sample: str | None,
-                   model: GPT) -> None:
-        """Both splits' losses, the text sample and the attention pictures of this step."""
+    def losses(self, it: int, losses: dict[str, float]) -> None:
+        """Both splits' losses at an evaluation."""
         self.say(f"iter {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if self.writer is None:
             return
         for split, loss in losses.items():
             self.writer.add_scalar(f"loss/{split}", loss, it)
+
+    def pictures(self, it: int, sample: str | None, model: GPT) -> None:
+        """The text sample and the attention pictures of an evaluation."""
+        if self.writer is None:
+            return
         if sample is not None:
             self.writer.add_text("sample", text_block(sample), it)
-        if self.pictures is not None:
-            from viz.attention_maps import log_attention
-            log_attention(self.writer, model, self.probe_ids, self.pictures, it)
+        if self.attention:
+            from viz.attention_maps import LayerPictures, log_attention, token_labels
+            if self.layer_pictures is None:  # matplotlib takes a second: not before it is needed
+                self.layer_pictures = LayerPictures(
+                    token_labels(self.tokenizer, self.probe_ids), model.config.n_head)
+            log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
 
     def finish(self, best_val_loss: float, it: int) -> None:
         """The run's settings beside its result, and the last events written."""
