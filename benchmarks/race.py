@@ -1,0 +1,227 @@
+"""The race to a loss: training recipes, each run as its own process the way a user runs it,
+timed from the process's start to its first evaluation at or below a target val loss.
+
+Usage:
+    python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
+    python -m benchmarks.train --time-to-loss 1.95 --input input.txt --nanogpt ../nanoGPT
+
+    from benchmarks.race import Recipe, time_to_loss
+    rows = time_to_loss([Recipe("tiny", Path("config/tiny.toml"), {})], data_dir, 2.6, 1)
+
+Every trainer is timed by one clock: the moment each line of its output arrives. An
+evaluation is a line "iter N: train loss X, val loss Y" (train.py) or "step N: train loss
+X, val loss Y" (nanoGPT), and the time to the target is when the first such line at or
+below it arrives. The pace (ms/iter) is the median time between consecutive log lines
+(benchmarks/wallclock.py), the evaluations left out.
+
+The recipes take turns, `repeats` rounds of them, so that a slow minute of a shared machine
+falls on all of them alike. A baseline (nanoGPT's recipe, and ours of the same settings) is
+stopped once it reaches the target, since only its time to the target is compared; the
+other recipes run to their end, so that their final val loss is known too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.wallclock import log_point_times
+from machine.device import cpu_flags, cpu_name
+from machine.errors import UserError
+
+QUICKSTART = Path("config/quickstart.toml")
+CLASSIC = Path("config/quickstart_adamw.toml")
+EVALUATION = re.compile(r"^(?:iter|step) (\d+): train loss [\d.]+, val loss ([\d.]+|nan|inf)")
+DTYPE_LINE = re.compile(r"^dtype (\w+) \(")
+
+# nanoGPT's README runs character-level Shakespeare on a CPU with these settings; the race
+# evaluates it every 100 iterations on 50 batches of 12, the same 600 sequences a side that
+# the classic recipe below is evaluated on
+NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+               "--eval_iters=50", "--eval_interval=100", "--log_interval=10", "--block_size=64",
+               "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+               "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A run of train.py: a preset and the settings that change it."""
+    name: str
+    config: Path
+    overrides: dict[str, Any] = field(default_factory=dict)
+    baseline: bool = False  # stopped at the target: only its time to it is compared
+
+    def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
+        """The command line and the folder it runs in."""
+        settings = {**self.overrides, "data_dir": str(data_dir), "out_dir": str(out_dir),
+                    "run_name": run_name}
+        args = [sys.executable, "train.py", "--config", str(self.config)]
+        for key, value in settings.items():
+            flag = key.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                args.append(f"--{flag}={value}")
+        return args, Path.cwd()
+
+
+@dataclass(frozen=True)
+class NanoGPT:
+    """nanoGPT's own train.py in its checkout, on its README's CPU settings."""
+    path: Path
+    name: str = "nanoGPT, its README's CPU recipe"
+    baseline: bool = True
+
+    def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
+        return [sys.executable, "train.py", *NANOGPT_CPU, f"--out_dir={out_dir / run_name}"], \
+            self.path
+
+
+def check_nanogpt(path: Path) -> NanoGPT:
+    """A nanoGPT checkout with its character-level Shakespeare prepared, or one line saying
+    what is missing."""
+    if not (path / "train.py").is_file() or not (path / "model.py").is_file():
+        raise UserError(f"--nanogpt {path}: no nanoGPT checkout there (train.py and model.py)")
+    data = path / "data" / "shakespeare_char"
+    if not (data / "train.bin").is_file() or not (data / "val.bin").is_file():
+        raise UserError(f"--nanogpt {path}: its data is not prepared; put the same text in "
+                        f"{data}/input.txt and run python {data}/prepare.py")
+    return NanoGPT(path)
+
+
+# The classic recipe is nanoGPT's settings run by train.py, in fp32 as nanoGPT runs on a CPU,
+# evaluated as the race evaluates nanoGPT. The quickstart runs as shipped (dtype auto, which
+# is bf16 where the CPU multiplies it natively) and in fp32, as every CPU without native
+# bf16 runs it, each evaluated at its own interval.
+RECIPES = [
+    Recipe("adamw classic fp32", CLASSIC, {"dtype": "float32", "eval_interval": 100,
+                                           "eval_iters": 50}, baseline=True),
+    Recipe("the quickstart as shipped (dtype auto)", QUICKSTART),
+    Recipe("the quickstart in fp32", QUICKSTART, {"dtype": "float32"}),
+]
+
+
+# the layout switches: (the quickstart's value, GPT-2's value); the last three are nanochat's
+SWITCHES = {"pos_embedding": ("rope", "learned"), "norm": ("rmsnorm", "layernorm"),
+            "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True),
+            "bias": (False, True), "embed_norm": (True, False), "logit_softcap": (15.0, 0.0)}
+GPT2_LAYOUT = {name: gpt2 for name, (_, gpt2) in SWITCHES.items()}
+
+
+def ablation_recipes() -> list[Recipe]:
+    """The classic recipe; the quickstart (modern layout, Muon) with each switch turned back
+    to GPT-2's, and GPT-2's layout with each turned on, Muon throughout; the quickstart with
+    embedding_lr equal to learning_rate, with no positions, and with grouped-query attention
+    at n_kv_head n_head / 2 and 1 (multi-query). Each Muon row runs in the dtype that auto
+    chooses for it, as a user would run it."""
+    rows = [RECIPES[0], Recipe("quickstart: modern layout, muon", QUICKSTART, {}),
+            Recipe("GPT-2 layout, muon", QUICKSTART, GPT2_LAYOUT)]
+    rows += [Recipe(f"modern, {name} = {gpt2}", QUICKSTART, {name: gpt2})
+             for name, (_, gpt2) in SWITCHES.items()]
+    rows += [Recipe(f"GPT-2 layout, {name} = {modern}", QUICKSTART, {**GPT2_LAYOUT, name: modern})
+             for name, (modern, _) in SWITCHES.items()]
+    rows += [Recipe("modern, embedding_lr = learning_rate", QUICKSTART, {"embedding_lr": 0})]
+    rows += [Recipe("modern, pos_embedding = none", QUICKSTART, {"pos_embedding": "none"})]
+    rows += [Recipe(f"modern, n_kv_head = {n}", QUICKSTART, {"n_kv_head": n}) for n in (2, 1)]
+    return rows
+
+
+def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name: str,
+               target: float) -> dict[str, Any]:
+    """Run one recipe in a fresh process; its figures, timed from the process's start."""
+    args, cwd = recipe.command(data_dir, out_dir, run_name)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line arrives when it is printed
+    lines, hit = [], None
+    t0 = time.perf_counter()
+    with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+        for line in proc.stdout:
+            lines.append((time.perf_counter(), line.strip()))
+            match = EVALUATION.match(line)
+            if match and hit is None and float(match.group(2)) <= target:
+                hit = (int(match.group(1)), lines[-1][0] - t0)
+                if recipe.baseline:
+                    proc.terminate()
+    if proc.returncode != 0 and not (recipe.baseline and hit):
+        tail = "\n".join(text for _, text in lines[-5:])
+        raise RuntimeError(f"recipe {recipe.name!r} failed with exit code {proc.returncode}:\n{tail}")
+    evaluations = [EVALUATION.match(text) for _, text in lines]
+    vals = [float(m.group(2)) for m in evaluations if m]
+    dtype = next((m.group(1) for m in map(DTYPE_LINE.match, (t for _, t in lines)) if m),
+                 "float32")  # nanoGPT computes in fp32 on a CPU
+    spans = log_point_times(lines)[1:]  # the first holds the first steps' warm-up
+    return {
+        "ms_per_iter": 1000 * statistics.median(spans) if spans else None,
+        "iters_to_target": hit[0] if hit else None,
+        "seconds_to_target": hit[1] if hit else None,
+        # a baseline stopped at the target has no final loss of its own
+        "final_val_loss": vals[-1] if vals and not (recipe.baseline and hit) else None,
+        "wall_s": time.perf_counter() - t0,
+        "dtype": dtype,
+    }
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median, or None if any run lacks the figure (a median of the rest would flatter)."""
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+def time_to_loss(recipes: list[Recipe | NanoGPT], data_dir: Path, target: float,
+                 repeats: int) -> list[dict]:
+    """Each recipe's median figures over `repeats` alternating rounds, and its speed-up in
+    time to the target over the first recipe's."""
+    runs: dict[str, list[dict]] = {r.name: [] for r in recipes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(repeats):
+            for i, recipe in enumerate(recipes):
+                figures = run_recipe(recipe, data_dir, Path(tmp), f"r{round_}-{i}", target)
+                runs[recipe.name].append(figures)
+                print(f"  round {round_ + 1}, {recipe.name}: {json.dumps(figures)}",
+                      file=sys.stderr)
+    rows = []
+    for recipe in recipes:
+        done = runs[recipe.name]
+        rows.append({"recipe": recipe.name,
+                     **{key: median_or_none([d[key] for d in done]) for key in done[0]
+                        if key != "dtype"},
+                     "dtype": "/".join(sorted({d["dtype"] for d in done})),
+                     "rounds": [d["seconds_to_target"] for d in done]})
+    base = rows[0]["seconds_to_target"]
+    for row in rows:
+        mine = row["seconds_to_target"]
+        row["speedup"] = base / mine if base and mine else None
+    return rows
+
+
+def machine_line() -> str:
+    """The CPU, the flags that decide its speed here, the threads and torch, for a figure's
+    label."""
+    flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+             if f in cpu_flags()]
+    return (f"CPU: {cpu_name()}; flags: {' '.join(flags) or 'none of avx2, avx512'}; "
+            f"{torch.get_num_threads()} threads; torch {torch.__version__}")
+
+
+def print_rows(rows: list[dict], target: float) -> None:
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    print(f"| recipe | dtype | ms/iter | iters to val <= {target} | seconds to it | final val | "
+          f"speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['recipe']} | {row['dtype']} | {fmt(row['ms_per_iter'], '.1f')} | "
+              f"{fmt(row['iters_to_target'], '.0f')} | {fmt(row['seconds_to_target'], '.1f')} | "
+              f"{fmt(row['final_val_loss'], '.3f')} | "
+              f"{'-' if row['speedup'] is None else format(row['speedup'], '.2f') + 'x'} |")
