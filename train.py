@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from training.checkpoints import read_saved, restore, save, snapshot
 from training.config import ConfigError, TrainConfig, command_line, load_config
 from training.log import RunLog
 from training.memory import check_memory, out_of_memory
-from training.optimizer import configure_optimizers, lr_multiplier, set_lr
+from training.optimizer import configure_optimizers
 from training.precision import choose_dtype
 from training.runs import (
     Interrupted,
@@ -70,10 +70,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Train the model cfg describes on its data; with resume, go on from the run folder's
     last checkpoint. Under torchrun every process runs this."""
     t_start = time.time()
-    # signals from the start: a Ctrl-C while the data is prepared, or during the first
-    # evaluation, is answered after the first step, with a save
-    with distributed.process_group(cfg.device) as dist, stop_signals() as stop:
-        # --- where this process computes ------------------------------------------------
+    with ExitStack() as stack:  # each context below closes when the run ends, however it ends
+        dist = stack.enter_context(distributed.process_group(cfg.device))
+        # the signals from the start: a Ctrl-C while the data is prepared is answered after
+        # the first step, with a checkpoint
+        stop = stack.enter_context(stop_signals())
+
+        # --- where this process computes --------------------------------------------------
         device = resolve_device(cfg.device, dist.local_rank)
         sharded = check_parallel(cfg, dist)
         if cfg.compile:  # refuse a compiler that cannot work here before writing anything
@@ -83,157 +86,144 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-
-        if resume:  # a run to continue must exist: checked before the data is prepared
+        if resume:  # a run to continue must exist, which is checked before the data is read
             check_resumable_folder(run_dir_of(cfg))
 
-        # --- the data: token ids in memory-mapped shards --------------------------------
+        # --- the data: token ids in memory-mapped shards ----------------------------------
         meta, splits, tokenizer = load_data(cfg, dist)
-        sample_ids = (setting_ids("sample_prompt", cfg.sample_prompt, tokenizer)
-                      if cfg.sample_tokens else [])
+        sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
         probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
                      if cfg.attention_probe else splits["val"][:32].tolist())
         check_memory(cfg, meta["vocab_size"], device, dist)
+        run = stack.enter_context(run_folder(cfg, resume, dist))
+        stack.enter_context(out_of_memory(cfg, device, dist))
+        log = stack.enter_context(RunLog(run, cfg, dist, tokenizer, probe_ids,
+                                         attention=cfg.log_attention and not sharded))
 
-        with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
-                RunLog(run, cfg, dist, tokenizer, probe_ids,
-                       attention=cfg.log_attention and not sharded) as log:
-            # --- the model and its optimizers: new, or as the checkpoint left them ------
-            saved, checkpoint = read_saved(run.path, device, mmap=sharded) if resume \
-                else (None, None)
-            dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-            raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
-            run.check_room(raw_model, dist)
-            optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-            # float16 needs its loss scaled, or small gradients round to zero; bf16 does not
-            scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-            # the model's block_size: a base model to fine-tune may have its own
-            samplers = {split: batch_sampler(data, meta, raw_model.config.block_size,
-                                             cfg.batch_size, log.say)
-                        for split, data in splits.items()}
-            batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
-            tokens_per_iter = (cfg.gradient_accumulation_steps * cfg.batch_size
-                               * raw_model.config.block_size)
-            iter_num, best_val_loss = 0, math.inf
-            if saved is not None:
-                check_resumable(saved, raw_model, meta, cfg, checkpoint)
-                iter_num, best_val_loss = restore(saved, checkpoint, raw_model, optimizers,
-                                                  scaler, batches, device)
-                run.saved(checkpoint, iter_num)
-                del saved  # its tensors are copied into the model and optimizers: free them
-                if iter_num == cfg.max_iters:
-                    log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing "
-                            f"left to train; raise --max-iters to train it further")
-            model = raw_model  # what the step calls: maybe compiled, maybe wrapped in DDP
-            if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
-                model = torch.compile(model)
-            if dist.enabled and not sharded:  # gradients averaged across processes in backward
-                from torch.nn.parallel import DistributedDataParallel
-                # the gradients live in DDP's buckets rather than beside them: no second copy
-                model = DistributedDataParallel(
-                    model, device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-            # FSDP on a GPU gathers the weights in bf16 (its mixed precision): no autocast
-            autocast = (nullcontext() if dtype == torch.float32 or sharded and device.type == "cuda"
-                        else torch.autocast(device.type, dtype=dtype))
+        # --- the model and its optimizers: new, or as the checkpoint left them -----------
+        saved, checkpoint = read_saved(run.path, device, mmap=sharded) if resume else (None, None)
+        dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
+        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
+        run.check_room(raw_model, dist)
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
+        # float16 needs its loss scaled, or small gradients round to zero; bf16 does not
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        # the model's block_size, because a base model to fine-tune may have its own
+        samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
+                                         log.say) for split, data in splits.items()}
+        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
+        iter_num, best_val_loss = 0, math.inf
+        if saved is not None:
+            check_resumable(saved, raw_model, meta, cfg, checkpoint)
+            iter_num, best_val_loss = restore(saved, checkpoint, raw_model, optimizers, scaler,
+                                              batches, device)
+            run.saved(checkpoint, iter_num)
+            del saved  # its tensors are copied into the model and optimizers, so free them
+        model = raw_model  # what the step calls: maybe compiled, maybe wrapped for torchrun
+        if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
+            model = torch.compile(model)
+        if dist.enabled and not sharded:
+            model = distributed.ddp(model, device)
+        # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
+        autocast = (nullcontext() if dtype == torch.float32 or sharded and device.type == "cuda"
+                    else torch.autocast(device.type, dtype=dtype))
+        log.start(iter_num, raw_model.config)
+        tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
+        peak, peak_source = peak_flops(device, dtype)
+        processes = f" x {dist.world_size} process{'es' * (dist.world_size > 1)}" if dist.enabled else ""
+        log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
+                f"device {device}{processes}, optimizer {cfg.optimizer}, writing to {run.path}/")
+        log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
+        log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
+        if iter_num >= cfg.max_iters:
+            log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing left to "
+                    f"train; raise --max-iters to train it further")
 
-            # --- the loop -----------------------------------------------------------------
-            log.start(iter_num, raw_model.config)
-            peak, peak_source = peak_flops(device, dtype)
-            processes = (f" x {dist.world_size} process{'es' * (dist.world_size > 1)}"
-                         if dist.enabled else "")
-            log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} "
-                    f"tokens/iter, device {device}{processes}, optimizer {cfg.optimizer}, "
-                    f"writing to {run.path}/")
-            log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
-            log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process "
-                    f"({peak_source})")
+        # --- the loop ---------------------------------------------------------------------
+        losses: dict[str, float] = {}  # the last evaluation's
+        x, y = batches.next()
+        accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
+        t_log, iters_since_log = time.perf_counter(), 0
+        loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed to a log point
+        while iter_num < cfg.max_iters:
+            lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
+            for opt in optimizers:
+                for group in opt.param_groups:  # each group scales its own peak
+                    group["lr"] = group["peak_lr"] * lr_scale
+            for micro_step in range(accum_steps):
+                if dist.enabled:  # reduce the gradients across processes after the last alone
+                    distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
+                with autocast:
+                    _, loss = model(to_device(x, device), to_device(y, device))
+                loss = loss / accum_steps  # the step's mean over its micro-batches
+                x, y = batches.next()  # drawn while a GPU works on the forward pass
+                scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            for opt in optimizers:
+                scaler.unscale_(opt)  # so that clipping sees the true gradients
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+            for opt in optimizers:
+                scaler.step(opt)
+            scaler.update()
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            iter_num += 1
+            iters_since_log += 1
+            log.step()
 
-            def evaluate(it: int) -> dict[str, float]:
-                """Both splits' losses, logged as soon as they are known, then a text sample
-                and the attention pictures."""
-                model.eval()  # no dropout while measuring or sampling
-                losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
-                log.losses(it, losses)
-                if not math.isfinite(losses["val"]):
-                    raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last "
-                                        f"good checkpoint is kept: lower learning_rate or set "
-                                        f"grad_clip")
-                text = sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist)
-                log.pictures(it, text, raw_model)
-                model.train()
-                return losses
+            if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                # .item() waits for the device: only here, every log_interval steps
+                train_loss = (distributed.all_sum(loss_sum, dist).item()
+                              / (iters_since_log * dist.world_size))
+                if not math.isfinite(train_loss):
+                    raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
+                                        f"the last good checkpoint is kept: lower learning_rate "
+                                        f"or set grad_clip")
+                tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
+                mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
+                # the lr shown is AdamW's; every group scales its own peak alike
+                log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
+                          distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
+                t_log, iters_since_log = time.perf_counter(), 0
+                loss_sum = torch.zeros_like(loss_sum)
 
-            losses: dict[str, float] = {}  # the last evaluation's
-            x, y = batches.next()
-            # each process runs its share of the micro-batches
-            accum_steps = cfg.gradient_accumulation_steps // dist.world_size
-            t_log, iters_since_log = time.perf_counter(), 0
-            loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed to a log point
-            while iter_num < cfg.max_iters:
-                # warmup, then cosine decay; each param group has its own peak
-                lr_scale = lr_multiplier(iter_num, cfg)
-                set_lr(optimizers, lr_scale)
-                for micro_step in range(accum_steps):
-                    # under torchrun, reduce gradients only after the last micro-batch
-                    last = micro_step == accum_steps - 1
-                    with distributed.gradient_sync(model, dist, sync=last):
-                        with autocast:
-                            _, loss = model(to_device(x, device), to_device(y, device))
-                        loss = loss / accum_steps  # the step's mean over its micro-batches
-                        x, y = batches.next()  # drawn while a GPU works on the forward pass
-                        scaler.scale(loss).backward()
-                    loss_sum += loss.detach()
-                for opt in optimizers:
-                    scaler.unscale_(opt)  # so that clipping sees the true gradients
-                grad_norm = distributed.whole(torch.nn.utils.clip_grad_norm_(
-                    raw_model.parameters(), cfg.grad_clip or math.inf))
-                for opt in optimizers:
-                    scaler.step(opt)
-                scaler.update()
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                iter_num += 1
-                iters_since_log += 1
-                log.step()
-
-                if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-                    # .item() waits for the device: only here, every log_interval steps
-                    train_loss = (distributed.all_sum(loss_sum, dist).item()
-                                  / (iters_since_log * dist.world_size))
-                    if not math.isfinite(train_loss):
-                        raise TrainingError(f"training loss became {train_loss} at iter "
-                                            f"{iter_num}; the last good checkpoint is kept: "
-                                            f"lower learning_rate or set grad_clip")
-                    tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
-                    mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                    # the lr shown is AdamW's; every group scales its own peak alike
-                    log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
-                              grad_norm.item(), tokens_per_sec, mfu)
-                    t_log, iters_since_log = time.perf_counter(), 0
-                    loss_sum = torch.zeros_like(loss_sum)
-
-                paused = time.perf_counter()  # evaluating and saving are not training
-                evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
-                is_best = False
-                if evaluated:
-                    losses = evaluate(iter_num)
-                    is_best = losses["val"] < best_val_loss
-                    best_val_loss = min(best_val_loss, losses["val"])
-                stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
-                if evaluated or stopping:  # saved without an evaluation: its val loss is NaN
-                    state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
-                                     best_val_loss, losses["val"] if evaluated else math.nan,
-                                     cfg.to_dict(), meta["tokenizer"], device)
-                    save(run, state, raw_model, optimizers, dist, is_best)
-                t_log += time.perf_counter() - paused
-                if stopping:
-                    raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
-                                      f"{iter_num}; saved {run.checkpoint}; continue with "
-                                      f"the same command and {run.resume_flags}", stop.signal)
-            log.finish(best_val_loss, iter_num)
+            paused = time.perf_counter()  # evaluating and saving are not training
+            evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+            is_best = False
+            if evaluated:
+                losses = evaluate(model, raw_model, samplers, sample_ids, tokenizer, cfg, device,
+                                  autocast, dist, log, iter_num)
+                is_best = losses["val"] < best_val_loss
+                best_val_loss = min(best_val_loss, losses["val"])
+            stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
+            if evaluated or stopping:  # saved without an evaluation, its val loss is NaN
+                state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
+                                 best_val_loss, losses["val"] if evaluated else math.nan,
+                                 cfg.to_dict(), meta["tokenizer"], device)
+                save(run, state, raw_model, optimizers, dist, is_best)
+            t_log += time.perf_counter() - paused
+            if stopping:
+                raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
+                                  f"{iter_num}; saved {run.checkpoint}; continue with the "
+                                  f"same command and {run.resume_flags}", stop.signal)
+        log.finish(best_val_loss, iter_num)
     return TrainResult(run.path, iter_num, best_val_loss, losses, time.time() - t_start,
                        run.checkpoint, bool(meta.get("chat")))
+
+
+def get_lr_scale(it: int, cfg: TrainConfig) -> float:
+    """The learning rate at step `it` as a fraction of each group's peak: a linear warmup to
+    1, then a cosine decay to min_lr / learning_rate at lr_decay_iters (default max_iters)."""
+    if not cfg.decay_lr:
+        return 1.0
+    if it < cfg.warmup_iters:
+        return (it + 1) / (cfg.warmup_iters + 1)
+    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 1.0
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it >= decay_iters:
+        return floor
+    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # 1 -> floor
 
 
 def check_parallel(cfg: TrainConfig, dist: distributed.Dist) -> bool:
@@ -311,32 +301,44 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device)
 
 
+def evaluate(model: torch.nn.Module, raw_model: GPT, samplers: dict[str, Sampler],
+             sample_ids: list[int], tokenizer: Tokenizer, cfg: TrainConfig, device: torch.device,
+             autocast: Any, dist: distributed.Dist, log: RunLog, it: int) -> dict[str, float]:
+    """Both splits' losses, logged as soon as they are known, then a text sample and the
+    attention pictures."""
+    model.eval()  # no dropout while measuring or sampling
+    losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
+    log.losses(it, losses)
+    if not math.isfinite(losses["val"]):
+        raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
+                            f"checkpoint is kept: lower learning_rate or set grad_clip")
+    log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist), raw_model)
+    model.train()
+    return losses
+
+
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any,
                   dist: distributed.Dist | None = None) -> dict[str, float]:
-    """Mean loss over eval_iters batches per split (call it in eval mode). The batches are
-    the same at every evaluation (a fixed seed), so the curve shows the model changing,
-    not the sample. Under torchrun the processes share the batches out and average."""
+    """The mean loss over eval_iters batches of each split (call it in eval mode). The batches
+    are the same at every evaluation (a fixed seed), so the curve shows the model changing,
+    not the sample. Under torchrun the processes share the batches out."""
     dist = dist or distributed.Dist()
-    # a sharded model's forward is a collective: every process runs as many, the last
-    # batch again (and not counted) where eval_iters does not divide among them
-    rounds = -(-cfg.eval_iters // dist.world_size) * dist.world_size
     out = {}
-    for name, draw in samplers.items():
+    for split, draw in samplers.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)
-        total = torch.zeros(2, device=device)  # (sum of losses, batches)
-        for k in range(rounds if distributed.is_sharded(model) else cfg.eval_iters):
-            if k < cfg.eval_iters:
-                x, y = draw(generator)
-            if k % dist.world_size == dist.rank:
-                with autocast:
-                    _, loss = model(to_device(x, device), to_device(y, device))
-                counted = float(k < cfg.eval_iters)
-                total += torch.stack([loss.float() * counted,
-                                      torch.full((), counted, device=device)])
-        loss_sum, count = distributed.all_sum(total, dist).tolist()
-        out[name] = loss_sum / count
+        batches = [draw(generator) for _ in range(cfg.eval_iters)]
+        total = torch.zeros((), device=device)
+        for x, y in batches[dist.rank::dist.world_size]:
+            with autocast:
+                _, loss = model(to_device(x, device), to_device(y, device))
+            total += loss.float()
+        if distributed.is_sharded(model):
+            from training.fsdp import forward_as_often_as_the_others
+            forward_as_often_as_the_others(batches, dist, lambda x, y: model(
+                to_device(x, device), to_device(y, device)), autocast)
+        out[split] = distributed.all_sum(total, dist).item() / cfg.eval_iters
     return out
 
 

@@ -13,13 +13,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from data.loader import load_meta
 from machine.device import DeviceError, resolve_device
 from model import GPT
-from train import train
+from train import get_lr_scale, train
 from training.config import ConfigError
 from training.optimizer import (
     Muon,
     by_shape,
     configure_optimizers,
-    lr_multiplier,
     muon_parameters,
     orthogonalize,
 )
@@ -148,13 +147,13 @@ def test_unknown_optimizer_is_refused(tiny_config):
 def test_schedule_warms_up_then_decays_every_group_to_the_same_fraction(tiny_config):
     cfg = dataclasses.replace(tiny_config, learning_rate=1.0, min_lr=0.1, warmup_iters=10,
                               max_iters=110)
-    m = [lr_multiplier(it, cfg) for it in range(120)]
+    m = [get_lr_scale(it, cfg) for it in range(120)]
     assert m[0] < m[5] < m[9] < 1.0
     assert m[10] == pytest.approx(1.0)
     assert m[60] == pytest.approx(0.55)  # halfway through the cosine
     assert all(a >= b for a, b in zip(m[10:], m[11:], strict=False))
     assert m[110] == m[119] == pytest.approx(0.1)
-    assert lr_multiplier(50, dataclasses.replace(cfg, decay_lr=False)) == 1.0
+    assert get_lr_scale(50, dataclasses.replace(cfg, decay_lr=False)) == 1.0
 
 
 def test_muon_parameters_of_a_model_without_biases(tiny_config):

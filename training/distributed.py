@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,13 +131,23 @@ def from_main(make: Callable[[], Any], info: Dist) -> Any:
     return box[0]
 
 
-def gradient_sync(model: torch.nn.Module, info: Dist, sync: bool) -> AbstractContextManager:
-    """Whether this backward reduces gradients across processes: only the last of a step's
-    micro-batches needs to; the earlier reductions would be wasted work."""
+def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model wrapped in DDP, which averages the gradients across the processes during the
+    backward pass. The gradients live in DDP's buckets rather than beside them, so there is
+    no second copy of them."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True)
+
+
+def sync_gradients(model: torch.nn.Module, now: bool) -> None:
+    """Whether the next backward pass reduces the gradients across the processes: only the
+    last of a step's micro-batches needs to, and the earlier reductions would be wasted. DDP
+    reads its flag at the forward pass, as its no_sync() sets it (nanoGPT sets it so too)."""
     if is_sharded(model):
-        model.set_requires_gradient_sync(sync)
-        return nullcontext()
-    return model.no_sync() if info.enabled and not sync else nullcontext()
+        model.set_requires_gradient_sync(now)
+    else:
+        model.require_backward_grad_sync = now
 
 
 # FSDP's modules take most of a second to import, which every command would pay at its

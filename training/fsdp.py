@@ -243,3 +243,13 @@ def fill_from_shards(saved: TrainState, path: Path, model: GPT,
                                  if key.startswith(f"optimizer.{i}.{name}.")})},
          "param_groups": opt.state_dict()["param_groups"]}
         for i, (opt, opt_names) in enumerate(zip(optimizers, names, strict=True))]
+
+
+def forward_as_often_as_the_others(batches: list, info: Dist, forward: Callable,
+                                   autocast: Any) -> None:
+    """A sharded model's forward is a collective, so every process must call it as often as
+    the others. Where an evaluation's batches do not divide among the processes, those with
+    one fewer run the forward once more on the last batch, whose loss is not counted."""
+    for _ in range(-(-len(batches) // info.world_size) - len(batches[info.rank::info.world_size])):
+        with autocast:
+            forward(*batches[-1])

@@ -1,9 +1,9 @@
 """The optimizers and the learning-rate schedule that training steps with.
 
 Usage:
-    from training.optimizer import configure_optimizers, lr_multiplier, set_lr
+    from training.optimizer import configure_optimizers
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
-    set_lr(optimizers, lr_multiplier(it, cfg))               # before each step
+    # before each step, as train.py does: group["lr"] = group["peak_lr"] * get_lr_scale(it, cfg)
 
 Two recipes, chosen by TrainConfig.optimizer:
 - "adamw", GPT-2's: AdamW on every parameter at learning_rate.
@@ -21,8 +21,8 @@ none on biases and LayerNorm gains, whose pull towards zero only hurts. Both opt
 decay decoupled and scaled by their own learning rate, so Muon's larger rate decays its
 matrices faster for the same weight_decay.
 
-Every group follows one schedule: a linear warmup, then a cosine decay to min_lr /
-learning_rate of its peak.
+Every group follows one schedule, train.py's get_lr_scale: a linear warmup, then a cosine
+decay to min_lr / learning_rate of the group's own peak.
 
 Muon here is torch.optim.Muon with two changes: its Newton-Schulz iteration runs in bf16
 only when the run computes in bf16, and in fp32 otherwise, and it orthogonalizes the
@@ -159,7 +159,7 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
                          dtype: torch.dtype = torch.float32) -> list[torch.optim.Optimizer]:
-    """The recipe's optimizers, each param group tagged with its peak lr for set_lr. dtype
+    """The recipe's optimizers, each param group tagged with its peak lr ("peak_lr"). dtype
     is the run's compute dtype: Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
@@ -194,25 +194,3 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
             weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
             ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
     return optimizers
-
-
-def lr_multiplier(it: int, cfg: TrainConfig) -> float:
-    """The schedule as a fraction of each group's peak lr: linear warmup to 1, then cosine
-    decay to min_lr / learning_rate at lr_decay_iters (default max_iters)."""
-    if not cfg.decay_lr:
-        return 1.0
-    if it < cfg.warmup_iters:
-        return (it + 1) / (cfg.warmup_iters + 1)
-    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 1.0
-    decay_iters = cfg.lr_decay_iters or cfg.max_iters
-    if it >= decay_iters:
-        return floor
-    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
-    return floor + coeff * (1.0 - floor)
-
-
-def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["peak_lr"] * multiplier
