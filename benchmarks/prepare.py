@@ -107,7 +107,7 @@ def baseline(corpus: Path, megabytes: float) -> dict:
     """tiktoken on one core, and the whole-corpus approach's memory, on the corpus's head."""
     code = f"""
 import json, resource, time, numpy as np
-from data.tokenizer import GPT2Tokenizer
+from data.bpe_tokenizers import GPT2Tokenizer
 enc = GPT2Tokenizer().enc
 texts, size = [], 0
 with open({str(corpus)!r}, 'rb') as f:

@@ -35,9 +35,9 @@ import typer
 from benchmarks.prepare import make_corpus
 from benchmarks.train import read_scalars
 from data.bpe import train_bpe
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.documents import list_inputs
 from data.prepare import prepare, prepare_text
-from data.tokenizer import GPT2Tokenizer
 from measure.scores import evaluate
 from weights.loading import load_model
 

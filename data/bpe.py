@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
 
+from data.bpe_tokenizers import BPETokenizer
 from data.sources import DataError
-from data.tokenizer import BPETokenizer
 from data.workers import WorkerDied, exit_with_parent_thread
 
 # GPT-4's split pattern (tiktoken's cl100k_base, as rustbpe has it by default)

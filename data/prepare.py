@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from data.assets import sha256_bytes
 from data.bpe import check_vocab_size, train_bpe_apart
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.chat_demo import conversations
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.folder import (
@@ -61,13 +62,7 @@ from data.hf_tokenizer import HFTokenizer
 from data.shards import ShardWriter, token_dtype
 from data.sources import BUILTIN, DataError, shakespeare_text
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import (
-    TOKENIZERS,
-    CharTokenizer,
-    GPT2Tokenizer,
-    load_tokenizer,
-    with_specials,
-)
+from data.tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer, with_specials
 from data.workers import (
     CHAR_SEPARATOR,
     alphabet_of,

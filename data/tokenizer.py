@@ -1,6 +1,7 @@
-"""Tokenizers: text <-> token ids. Character-level, GPT-2's BPE (offline), and a BPE trained
-on your corpus, both encoded by tiktoken; and a Hugging Face folder's tokenizer.json
-(data/hf_tokenizer.py). tokenizer_json.py writes ours as one.
+"""Tokenizers: text <-> token ids. Character-level here; GPT-2's BPE (offline) and a BPE
+trained on your corpus, both encoded by tiktoken (data/bpe_tokenizers.py); and a Hugging
+Face folder's tokenizer.json (data/hf_tokenizer.py). tokenizer_json.py writes ours as one.
+load_tokenizer imports each only for data that uses it.
 
 Usage:
     from data.tokenizer import CharTokenizer, load_tokenizer
@@ -15,13 +16,11 @@ checkpoints, so anything trained can always be decoded again.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Protocol
 
 import numpy as np
 
-from data.specials import END_OF_TEXT
+from data.specials import END_OF_TEXT, specials_meta
 from machine.errors import InputError
 from machine.files import record_problem
 
@@ -89,89 +88,6 @@ class CharTokenizer:
                 **specials_meta(self.added)}
 
 
-class TiktokenTokenizer:
-    """Byte-level BPE encoded by tiktoken: `ranks` maps each token's bytes to its id, and the
-    end-of-text special token comes after them."""
-
-    def __init__(self, name: str, pattern: str, ranks: dict[bytes, int],
-                 specials: tuple[str, ...] = ()) -> None:
-        import tiktoken
-        self.pattern, self.ranks = pattern, ranks
-        # <|endoftext|> right after the table, as GPT-2 has it; the added ones after it
-        self.added = tuple(specials)
-        self.specials = {END_OF_TEXT: len(ranks),
-                         **{token: len(ranks) + 1 + i for i, token in enumerate(specials)}}
-        self.enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
-                                     special_tokens=self.specials)
-        self.eot_token = self.enc.eot_token
-        self.vocab_size = self.enc.n_vocab
-
-    def encode(self, text: str) -> list[int]:
-        # ordinary: "<|endoftext|>" written in a text is text, not the special token
-        return self.enc.encode_ordinary(text)
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """encode() as a uint32 array, without a Python int per token."""
-        return self.enc.encode_to_numpy(text, disallowed_special=())
-
-    def decode(self, ids: list[int]) -> str:
-        return self.enc.decode(ids)
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        return self.enc.decode_bytes(ids)
-
-
-class GPT2Tokenizer(TiktokenTokenizer):
-    """GPT-2's byte-level BPE (50,257 tokens), built from a local ranks file."""
-
-    def __init__(self, specials: tuple[str, ...] = ()) -> None:
-        from tiktoken.load import load_tiktoken_bpe
-        from tiktoken_ext.openai_public import r50k_pat_str  # tiktoken's GPT-2 split pattern
-
-        from data.assets import GPT2_RANKS_SHA256, gpt2_ranks_path
-
-        ranks = load_tiktoken_bpe(str(gpt2_ranks_path()), expected_hash=GPT2_RANKS_SHA256)
-        super().__init__("gpt2", r50k_pat_str, ranks, specials)
-
-    def to_meta(self) -> dict:
-        return {"kind": "gpt2", "vocab_size": self.vocab_size, **specials_meta(self.added)}
-
-
-class BPETokenizer(TiktokenTokenizer):
-    """A byte-level BPE trained on your corpus (data/bpe.py): `tokens` holds each token's
-    bytes in id order, the 256 single bytes among them, and `pattern` splits text into the
-    pieces that merges stay inside."""
-
-    def __init__(self, tokens: list[bytes], pattern: str, specials: tuple[str, ...] = ()) -> None:
-        missing = set(range(256)) - {t[0] for t in tokens if len(t) == 1}
-        if len(set(tokens)) != len(tokens) or missing:
-            raise ValueError("the token table has duplicates or lacks single bytes")
-        self.tokens = tokens
-        super().__init__("bpe", pattern, {t: i for i, t in enumerate(tokens)}, specials)
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> BPETokenizer:
-        """The tokenizer of a description that tokenizer_problem passed (its keys, types and
-        size): what is left to fail is the tokens' base64 and the table itself."""
-        try:
-            tokens = [base64.b64decode(t, validate=True) for t in meta["tokens"]]
-            return cls(tokens, meta["pattern"], tuple(meta.get("specials", ())))
-        except (TypeError, ValueError, binascii.Error) as e:
-            raise ValueError(f"the bpe tokenizer's description is damaged ({e})") from None
-
-    def to_meta(self) -> dict:
-        # base64 keeps every token's bytes in JSON and in a weights_only checkpoint
-        return {"kind": "bpe", "vocab_size": self.vocab_size, "pattern": self.pattern,
-                "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens],
-                **specials_meta(self.added)}
-
-
-def specials_meta(added: tuple[str, ...]) -> dict:
-    """A description's "specials" key: the special tokens added after the table, in id
-    order (absent where there are none, so older descriptions read as they were written)."""
-    return {"specials": list(added)} if added else {}
-
-
 # each kind, and what its description (to_meta) must hold, of what type
 RECORDS = {"char": {"vocab_size": int, "chars": str}, "gpt2": {"vocab_size": int},
            "bpe": {"vocab_size": int, "pattern": str, "tokens": list},
@@ -212,10 +128,9 @@ def load_tokenizer(meta: dict) -> Tokenizer:
     kind, added = meta["kind"], tuple(meta.get("specials", ()))
     if kind == "char":
         return CharTokenizer(meta["chars"], added)
-    if kind == "gpt2":
-        return GPT2Tokenizer(added)
-    if kind == "bpe":
-        return BPETokenizer.from_meta(meta)
+    if kind in ("gpt2", "bpe"):
+        from data.bpe_tokenizers import BPETokenizer, GPT2Tokenizer
+        return GPT2Tokenizer(added) if kind == "gpt2" else BPETokenizer.from_meta(meta)
     from data.hf_tokenizer import HFTokenizer  # the tokenizers library: only for a folder's
     return HFTokenizer(meta["json"])
 

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import json
 
+from data.bpe_tokenizers import TiktokenTokenizer
 from data.chat import CHAT_TEMPLATE
 from data.hf_tokenizer import HFTokenizer, byte_unicode
 from data.specials import CHAT_SPECIALS, END_OF_TEXT
-from data.tokenizer import (
-    CharTokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-)
+from data.tokenizer import CharTokenizer, Tokenizer
 
 
 def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:

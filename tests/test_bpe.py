@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from data.bpe_tokenizers import BPETokenizer
 from data.documents import list_inputs
 from data.loader import load_meta
 from data.prepare import prepare
-from data.tokenizer import BPETokenizer, load_tokenizer
+from data.tokenizer import load_tokenizer
 from tests.forked import python
 from tests.signals import as_from_a_terminal
 

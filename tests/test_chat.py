@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.chat import (
     ASSISTANT_END,
     ASSISTANT_START,
@@ -30,12 +31,7 @@ from data.loader import load_meta, load_split
 from data.prepare import prepare
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import (
-    CharTokenizer,
-    GPT2Tokenizer,
-    load_tokenizer,
-    with_specials,
-)
+from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
 from data.tokenizer_json import tokenizer_files
 from generate import Chat, StopText, generate, prompt_ids
 from machine.errors import InputError

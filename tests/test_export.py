@@ -12,7 +12,8 @@ from conftest import make_corpus
 from torch.nn import functional as F
 
 from data.bpe import train_bpe
-from data.tokenizer import CharTokenizer, GPT2Tokenizer
+from data.bpe_tokenizers import GPT2Tokenizer
+from data.tokenizer import CharTokenizer
 from data.tokenizer_json import tokenizer_files
 from model import GPT
 from tests.forked import python

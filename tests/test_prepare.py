@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.documents import list_inputs
 from data.loader import get_batch, load_meta, load_split
 from data.prepare import CHAR_SEPARATOR, prepare
 from data.sources import DataError
-from data.tokenizer import GPT2Tokenizer, load_tokenizer
+from data.tokenizer import load_tokenizer
 from tests.forked import python
 from tests.signals import as_from_a_terminal
 

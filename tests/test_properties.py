@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.bpe import train_bpe
-from data.tokenizer import CharTokenizer, GPT2Tokenizer
+from data.bpe_tokenizers import GPT2Tokenizer
+from data.tokenizer import CharTokenizer
 from generate import check_sampling, filter_top_k, filter_top_p, sample_next
 from training.config import FIELDS, ConfigError, TrainConfig, load_config
 

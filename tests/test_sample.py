@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer, with_specials
+from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
 from generate import (
     DECODE_BACKENDS,
     TextStream,

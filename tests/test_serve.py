@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import GPT2Tokenizer, with_specials
+from data.tokenizer import with_specials
 from model import GPT, GPTConfig
 from tests.forked import python
 from weights.checkpoint import load_checkpoint, save_checkpoint

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from data.bpe_tokenizers import GPT2Tokenizer
 from data.hf_tokenizer import HFTokenizer
-from data.tokenizer import GPT2Tokenizer, Tokenizer, load_tokenizer
+from data.tokenizer import Tokenizer, load_tokenizer
 from machine.errors import UserError
 from model import GPT, GPTConfig
 from weights.checkpoint import (
