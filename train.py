@@ -1,18 +1,22 @@
 """Train a GPT on a prepared corpus, with TensorBoard logs, evaluation and checkpoints.
 
 Usage:
-    python train.py --config config/quickstart.toml               # char-level Shakespeare, CPU
-    python train.py --config config/quickstart.toml --max-iters 500 --n-layer 2
-    python train.py --config config/quickstart.toml --resume      # continue runs/quickstart
-    torchrun --standalone --nproc_per_node=2 train.py --config config/quickstart.toml
+    python train.py config/quickstart.toml                   # char-level Shakespeare, on a CPU
+    python train.py config/quickstart.toml --max-iters 500 --n-layer 2
+    python train.py config/quickstart.toml --resume          # continue runs/quickstart
+    torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
     tensorboard --logdir runs
 
     from train import train                  # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: where the process computes, the data, the model and its
-optimizers, then the loop. What a plain run does not use is imported where it is needed
-(FSDP, sharded checkpoints, data preparation, a base model to fine-tune). A run writes
+optimizers, then the loop. Every part of a step is a line or a call away: the learning rate
+(get_lr_scale, below), a batch (BatchStream.next, data/loader.py), the forward and backward,
+clipping, the optimizers' step (training/optimizer.py), the log, the evaluation (evaluate,
+below) and the checkpoint (training/checkpoints.py). What differs under torchrun is asked
+where it matters, "if dist.enabled". What a plain run does not use is imported where it is
+needed: FSDP, sharded checkpoints, data preparation, a base model to fine-tune. A run writes
 runs/<run_name>/: TensorBoard events, last.pt at every evaluation, best.pt at the best.
 """
 
@@ -38,7 +42,7 @@ from machine.errors import reported, run_command
 from machine.perf import peak_flops
 from model import GPT, GPTConfig
 from training import distributed
-from training.checkpoints import read_saved, restore, save, snapshot
+from training.checkpoints import save, snapshot
 from training.config import ConfigError, TrainConfig, command_line, load_config
 from training.log import RunLog
 from training.memory import check_memory, out_of_memory
@@ -47,7 +51,6 @@ from training.precision import choose_dtype
 from training.runs import (
     Interrupted,
     TrainingError,
-    check_resumable,
     check_resumable_folder,
     run_dir_of,
     run_folder,
@@ -78,7 +81,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- where this process computes --------------------------------------------------
         device = resolve_device(cfg.device, dist.local_rank)
-        sharded = check_parallel(cfg, dist)
+        sharded = distributed.check_parallel(cfg, dist)  # whether FSDP shards the model
         if cfg.compile:  # refuse a compiler that cannot work here before writing anything
             check_compile(device, instead="drop --compile")
         torch.manual_seed(cfg.seed)
@@ -101,7 +104,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                          attention=cfg.log_attention and not sharded))
 
         # --- the model and its optimizers: new, or as the checkpoint left them -----------
-        saved, checkpoint = read_saved(run.path, device, mmap=sharded) if resume else (None, None)
+        saved = checkpoint = None
+        if resume:  # a door that a new run does not open
+            from training.resume import check_resumable, read_saved, restore
+            saved, checkpoint = read_saved(run.path, device, mmap=sharded)
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
@@ -138,6 +144,20 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if iter_num >= cfg.max_iters:
             log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing left to "
                     f"train; raise --max-iters to train it further")
+
+        def evaluate(it: int) -> dict[str, float]:
+            """Both splits' losses, logged as soon as they are known, then a text sample and
+            the attention pictures."""
+            model.eval()  # no dropout while measuring or sampling
+            losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
+            log.losses(it, losses)
+            if not math.isfinite(losses["val"]):
+                raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
+                                    f"checkpoint is kept: lower learning_rate or set grad_clip")
+            log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist),
+                         raw_model)
+            model.train()
+            return losses
 
         # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
@@ -191,8 +211,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
             if evaluated:
-                losses = evaluate(model, raw_model, samplers, sample_ids, tokenizer, cfg, device,
-                                  autocast, dist, log, iter_num)
+                losses = evaluate(iter_num)
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
@@ -224,23 +243,6 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
         return floor
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # 1 -> floor
-
-
-def check_parallel(cfg: TrainConfig, dist: distributed.Dist) -> bool:
-    """Whether this run shards its model (FSDP); ConfigError where the processes and the
-    settings do not fit together."""
-    if cfg.gradient_accumulation_steps % dist.world_size != 0:
-        raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
-                          f"must be divisible by the number of processes ({dist.world_size})")
-    if cfg.parallel != "fsdp":
-        return False
-    if not dist.enabled:
-        raise ConfigError("parallel = fsdp shards the model across torchrun's processes; "
-                          "launch with torchrun --nproc_per_node=N, or drop --parallel")
-    if cfg.dtype == "float16":
-        raise ConfigError("parallel = fsdp trains in float32 or bfloat16; float16's loss "
-                          "scaling is not wired for sharded gradients: use --dtype bfloat16")
-    return True
 
 
 def load_data(cfg: TrainConfig, dist: distributed.Dist,
@@ -299,22 +301,6 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # pinned memory lets the copy overlap with compute
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
-
-
-def evaluate(model: torch.nn.Module, raw_model: GPT, samplers: dict[str, Sampler],
-             sample_ids: list[int], tokenizer: Tokenizer, cfg: TrainConfig, device: torch.device,
-             autocast: Any, dist: distributed.Dist, log: RunLog, it: int) -> dict[str, float]:
-    """Both splits' losses, logged as soon as they are known, then a text sample and the
-    attention pictures."""
-    model.eval()  # no dropout while measuring or sampling
-    losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
-    log.losses(it, losses)
-    if not math.isfinite(losses["val"]):
-        raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
-                            f"checkpoint is kept: lower learning_rate or set grad_clip")
-    log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist), raw_model)
-    model.train()
-    return losses
 
 
 @torch.no_grad()

@@ -7,13 +7,11 @@ Usage:
     h = ReLUSquared.apply(h)              # relu(h)^2
     q = RotatePairs.apply(q, cos, sin)    # model.apply_rope's rotation, (B, T, heads, hd)
 
-Away from CUDA, each of these is made of several small operations, and PyTorch passes over
-the whole tensor once for each of them, forward and backward. On a CPU that is much of a
-small model's training step. In float32 they run as loops written in C (cpu_kernels.c),
-which pass over each tensor once; in other dtypes, or where no C compiler is found, as
-PyTorch operations, fewer than autograd would record for the same formula. Both give the
-values and gradients of the plain operations (tests/test_model.py). docs/performance.md
-has the measurements.
+Each is several small operations, and PyTorch passes over the whole tensor once for each,
+forward and backward, which on a CPU is much of a small model's step. In float32 they run as
+loops in C (cpu_kernels.c) that pass over each tensor once; elsewhere (bf16, torch.compile,
+no C compiler) as a few PyTorch operations. Both give the plain operations' values and
+gradients (tests/test_model.py); docs/performance.md has the measurements.
 """
 
 from __future__ import annotations
@@ -26,19 +24,17 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-
 
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
-    """cpu_kernels.c, built once for this CPU and kept in the cache; None where it cannot be
-    built, which is said once."""
-    from machine.cbuild import BuildError, build_library  # the compiler: only when it is needed
+    """cpu_kernels.c, built once for this CPU and kept in the cache, or None where it cannot
+    be built (which is said once)."""
+    from machine.cbuild import BuildError, build_library  # the compiler, only when needed
     try:
-        lib = build_library(SOURCE, [], "the CPU training kernels",
-                            instead="train with PyTorch's operations, slower")
+        lib = build_library(Path(__file__).with_name("cpu_kernels.c"), [], "cpu_kernels.c",
+                            instead="let the model run PyTorch's operations, slower")
     except BuildError as e:
-        print(f"note: {e}; training uses PyTorch's operations instead", file=sys.stderr)
+        print(f"note: {e}; the model runs PyTorch's operations instead", file=sys.stderr)
         return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.rms_norm_forward.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, f32]
@@ -51,20 +47,19 @@ def kernels() -> ctypes.CDLL | None:
 
 def in_c(*tensors: torch.Tensor, contiguous: bool = True) -> ctypes.CDLL | None:
     """The C kernels, if they can run on these tensors: float32 on the CPU, and contiguous
-    unless the kernel takes the tensors' strides itself."""
-    if torch.compiler.is_compiling():  # torch.compile fuses the plain operations itself
-        return None
-    if all(t.dtype == torch.float32 and t.device.type == "cpu"
-           and (t.is_contiguous() or not contiguous) for t in tensors):
+    unless the kernel takes the strides itself. Not under torch.compile, which fuses the
+    plain operations itself."""
+    if not torch.compiler.is_compiling() and all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and (t.is_contiguous() or not contiguous)
+            for t in tensors):
         return kernels()
     return None
 
 
 def row_groups(x: torch.Tensor) -> tuple[int, int] | None:
-    """x's rows (its last dimension) as groups of consecutive rows, the groups evenly apart,
-    as (rows in a group, floats from one group to the next); None if x is not laid out so.
-    A contiguous tensor is one group; the queries and keys split from one projection's
-    output (model.py's qk) are a group a token, with the values' heads between groups."""
+    """x's rows (its last dimension) as groups of consecutive rows, evenly apart: (rows in a
+    group, floats from one group to the next), or None. A contiguous tensor is one group; the
+    queries and keys split from one projection (model.py's qk) are a group a token."""
     if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.size(-1):
         return None
     try:
@@ -80,17 +75,14 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        groups = row_groups(x)
-        if groups and (lib := in_c(x, contiguous=False)):
-            y = torch.empty(x.shape, dtype=x.dtype)
-            r = x.new_empty(x.shape[:-1] + (1,))
-            lib.rms_norm_forward(x.data_ptr(), y.data_ptr(), r.data_ptr(), y.numel() // x.size(-1),
-                                 *groups, x.size(-1), eps)
-            ctx.save_for_backward(y, r)
-            return y
-        xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
-        y = xf * r
+        if (groups := row_groups(x)) and (lib := in_c(x, contiguous=False)):
+            y, r = torch.empty(x.shape), x.new_empty(x.shape[:-1] + (1,))
+            lib.rms_norm_forward(x.data_ptr(), y.data_ptr(), r.data_ptr(), r.numel(), *groups,
+                                 x.size(-1), eps)
+        else:
+            xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
+            r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
+            y = xf * r
         ctx.save_for_backward(y, r)
         return y.to(x.dtype)
 
@@ -98,16 +90,17 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         y, r = ctx.saved_tensors
         if lib := in_c(g, y):
-            dx, n = torch.empty_like(g), g.size(-1)
+            dx = torch.empty_like(g)
             lib.rms_norm_backward(g.data_ptr(), y.data_ptr(), r.data_ptr(), dx.data_ptr(),
-                                  g.numel() // n, n)
+                                  r.numel(), g.size(-1))
             return dx, None
         gf = g.float()
         return torch.addcmul(gf * r, y, r * (gf * y).mean(-1, keepdim=True), value=-1).to(g.dtype), None
 
 
 class ReLUSquared(torch.autograd.Function):
-    """relu(h)^2, whose gradient is 2 relu(h) g."""
+    """relu(h)^2, whose gradient is 2 relu(h) g. It keeps h for the backward pass (or relu(h),
+    which serves as well, because relu(relu(h)) is relu(h))."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
@@ -117,7 +110,7 @@ class ReLUSquared(torch.autograd.Function):
             ctx.save_for_backward(h)
             return out
         r = F.relu(h)
-        ctx.save_for_backward(r)  # relu(r) is r: the backward below serves both
+        ctx.save_for_backward(r)
         return r * r
 
     @staticmethod
@@ -131,10 +124,9 @@ class ReLUSquared(torch.autograd.Function):
 
 
 class RotatePairs(torch.autograd.Function):
-    """model.apply_rope's rotation of (B, T, heads, hd) queries or keys, with (T, 1, hd / 2)
-    tables whose row t holds the angles of the t-th token of every sequence, in one pass.
-    Its gradient turns each pair back by the same angle. Only the C kernels run it:
-    model.apply_rope asks can_rotate first."""
+    """model.apply_rope's rotation of (B, T, heads, hd) queries or keys in one pass, with
+    (T, 1, hd / 2) tables whose row t turns the t-th token of every sequence. The gradient
+    turns each pair back by the same angle. model.apply_rope asks can_rotate first."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -148,11 +140,10 @@ class RotatePairs(torch.autograd.Function):
 
 
 def can_rotate(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether RotatePairs can turn x: float32 on the CPU, with one table row for all the
-    sequences' t-th tokens (not a row per sequence, as a server's batch has), and the C
-    kernels built."""
-    return (x.dtype == torch.float32 and x.dim() == 4 and cos.dim() == 3
-            and in_c(x, cos, contiguous=False) is not None and cos.is_contiguous())
+    """Whether RotatePairs can turn x: float32 on the CPU, one table row for the t-th token of
+    every sequence (not a row for each sequence, as a server's batch has), and C kernels."""
+    return (x.dim() == 4 and cos.dim() == 3 and cos.is_contiguous()
+            and in_c(x, cos, contiguous=False) is not None)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, direction: float) -> torch.Tensor:

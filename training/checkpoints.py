@@ -4,11 +4,11 @@ under FSDP last.dcp, each process writing its own shards (training/fsdp.py, impo
 then). Either resumes on any number of processes, sharded or not.
 
 Usage:
-    from training.checkpoints import snapshot, save, read_saved, restore
+    from training.checkpoints import snapshot, save
     state = snapshot(model, optimizers, scaler, batches, iter_num, ...)   # a TrainState
     save(run, state, model, optimizers, dist, is_best)     # every process calls it
-    saved, path = read_saved(run.path, device, mmap=False)  # --resume: a TrainState
-    iter_num, best_val_loss = restore(saved, path, model, optimizers, scaler, batches, device)
+
+Reading a checkpoint back is training/resume.py's, imported only by a resumed run.
 
 A run folder's checkpoint is last.dcp if it has one (only a run under FSDP writes it, and it
 removes an older last.pt), else last.pt; best.* likewise.
@@ -28,21 +28,11 @@ from weights.checkpoint import (
     CheckpointError,
     TrainState,
     link_checkpoint,
-    load_checkpoint,
     non_finite,
     save_checkpoint,
-    state_dict_mismatch,
 )
 
 SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need not import it
-
-
-def last_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint a resumed run starts from: last.dcp, else last.pt, else None."""
-    for path in (run_dir / f"last{SHARDED}", run_dir / "last.pt"):
-        if path.exists():
-            return path
-    return None
 
 
 def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
@@ -113,52 +103,3 @@ def unlink_sharded(run_dir: Path, name: str) -> None:
     if (run_dir / f"{name}{SHARDED}").is_symlink():
         from weights import sharded
         sharded.unlink_sharded_twin(run_dir, name)
-
-
-def read_saved(run_dir: Path, device: torch.device, mmap: bool) -> tuple[TrainState, Path]:
-    """The state a resumed run starts from, and its checkpoint. A sharded checkpoint's
-    weights and optimizer state are not read yet: restore() reads each process's part of
-    them. mmap: map a plain last.pt rather than read it, so that each of several processes
-    touches only the parts it keeps (its shards)."""
-    path = last_checkpoint(run_dir)
-    if path is None:
-        raise CheckpointError(f"nothing to resume in {run_dir}")
-    if path.suffix == SHARDED:
-        from weights import sharded
-        state = sharded.read_state(path, resume=True)
-        return TrainState.from_checkpoint({**state, "model": {}, "optimizer": []}), path
-    ckpt = load_checkpoint(path, "cpu" if mmap else device, resume=True, mmap=mmap)
-    return TrainState.from_checkpoint(ckpt), path
-
-
-def restore(saved: TrainState, checkpoint: Path, model: GPT,
-            optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
-            batches: BatchStream, device: torch.device) -> tuple[int, float]:
-    """Put the run back as its checkpoint left it: weights, optimizer state, random
-    streams and batches. Returns the iteration and the best val loss it had reached."""
-    if checkpoint.suffix == SHARDED:  # each process reads its own shards
-        from training.fsdp import fill_from_shards
-        fill_from_shards(saved, checkpoint, model, optimizers)
-    problem = state_dict_mismatch(model.state_dict(), saved.model, "model_args")
-    if problem:
-        raise CheckpointError(f"cannot resume: the weights in {checkpoint} do not match its "
-                              f"model_args ({problem}); the file is damaged: start a new run "
-                              f"without --resume")
-    if distributed.is_sharded(model):  # each process takes its part of each whole tensor
-        from training.fsdp import laid_out_like
-        saved = laid_out_like(saved, model, optimizers)
-    model.load_state_dict(saved.model)
-    for opt, state in zip(optimizers, saved.optimizer, strict=True):
-        # the state (moments, momentum, step counts) is the run's; the settings (peak lr,
-        # decay, betas, momentum) are the config's, which a resumed run may change
-        settings = [{k: v for k, v in group.items() if k != "params"}
-                    for group in opt.param_groups]
-        opt.load_state_dict(state)
-        for group, setting in zip(opt.param_groups, settings, strict=True):
-            group.update(setting)
-    scaler.load_state_dict(saved.scaler)
-    torch.set_rng_state(saved.rng["torch"])
-    if device.type == "cuda" and "cuda" in saved.rng:
-        torch.cuda.set_rng_state(saved.rng["cuda"].cpu(), device)
-    batches.restore(saved.rng["batches"])
-    return saved.iter_num, saved.best_val_loss

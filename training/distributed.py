@@ -2,21 +2,17 @@
 training needs. Sharding a model across them (parallel = "fsdp") is training/fsdp.py's.
 
 Usage:
-    torchrun --standalone --nproc_per_node=2 train.py --config config/quickstart.toml
+    torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
 
     from training import distributed
     with distributed.process_group("auto") as dist:   # Dist(rank, world_size, ...)
         total = distributed.all_sum(values, dist)
         folder = distributed.from_main(take_folder, dist)   # rank 0 does it, all get it
 
-torchrun sets RANK, LOCAL_RANK and WORLD_SIZE (and MASTER_ADDR/MASTER_PORT); without them
-this is a single process and every helper here is a no-op. Under torchrun the processes
-form a group, even a group of one (as in nanoGPT), so that one GPU runs the same code as
-eight: NCCL on CUDA, gloo on the CPU. If one process dies, torchrun ends the others, so a
-crash never leaves the run hanging.
-
-DDP (parallel = "ddp", the default) keeps the whole model, its gradients and its optimizer
-state on every process, and averages the gradients during the backward pass.
+Without torchrun's RANK, LOCAL_RANK and WORLD_SIZE this is one process, and every helper
+here does nothing. Under torchrun the processes form a group, even a group of one (as in
+nanoGPT): NCCL on CUDA, gloo on the CPU; if one dies, torchrun ends the others. DDP, the
+default, keeps the whole model on every process and averages the gradients in backward.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ import torch.distributed as dist
 
 from machine.device import resolve_device
 from machine.errors import UserError
+from training.config import ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,23 @@ def process_group(device: str) -> Iterator[Dist]:
             if finished:
                 dist.barrier()
             dist.destroy_process_group()
+
+
+def check_parallel(cfg: TrainConfig, info: Dist) -> bool:
+    """Whether this run shards its model (FSDP); ConfigError where the processes and the
+    settings do not fit together."""
+    if cfg.gradient_accumulation_steps % info.world_size != 0:
+        raise ConfigError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) "
+                          f"must be divisible by the number of processes ({info.world_size})")
+    if cfg.parallel != "fsdp":
+        return False
+    if not info.enabled:
+        raise ConfigError("parallel = fsdp shards the model across torchrun's processes; "
+                          "launch with torchrun --nproc_per_node=N, or drop --parallel")
+    if cfg.dtype == "float16":
+        raise ConfigError("parallel = fsdp trains in float32 or bfloat16, because float16's "
+                          "loss scaling is not wired for sharded gradients; use --dtype bfloat16")
+    return True
 
 
 def all_sum(values: torch.Tensor, info: Dist) -> torch.Tensor:

@@ -1,32 +1,21 @@
-"""The optimizers and the learning-rate schedule that training steps with.
+"""The optimizers that training steps with.
 
 Usage:
     from training.optimizer import configure_optimizers
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
-    # before each step, as train.py does: group["lr"] = group["peak_lr"] * get_lr_scale(it, cfg)
 
 Two recipes, chosen by TrainConfig.optimizer:
 - "adamw", GPT-2's: AdamW on every parameter at learning_rate.
-- "muon", nanochat's and the modded-nanogpt speedruns': Muon on the 2-D weights inside the
-  blocks (attention's qkv and output projections, the MLP's two layers) at muon_lr, and
-  AdamW at learning_rate on the rest: the token embedding (which is also the tied output
-  head), the position embedding, the biases and the LayerNorm gains; an untied head too,
-  while its token table takes embedding_lr, undecayed (configure_optimizers says why).
-  Muon orthogonalizes each matrix's momentum, so every direction of the update moves at the
-  same rate; that suits the hidden matrices and not the embeddings, whose rows are looked
-  up one at a time.
+- "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
+  inside the blocks, and AdamW at learning_rate on the rest (the embeddings, the head, the
+  biases and the norms' gains), except an untied token table, which takes embedding_lr.
+  Muon orthogonalizes each matrix's momentum, so that every direction of the update moves
+  at the same rate. That suits the hidden matrices and not the embeddings, whose rows are
+  looked up one at a time.
 
-Weight decay, in both recipes: weight_decay on the matrices (Linear weights, embeddings),
-none on biases and LayerNorm gains, whose pull towards zero only hurts. Both optimizers
-decay decoupled and scaled by their own learning rate, so Muon's larger rate decays its
-matrices faster for the same weight_decay.
-
-Every group follows one schedule, train.py's get_lr_scale: a linear warmup, then a cosine
-decay to min_lr / learning_rate of the group's own peak.
-
-Muon here is torch.optim.Muon with two changes: its Newton-Schulz iteration runs in bf16
-only when the run computes in bf16, and in fp32 otherwise, and it orthogonalizes the
-matrices of one shape together, in one batched product (see the Muon class below).
+Both decay decoupled weights, scaled by their own learning rate, on the matrices only: a
+pull towards zero on biases and gains only hurts. Each group follows train.py's schedule
+(get_lr_scale) as a fraction of its own peak, "peak_lr".
 """
 
 from __future__ import annotations
@@ -66,16 +55,11 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 
 class Muon(Uncompiled, torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of
-    one shape together.
-
-    torch's iteration casts to bf16, always: right on a GPU, but most x86 CPUs emulate bf16
-    arithmetic, and there the iteration is several times slower than in fp32. torch also
-    orthogonalizes one matrix at a time, and a model's blocks hold several matrices of each
-    shape, which one batched product handles in fewer, larger steps. The rest is torch's:
-    the settings and their checks, the state (one momentum buffer per matrix) and the
-    update, so a step equals torch.optim.Muon's to rounding.
-    """
+    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of one
+    shape together. torch's iteration is always in bf16, which most x86 CPUs emulate several
+    times slower than fp32, and takes one matrix at a time, where a batched product takes
+    all of one shape in fewer, larger steps. The rest is torch's (the settings, the state and
+    the update), so a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):

@@ -28,7 +28,6 @@ from machine.files import FolderLock, lock_folder, probe_writable
 from model import GPT
 from training import distributed
 from training.config import ConfigError, TrainConfig
-from weights.checkpoint import TrainState
 
 LOCK = ".lock"
 
@@ -206,39 +205,3 @@ def stop_signals() -> Iterator[StopRequest]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-# What a resumed run cannot change, and why; every other setting is the new config's (the
-# lr schedule, the batch, the dtype, the intervals ...), the optimizer state included.
-FIXED_ON_RESUME = {
-    "seed": "a resumed run continues the random streams saved with it",
-    "init_from": "a resumed run starts from its checkpoint",
-}
-
-
-def check_resumable(saved: TrainState, model: GPT, meta: dict, cfg: TrainConfig, path: Path) -> None:
-    """Refuse to resume with other data, a different model shape, another optimizer, or a
-    setting that a resumed run would ignore."""
-    saved_optimizer = saved.config.get("optimizer", "adamw")
-    if saved_optimizer != cfg.optimizer:
-        raise ConfigError(f"cannot resume: {path} was trained with optimizer = "
-                          f"{saved_optimizer}, not {cfg.optimizer}; resume with --optimizer "
-                          f"{saved_optimizer}, or start a new run")
-    if saved.tokenizer != meta["tokenizer"]:
-        raise ConfigError(f"cannot resume: {path} was trained with another tokenizer or "
-                          f"vocabulary than the {meta['tokenizer']['kind']} data in data_dir; "
-                          f"use the run's original data_dir")
-    for key, value in saved.model_args.items():
-        if getattr(model.config, key) != value:
-            raise ConfigError(f"cannot resume: {key} is {getattr(model.config, key)} in the "
-                              f"config but {value} in {path}; use the run's original settings")
-    for key, why in FIXED_ON_RESUME.items():
-        value = saved.config.get(key, getattr(cfg, key))
-        if getattr(cfg, key) != value:
-            raise ConfigError(f"cannot resume: {key} is {getattr(cfg, key)!r} in the config "
-                              f"but {value!r} in {path}, and {why}; drop the option or start "
-                              f"a new run")
-    if saved.iter_num > cfg.max_iters:
-        raise ConfigError(f"{path} is at iter {saved.iter_num}, past max_iters "
-                          f"({cfg.max_iters}), so there is nothing to train; raise "
-                          f"--max-iters to continue it")
