@@ -10,16 +10,15 @@ Usage:
     chat = Chat(model, tokenizer, temperature=0.0)            # a conversation, cache kept
     chat.add_user("Who am I?"); reply = "".join(chat.reply())
 
-The loop is `stream` (`generate` collects it): the prompt's window in one forward pass
-fills the KV cache (prefill), then one token per step attends over it (decode), each step's
-logits are sampled, and the window moves on when full. Above it, what it uses:
-- the decode step (DecodeStep), built by one of DECODE_BACKENDS: "eager" (model.forward),
-  "compile" (torch.compile's inductor, replayed as a CUDA graph on a GPU) or "c" (the
-  hand-written C step of cdecode/). "auto", the default everywhere, is the C step on a CPU
-  when it builds and no autocast is on (else eager, with one line on stderr where the
-  build failed), and eager elsewhere;
-- sampling: temperature, top-k and top-p as small pure functions.
-Below it: text, cut at end-of-text or a stop string, and Chat, which keeps its cache across turns.
+The file starts with the loop, `stream` (`generate` collects it): the prompt's window fills
+the KV cache in one forward pass (prefill), then each step feeds one token and attends over
+the cache (decode), each step's logits are sampled, and the window moves on when it is full.
+Then what the loop uses: sampling (temperature, top-k and top-p, small pure functions) and
+the decode step, built by one of DECODE_BACKENDS: "eager" (model.forward), "compile"
+(torch.compile, replayed as a CUDA graph on a GPU) or "c" (cdecode/'s C step). "auto", the
+default everywhere, is the C step on a CPU when it builds and no autocast is on, and eager
+elsewhere. Last, what is built on the loop: text, cut at end-of-text or a stop string, and
+Chat, which keeps its cache across the turns of a conversation.
 """
 
 from __future__ import annotations
@@ -42,60 +41,90 @@ from machine.device import check_compile
 from machine.errors import InputError
 from model import GPT, KVCache
 
-# The decode backends that decode_step builds, each with a short description: they are the
-# --decode choices of sample.py and serve.py, and the descriptions are their help (options.py).
-DECODE_BACKENDS = {
-    "auto": "the C step on a CPU when it builds, else eager",
-    "eager": "the model's forward",
-    "compile": "torch.compile: seconds to tens of seconds to build on a CPU; a CUDA graph on a GPU",
-    "c": "cdecode/decode_step.c, built by the system C compiler",
-}
+# --- the loop: prefill, decode and the context window -----------------------------------
 
+@torch.inference_mode()
+def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
+           generator: torch.Generator | None = None,
+           decode: str | DecodeStep = "auto") -> Iterator[torch.Tensor]:
+    """Yield (B, 1) new tokens one step at a time, continuing the (B, T) prompt `idx`.
 
-def check_decode(decode: str, name: str = "decode") -> None:
-    """Raise InputError unless `decode` names one of DECODE_BACKENDS; `name` is the setting
-    as its user knows it (a command's "--decode")."""
-    if decode not in DECODE_BACKENDS:
-        raise InputError(f"{name} must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
-
-
-class DecodeStep(Protocol):
-    """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
-    window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
-    their keys and values into the cache, and returns (B, 1, vocab_size) logits.
-
-    name: what it is called in messages and measurements: "eager", "compiled" or "C step".
-    max_prefill: the most tokens, at consecutive positions input_pos (T,), that one call may
-        take, returning the logits of the last one (1 for a plain step); `prefill` passes
-        longer windows to the model's forward instead.
-    steps_rows: whether a call may step only some rows of the cache, the B rows named by
-        `rows`, leaving the others untouched. Without it, B is the cache's batch and every
-        call steps every row, one shape at every step (as a compiled step needs).
+    Context window: the model sees at most block_size tokens. When the next token would
+    not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
+    least one), and the cache is rebuilt from them by one prefill. It jumps, where nanoGPT
+    slides by one (idx[:, -block_size:]), because a cached key holds its position: a slide
+    would move every key and recompute the cache at every step; a jump, every block_size // 2
+    tokens. The cached and uncached paths use the same window: the same logits at every step.
+    decode: a backend name (see decode_step) or a step it built; unused without the cache.
     """
+    check_sampling(temperature, top_k, top_p)
+    B, n = idx.size()
+    if n == 0:
+        raise InputError("generation needs a prompt of at least one token")
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
+    block_size = model.config.block_size
+    # the tokens the model sees, and room for the one sampled last: memory does not grow
+    # with max_new_tokens, so a generation can go on for as long as it is read
+    window = torch.empty(B, block_size + 1, dtype=idx.dtype, device=idx.device)
+    T = min(n, block_size)  # tokens in the window
+    window[:, :T] = idx[:, n - T:]
+    cache, step = None, None
+    if use_kv_cache:
+        cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
+        step = decode_step(model, decode) if isinstance(decode, str) else decode
+    needs_prefill = True  # the cache holds nothing of the current window yet
+    next_token = None  # the token sampled last, which the next decode step feeds in
+    for _ in range(max_new_tokens):
+        if T > block_size:
+            keep = max(1, block_size // 2)  # one, for a bigram model's block_size 1
+            window[:, :keep] = window[:, T - keep:T]  # T - keep >= keep: no overlap
+            T = keep
+            needs_prefill = True
+        if cache is None:
+            logits, _ = model(window[:, :T], logits_from=-1)
+        elif needs_prefill:  # the window's tokens at positions 0..T-1
+            logits = prefill(model, step, window[:, :T], cache)
+            needs_prefill = False
+        else:  # decode the token sampled last at its window position; slots past it may
+            # hold keys from before a jump, which the mask hides (a query at p sees 0..p)
+            input_pos = torch.tensor([T - 1], device=idx.device)
+            logits = step(next_token, cache, input_pos)
+        next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+        window[:, T] = next_token[:, 0]
+        T += 1
+        yield next_token
 
-    name: str
-    max_prefill: int
-    steps_rows: bool
 
-    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> torch.Tensor: ...
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
+             generator: torch.Generator | None = None,
+             decode: str | DecodeStep = "auto") -> torch.Tensor:
+    """Prompt plus max_new_tokens sampled tokens, (B, T + max_new_tokens). See `stream`."""
+    new = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, use_kv_cache,
+                      generator, decode))
+    return torch.cat([idx, *new], dim=1)
 
 
-@dataclass(frozen=True)
-class ModelStep:
-    """A DecodeStep that runs `forward` (the model's, eager or compiled) on every row of the
-    cache, one token at a time."""
-    name: str
-    forward: Callable[[torch.Tensor, KVCache, torch.Tensor], torch.Tensor]
-    max_prefill: int = 1
-    steps_rows: bool = False
+def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
+            start: int = 0) -> torch.Tensor:
+    """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
+    the last token's logits (B, 1, vocab_size). Up to step.max_prefill tokens go through the
+    step (the C step reads each weight once for all of them); longer windows go through the
+    model's forward, whose matrix products are faster there."""
+    positions = torch.arange(start, start + idx.size(1), device=idx.device)
+    if idx.size(1) <= step.max_prefill:
+        return step(idx, cache, positions)
+    return model(idx, kv_cache=cache, input_pos=positions, logits_from=-1)[0]
 
-    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is not None:
-            raise ValueError(f"the {self.name} decode step steps every row of the cache; "
-                             f"it takes no rows")
-        return self.forward(idx, kv_cache, input_pos)
+
+def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Slots of a generation's KV cache. Every step attends over every slot (see KVCache), so
+    no more than the generation fills: the prompt and every new token but the last, never
+    fed back; rounded up to a power of two, so a compiled step is built for few sizes."""
+    filled = prompt_len + max_new_tokens - 1
+    return min(block_size, 1 << (filled - 1).bit_length())  # the power of two >= filled
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -151,7 +180,63 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-# --- decode backends ---------------------------------------------------------------------
+# --- the decode steps that the loop calls: their protocol and backends ---------------
+
+# The decode backends that decode_step builds, each with a short description: they are the
+# --decode choices of sample.py and serve.py, and the descriptions are their help (options.py).
+DECODE_BACKENDS = {
+    "auto": "the C step on a CPU when it builds, else eager",
+    "eager": "the model's forward",
+    "compile": "torch.compile: seconds to tens of seconds to build on a CPU; a CUDA graph on a GPU",
+    "c": "cdecode/decode_step.c, built by the system C compiler",
+}
+
+
+def check_decode(decode: str, name: str = "decode") -> None:
+    """Raise InputError unless `decode` names one of DECODE_BACKENDS; `name` is the setting
+    as its user knows it (a command's "--decode")."""
+    if decode not in DECODE_BACKENDS:
+        raise InputError(f"{name} must be one of {', '.join(DECODE_BACKENDS)}, got {decode!r}")
+
+
+class DecodeStep(Protocol):
+    """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
+    window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
+    their keys and values into the cache, and returns (B, 1, vocab_size) logits.
+
+    name: what it is called in messages and measurements: "eager", "compiled" or "C step".
+    max_prefill: the most tokens, at consecutive positions input_pos (T,), that one call may
+        take, returning the logits of the last one (1 for a plain step); `prefill` passes
+        longer windows to the model's forward instead.
+    steps_chosen_rows: whether a call may step only the B rows of the cache that `rows`
+        names, leaving the others untouched. Without it, B is the cache's batch and every
+        call steps every row, one shape at every step (as a compiled step needs).
+    """
+
+    name: str
+    max_prefill: int
+    steps_chosen_rows: bool
+
+    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """A DecodeStep that runs `forward` (the model's, eager or compiled) on every row of the
+    cache, one token at a time."""
+    name: str
+    forward: Callable[[torch.Tensor, KVCache, torch.Tensor], torch.Tensor]
+    max_prefill: int = 1
+    steps_chosen_rows: bool = False
+
+    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is not None:
+            raise ValueError(f"the {self.name} decode step steps every row of the cache; "
+                             f"it takes no rows")
+        return self.forward(idx, kv_cache, input_pos)
+
 
 def eager_step(model: GPT) -> ModelStep:
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
@@ -230,92 +315,6 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     except BuildError as e:
         say_once(f"note: decoding with the slower eager step: {e}")
         return eager_step(model)
-
-
-# --- prefill, decode and the context window ----------------------------------------------
-
-def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
-            start: int = 0) -> torch.Tensor:
-    """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
-    the last token's logits (B, 1, vocab_size). Up to step.max_prefill tokens go through the
-    step (the C step reads each weight once for all of them); longer windows go through the
-    model's forward, whose matrix products are faster there."""
-    positions = torch.arange(start, start + idx.size(1), device=idx.device)
-    if idx.size(1) <= step.max_prefill:
-        return step(idx, cache, positions)
-    return model(idx, kv_cache=cache, input_pos=positions, logits_from=-1)[0]
-
-
-def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Slots of a generation's KV cache. Every step attends over every slot (see KVCache), so
-    no more than the generation fills: the prompt and every new token but the last, never
-    fed back; rounded up to a power of two, so a compiled step is built for few sizes."""
-    filled = prompt_len + max_new_tokens - 1
-    return min(block_size, 1 << (filled - 1).bit_length())  # the power of two >= filled
-
-
-@torch.inference_mode()
-def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
-           generator: torch.Generator | None = None,
-           decode: str | DecodeStep = "auto") -> Iterator[torch.Tensor]:
-    """Yield (B, 1) new tokens one step at a time, continuing the (B, T) prompt `idx`.
-
-    Context window: the model sees at most block_size tokens. When the next token would
-    not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
-    least one), and the cache is rebuilt from them by one prefill. It jumps, where nanoGPT
-    slides by one (idx[:, -block_size:]), because a cached key holds its position: a slide
-    would move every key and recompute the cache at every step; a jump, every block_size // 2
-    tokens. The cached and uncached paths use the same window: the same logits at every step.
-    decode: a backend name (see decode_step) or a step it built; unused without the cache.
-    """
-    check_sampling(temperature, top_k, top_p)
-    B, n = idx.size()
-    if n == 0:
-        raise InputError("generation needs a prompt of at least one token")
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
-    block_size = model.config.block_size
-    # the tokens the model sees, and room for the one sampled last: memory does not grow
-    # with max_new_tokens, so a generation can go on for as long as it is read
-    window = torch.empty(B, block_size + 1, dtype=idx.dtype, device=idx.device)
-    T = min(n, block_size)  # tokens in the window
-    window[:, :T] = idx[:, n - T:]
-    cache, step = None, None
-    if use_kv_cache:
-        cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
-        step = decode_step(model, decode) if isinstance(decode, str) else decode
-    needs_prefill = True  # the cache holds nothing of the current window yet
-    next_token = None  # the token sampled last, which the next decode step feeds in
-    for _ in range(max_new_tokens):
-        if T > block_size:
-            keep = max(1, block_size // 2)  # one, for a bigram model's block_size 1
-            window[:, :keep] = window[:, T - keep:T]  # T - keep >= keep: no overlap
-            T = keep
-            needs_prefill = True
-        if cache is None:
-            logits, _ = model(window[:, :T], logits_from=-1)
-        elif needs_prefill:  # the window's tokens at positions 0..T-1
-            logits = prefill(model, step, window[:, :T], cache)
-            needs_prefill = False
-        else:  # decode the token sampled last at its window position; slots past it may
-            # hold keys from before a jump, which the mask hides (a query at p sees 0..p)
-            input_pos = torch.tensor([T - 1], device=idx.device)
-            logits = step(next_token, cache, input_pos)
-        next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-        window[:, T] = next_token[:, 0]
-        T += 1
-        yield next_token
-
-
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, use_kv_cache: bool = True,
-             generator: torch.Generator | None = None,
-             decode: str | DecodeStep = "auto") -> torch.Tensor:
-    """Prompt plus max_new_tokens sampled tokens, (B, T + max_new_tokens). See `stream`."""
-    new = list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, use_kv_cache,
-                      generator, decode))
-    return torch.cat([idx, *new], dim=1)
 
 
 # --- text --------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class CDecodeStep:
     """
 
     name = "C step"
-    steps_rows = True
+    steps_chosen_rows = True
     # the longest window this step prefills, per weight dtype: where it stops beating the
     # model's forward (docs/decoding.md). int8's forward dequantizes every matrix first, so
     # the C step wins longer there; bfloat16's stays short for the CPUs with bf16

@@ -368,7 +368,7 @@ class Engine:
         """One batched step: every decoding sequence's newest token at its own position."""
         slots = sorted(self.next_token)
         self.counts["widest"] = max(self.counts["widest"], len(slots))
-        rows = slots if self.step.steps_rows else list(range(self.slots))
+        rows = slots if self.step.steps_chosen_rows else list(range(self.slots))
         # a row that only comes along (the model's forward steps them all) writes its keys
         # and values past the tokens it holds, where nothing reads them
         positions = {r: len(self.held[r]) for r in rows}
@@ -379,7 +379,7 @@ class Engine:
         device = self.cache.key_pos.device
         idx = torch.tensor([[self.next_token.get(r, 0)] for r in rows], device=device)
         pos = torch.tensor([[positions[r]] for r in rows], device=device)
-        chosen = torch.tensor(rows) if self.step.steps_rows else None
+        chosen = torch.tensor(rows) if self.step.steps_chosen_rows else None
         logits = self.step(idx, self.cache, pos, rows=chosen)
         for i, slot in enumerate(rows):
             if slot not in self.next_token:

@@ -58,7 +58,7 @@ def decode_logits(model: GPT, prompt: torch.Tensor, n: int, step=None) -> list[t
 def test_every_decode_step_declares_what_it_can_do():
     model = small_gpt()
     steps = {backend: decode_step(model, backend) for backend in ("eager", "compile", "c")}
-    declared = {backend: (s.name, s.max_prefill, s.steps_rows) for backend, s in steps.items()}
+    declared = {backend: (s.name, s.max_prefill, s.steps_chosen_rows) for backend, s in steps.items()}
     assert declared == {"eager": ("eager", 1, False), "compile": ("compiled", 1, False),
                         "c": ("C step", CDecodeStep.PREFILL_TOKENS[torch.float32], True)}
 
