@@ -23,14 +23,7 @@ from typing import Annotated
 
 import typer
 
-from data.documents import read_text
-from machine.device import resolve_device
-from machine.errors import InputError, UserError, reported, run_command
-from machine.files import write_bytes_atomic
-from measure.answers import answer_score, demo_conversations, read_conversations
-from measure.choices import read_items, score_items
-from measure.scores import check_stride, evaluate
-from options import (
+from cli.options import (
     CheckpointOption,
     DebugOption,
     DeviceOption,
@@ -39,6 +32,13 @@ from options import (
     RunOption,
     check_output_file,
 )
+from data.documents import read_text
+from machine.device import resolve_device
+from machine.errors import InputError, UserError, reported, run_command
+from machine.files import write_bytes_atomic
+from measure.answers import answer_score, demo_conversations, read_conversations
+from measure.choices import read_items, score_items
+from measure.scores import check_stride, evaluate
 from weights.loading import load_model
 
 

@@ -183,7 +183,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 # --- the decode steps that the loop calls: their protocol and backends ---------------
 
 # The decode backends that decode_step builds, each with a short description: they are the
-# --decode choices of sample.py and serve.py, and the descriptions are their help (options.py).
+# --decode choices of sample.py and serve.py, and the descriptions are their help (cli/options.py).
 DECODE_BACKENDS = {
     "auto": "the C step on a CPU when it builds, else eager",
     "eager": "the model's forward",

@@ -24,15 +24,7 @@ from typing import Annotated, Any, BinaryIO
 import torch
 import typer
 
-from data.documents import decode_text
-from data.sources import DataError
-from data.tokenizer import Tokenizer
-from generate import Chat, check_decode, check_sampling, decode_step, generate_text, prompt_ids
-from machine.device import resolve_device
-from machine.errors import InputError, UserError, reported, run_command
-from machine.files import probe_writable
-from model import GPT, LAYOUTS
-from options import (
+from cli.options import (
     CheckpointOption,
     DebugOption,
     DecodeOption,
@@ -45,6 +37,14 @@ from options import (
     TopPOption,
     check_output_file,
 )
+from data.documents import decode_text
+from data.sources import DataError
+from data.tokenizer import Tokenizer
+from generate import Chat, check_decode, check_sampling, decode_step, generate_text, prompt_ids
+from machine.device import resolve_device
+from machine.errors import InputError, UserError, reported, run_command
+from machine.files import probe_writable
+from model import GPT, LAYOUTS
 from training.config import check_seed
 from weights.loading import load_model, resolve_checkpoint
 from weights.quantize import check_weight_dtype
@@ -215,7 +215,7 @@ def chat_loop(chat: Chat, lines: BinaryIO | None = None) -> None:
 
 
 # The options, one per line; each one's help is its documentation (python sample.py --help).
-# Those that serve.py and evaluate.py take too are declared in options.py.
+# Those that serve.py and evaluate.py take too are declared in cli/options.py.
 PromptOption = Annotated[str, typer.Option(help="Text to continue; empty starts from scratch.")]
 PromptFileOption = Annotated[Path | None, typer.Option(
         exists=True, dir_okay=False, help="Read the prompt from this file instead.")]

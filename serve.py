@@ -27,10 +27,7 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from generate import check_decode, check_sampling
-from machine.device import resolve_device
-from machine.errors import UserError, reported, run_command
-from options import (
+from cli.options import (
     CheckpointOption,
     DebugOption,
     DecodeOption,
@@ -42,6 +39,9 @@ from options import (
     TopKOption,
     TopPOption,
 )
+from generate import check_decode, check_sampling
+from machine.device import resolve_device
+from machine.errors import UserError, reported, run_command
 from serving.app import Service, create_app
 from serving.engine import Engine
 from weights.loading import load_model
@@ -112,7 +112,7 @@ def run_server(service: Service, sock: socket.socket) -> None:
 
 
 # The options, one per line; each one's help is its documentation (python serve.py --help).
-# Those that sample.py and evaluate.py take too are declared in options.py.
+# Those that sample.py and evaluate.py take too are declared in cli/options.py.
 HostOption = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every "
                                            "interface.")]
 PortOption = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")]

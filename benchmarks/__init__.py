@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cli.options import check_output_file
 from data.documents import read_text
-from options import check_output_file
 
 
 def check_paths(input: Path | None = None, json_path: Path | None = None) -> None:

@@ -79,7 +79,7 @@ LAYERS = {
     "model": 1,
     "data": 2, "cdecode": 2, "viz": 2,
     "weights": 3, "generate": 3, "logprobs": 3,
-    "training": 4, "measure": 4, "serving": 4, "options": 4,
+    "training": 4, "measure": 4, "serving": 4, "cli": 4,
 }
 COMMANDS = 5
 BENCHMARKS = 6

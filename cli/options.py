@@ -1,7 +1,7 @@
 """The command-line options that sample.py, serve.py and evaluate.py share, each declared once.
 
 Usage:
-    from options import DeviceOption, RunOption
+    from cli.options import DeviceOption, RunOption
     def main(run: RunOption = None, device: DeviceOption = "cpu") -> None: ...
 
 Each is a typer `Annotated` alias: the option's type and its help, which `--help` prints.
