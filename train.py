@@ -66,7 +66,7 @@ class TrainResult:
     final_losses: dict[str, float]
     wall_time: float
     checkpoint: Path | None  # last.pt (last.dcp, sharded, under FSDP), or None if none was saved
-    chat: bool = False  # trained on conversations: a model to talk to (sample.py --chat)
+    chat: bool = False  # whether it trained on conversations, to talk to with sample.py --chat
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
@@ -75,8 +75,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     t_start = time.time()
     with ExitStack() as stack:  # each context below closes when the run ends, however it ends
         dist = stack.enter_context(distributed.process_group(cfg.device))
-        # the signals from the start: a Ctrl-C while the data is prepared is answered after
-        # the first step, with a checkpoint
+        # signals are caught from the start, so that a Ctrl-C while the data is prepared is
+        # answered after the first step, with a checkpoint
         stop = stack.enter_context(stop_signals())
 
         # --- where this process computes --------------------------------------------------
@@ -171,7 +171,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 for group in opt.param_groups:  # each group scales its own peak
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
-                if dist.enabled:  # reduce the gradients across processes after the last alone
+                if dist.enabled:  # the processes reduce their gradients after the last one only
                     distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
@@ -192,7 +192,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             log.step()
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-                # .item() waits for the device: only here, every log_interval steps
+                # .item() waits for the device, so it is called only here, every log_interval steps
                 train_loss = (distributed.all_sum(loss_sum, dist).item()
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
@@ -207,7 +207,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 t_log, iters_since_log = time.perf_counter(), 0
                 loss_sum = torch.zeros_like(loss_sum)
 
-            paused = time.perf_counter()  # evaluating and saving are not training
+            paused = time.perf_counter()  # evaluating and saving do not count as training time
             evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
             if evaluated:
@@ -215,7 +215,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
-            if evaluated or stopping:  # saved without an evaluation, its val loss is NaN
+            if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)
@@ -257,7 +257,7 @@ def load_data(cfg: TrainConfig, dist: distributed.Dist,
         nonlocal read
         if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
             tqdm.write(f"preparing {data_dir} (first run only)")
-            from data.prepare import prepare_builtin  # tokenizers and workers: only now
+            from data.prepare import prepare_builtin  # its tokenizers and workers, only when needed
             prepare_builtin(data_dir.name, data_dir)
         read = load_dataset(data_dir)
     distributed.from_main(prepare_and_read, dist)

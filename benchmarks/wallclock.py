@@ -2,7 +2,7 @@
 
 Usage:
     python -m benchmarks.wallclock -- python train.py config/train_shakespeare_char.py
-    python -m benchmarks.wallclock --tokens-per-iter 16384 -- python train.py --config config/baby_gpt.toml
+    python -m benchmarks.wallclock --tokens-per-iter 16384 -- python train.py config/baby_gpt.toml
 
 Runs the command, passing its output through, and notes when each line arrives. A trainer
 that prints "iter N" at its log points, after waiting there for the device (nanoGPT's

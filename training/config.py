@@ -35,7 +35,7 @@ class ConfigError(UserError):
 
 
 # Training starts from a smaller shape than GPTConfig's defaults; every other field of the
-# model keeps model.py's default. vocab_size is no setting: it is the dataset's.
+# model keeps model.py's default. vocab_size is no setting, because it is the dataset's.
 MODEL_DEFAULTS = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
 MODEL_FIELDS = {f.name: f for f in fields(GPTConfig) if f.name != "vocab_size"}
 
@@ -54,7 +54,7 @@ class TrainConfig:
                          "Hugging Face GPT-2 or NanoChat folder or Hub id; it sets the model "
                          "(the model fields are then ignored) and block_size crops its context")
     # the model: GPTConfig's fields (model.py declares each switch once, with its help),
-    # written flat in a TOML file and on the command line: n_layer = 4, --n-layer 4
+    # written flat in a TOML file and on the command line, as n_layer = 4 or --n-layer 4
     model: GPTConfig = field(default_factory=lambda: GPTConfig(**MODEL_DEFAULTS))
     # optimisation
     batch_size: int = opt(12, "sequences per micro-batch")
@@ -203,7 +203,7 @@ def load_config(path: str | Path | None = None,
             raise ConfigError(f"config {path} is {kind}; give a TOML file, e.g. "
                               f"config/quickstart.toml")
         try:
-            # utf-8-sig: some editors start a UTF-8 file with a byte-order mark
+            # utf-8-sig, because some editors start a UTF-8 file with a byte-order mark
             values = tomllib.loads(path.read_text(encoding="utf-8-sig"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None

@@ -37,7 +37,7 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    enabled: bool = False  # launched by torchrun: in a process group
+    enabled: bool = False  # launched by torchrun, and so in a process group
     local_world_size: int = 1  # processes on this machine, which share its CPUs and RAM
 
     @property

@@ -49,7 +49,7 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
                                   if param_dtype else None)
     with torch.device("meta"):
-        model = GPT(config)  # shapes only: nothing is allocated or drawn yet
+        model = GPT(config)  # shapes only, because nothing is allocated or drawn yet
     for block in model.transformer.h:
         if compile:
             block.compile()
@@ -57,14 +57,14 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     with torch.no_grad():
-        # the same values as a model built whole: the same draws, in the same order
+        # the same values as a model built whole, from the same draws in the same order
         for param, value in model.initial_values():
             param.copy_(sharded_like(value, param))
         if config.pos_embedding == "rope":  # computed, not drawn, and empty after to_empty
             cos, sin = rope_tables(config)
             model.rope_cos.copy_(cos)
             model.rope_sin.copy_(sin)
-        if base is not None:  # the drawn values are replaced: the base's, each process its rows
+        if base is not None:  # the base's values replace the drawn ones, each process its rows
             for name, param in model.named_parameters():
                 param.copy_(sharded_like(base[name].load().to(param.dtype), param))
     return model
@@ -197,7 +197,7 @@ def write_sharded(run_dir: Path, state: TrainState, tensors: dict[str, torch.Ten
     folder = distributed.from_main(lambda: sharded.new_folder(run_dir, state.iter_num), dist)
     try:
         sharded.write_shards(tensors, rest, folder, dist.is_main)
-    except BaseException:  # a full disk: no half-written save is left behind
+    except BaseException:  # a full disk, say, and no half-written save is left behind
         if dist.is_main:
             sharded.tidy(run_dir)
         raise

@@ -3,7 +3,7 @@ NanoChat's), a checkpoint, or a run folder, checked against the data it will tra
 Imported only by a run that fine-tunes.
 
 Usage:
-    python train.py --config config/chat_sft.toml --init-from runs/quickstart
+    python train.py config/chat_sft.toml --init-from runs/quickstart
 
     from training.init_from import base_model
     config, weights = base_model(cfg, meta, dist)   # weights read lazily (weights/lazy.py)
@@ -45,7 +45,7 @@ def base_model(cfg: TrainConfig, meta: dict,
         config, state, tokenizer, source = base_weights(folder, None, cfg.model.dropout)
     except (FolderError, LoadError, CheckpointError, HubError) as e:
         raise ConfigError(f"init_from: {e}") from None
-    # the base's context, unless block_size is set: then it is cropped, and says so
+    # the base's context, unless block_size is set, in which case it is cropped and says so
     if "block_size" in cfg.given and cfg.model.block_size != config.block_size:
         if cfg.model.block_size > config.block_size:
             raise ConfigError(f"block_size {cfg.model.block_size} exceeds {source}'s context of "

@@ -56,7 +56,7 @@ class RunLog:
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if not self.is_main:
             return
-        from torch.utils.tensorboard import SummaryWriter  # a second to import: rank 0 only
+        from torch.utils.tensorboard import SummaryWriter  # slow to import, so rank 0's alone
         self.writer = SummaryWriter(self.run.path, purge_step=iter_num + 1 if iter_num else None)
         if not iter_num:
             settings = "\n".join(f"{k} = {v!r}" for k, v in self.cfg.to_dict().items())
@@ -76,7 +76,7 @@ class RunLog:
             self.bar.close()
         for closeable in (self.writer, self.layer_pictures):
             if closeable is not None:
-                with suppress(OSError):  # after a failure, quietly: it is reported already
+                with suppress(OSError):  # quietly after a failure, which is reported already
                     closeable.close()
         if isinstance(error, OSError) and self.writer is not None:  # its events or pictures
             raise TrainingError(f"could not write to {self.run.path} ({error.strerror}) at "
@@ -125,7 +125,7 @@ class RunLog:
             self.writer.add_text("sample", text_block(sample), it)
         if self.attention:
             from viz.attention_maps import LayerPictures, log_attention, token_labels
-            if self.layer_pictures is None:  # matplotlib takes a second: not before it is needed
+            if self.layer_pictures is None:  # matplotlib is slow to load, so not before it is needed
                 self.layer_pictures = LayerPictures(
                     token_labels(self.tokenizer, self.probe_ids), model.config.n_head)
             log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
@@ -136,7 +136,7 @@ class RunLog:
             return
         self.writer.add_hparams(self.cfg.to_dict(), {"hparam/best_val_loss": best_val_loss},
                                 run_name=".", global_step=it)
-        self.writer.close()  # its last writes can fail too: here, where they are reported
+        self.writer.close()  # its last writes can fail too, and here they are reported
 
 
 def text_block(text: str) -> str:

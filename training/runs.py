@@ -136,7 +136,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
                     if f.name != LOCK:
                         f.unlink()
                 return folder
-            folder.release(undo=True)  # an old run's: as it was
+            folder.release(undo=True)  # an old run's folder, left as it was
     except OSError as e:
         raise ConfigError(f"cannot write to {e.filename or base} ({e.strerror}); choose "
                           f"another --out-dir or --run-name") from None
