@@ -6,10 +6,9 @@ Usage:
     logits, loss = model(idx, targets)                                    # training
     logits, _ = model(idx, kv_cache=model.new_kv_cache(1), input_pos=torch.arange(T))
 
-In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then the KV cache
-and the configuration's checks and named shapes. Each switch of GPTConfig turns on one idea
-of later models (nanochat, modded-nanogpt); at the defaults the model is GPT-2, and a reader
-can skip each `if` that tests a switch. The model alone: no I/O, CLI or training state.
+In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then the KV cache,
+the configuration's checks and its named shapes. Each switch of GPTConfig turns on one idea
+of nanochat or modded-nanogpt; at their defaults, the model is GPT-2.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+    return (RMSNorm(config.norm_eps) if config.norm == "rmsnorm"
+            else nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias))
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +45,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # on a CPU, its gradient written out
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension: torch's fused kernel on a GPU, and
+    elsewhere the same with its gradient written out (machine/cpu_kernels.py)."""
     return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
 
 
@@ -142,7 +142,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's GELU
+        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # or GPT-2's GELU
         return self.dropout(self.c_proj(h))
 
 
@@ -314,13 +314,13 @@ class GPT(nn.Module):
 
 class KVCache:
     """Every layer's keys and values, preallocated and written in place at the positions each
-    forward is given (the caller keeps the position). Attention reads the whole buffer under a
-    mask, so a decode step has one shape at every position, which torch.compile builds once."""
+    forward is given (the caller keeps the position), and read whole under a mask, so that a
+    decode step has one shape at every position."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
-        # a tensor a layer: compiled code that writes into a view of one buffer copies it all
+        # one tensor per layer, because compiled code copies a whole buffer to write into a view
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)

@@ -105,7 +105,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the model and its optimizers: new, or as the checkpoint left them -----------
         saved = checkpoint = None
-        if resume:  # a door that a new run does not open
+        if resume:  # resuming's code is imported only by a run that resumes
             from training.resume import check_resumable, read_saved, restore
             saved, checkpoint = read_saved(run.path, device, mmap=sharded)
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)

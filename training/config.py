@@ -90,8 +90,9 @@ class TrainConfig:
     run_name: str = opt("", "run folder name; default: the config file's name")
     # system
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (autocast); auto is "
-                     "bfloat16 on GPUs that support it, else float32")
+    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (autocast); auto is bfloat16 "
+                     "where the hardware multiplies it natively (a GPU with bf16, a CPU with "
+                     "avx512_bf16 or AMX), else float32")
     compile: bool = opt(False, "torch.compile the model (slow start, faster steps)")
     parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
                                "fsdp (each holds 1/N of it; see docs/distributed.md)")

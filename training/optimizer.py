@@ -13,9 +13,9 @@ Two recipes, chosen by TrainConfig.optimizer:
   at the same rate. That suits the hidden matrices and not the embeddings, whose rows are
   looked up one at a time.
 
-Both decay decoupled weights, scaled by their own learning rate, on the matrices only: a
-pull towards zero on biases and gains only hurts. Each group follows train.py's schedule
-(get_lr_scale) as a fraction of its own peak, "peak_lr".
+Both apply decoupled weight decay, scaled by their own learning rate, to the matrices only,
+because a pull towards zero only hurts biases and gains. Each group follows train.py's
+schedule (get_lr_scale) as a fraction of its own peak, "peak_lr".
 """
 
 from __future__ import annotations
@@ -34,6 +34,45 @@ from training.distributed import is_dtensor
 def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
     """The matrices that Muon trains: the 2-D weights inside the transformer blocks."""
     return {p for p in model.transformer.h.parameters() if p.dim() == 2 and p.requires_grad}
+
+
+def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
+                         dtype: torch.dtype = torch.float32) -> list[torch.optim.Optimizer]:
+    """The recipe's optimizers, each param group tagged with its peak lr ("peak_lr"). dtype
+    is the run's compute dtype: Muon orthogonalizes in bf16 only when the run is in bf16."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
+    # an untied token table is a lookup: a row moves only where its token appears, so it
+    # learns faster with a much larger lr than the head's (as in nanochat), and without
+    # weight decay, which grows with the lr and would pull its rows to zero; the head, whose
+    # every row the softmax reaches at every position, keeps learning_rate like the other
+    # AdamW weights
+    table = model.transformer.wte.weight if not model.config.tie_embeddings else None
+    rest = [p for p in trained if p not in hidden and p is not table]
+    adamw_groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
+         "peak_lr": cfg.learning_rate},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0,
+         "peak_lr": cfg.learning_rate},
+    ]
+    if table is not None and table.requires_grad:
+        adamw_groups.append({"params": [table], "weight_decay": 0.0,
+                             "peak_lr": cfg.embedding_lr or cfg.learning_rate})
+    # the fused kernel does the whole update in one pass over the parameters (of plain
+    # tensors: FSDP's sharded ones take the default path)
+    sharded = any(is_dtensor(p) for p in trained)
+    optimizers: list[torch.optim.Optimizer] = [AdamW(
+        adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+        fused=device.type in ("cuda", "cpu") and not sharded)]
+    if hidden:
+        # the model's order, not the set's: a checkpoint's optimizer state is matched to
+        # parameters by position
+        matrices = [p for p in trained if p in hidden]
+        optimizers.append(Muon(
+            [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr,
+            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+            ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
+    return optimizers
 
 
 class Uncompiled:
@@ -139,42 +178,3 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
         # X <- aX + (bA + cA^2) X, as two fused multiply-adds
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x.mT if tall else x).reshape(g.shape)
-
-
-def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
-                         dtype: torch.dtype = torch.float32) -> list[torch.optim.Optimizer]:
-    """The recipe's optimizers, each param group tagged with its peak lr ("peak_lr"). dtype
-    is the run's compute dtype: Muon orthogonalizes in bf16 only when the run is in bf16."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # an untied token table is a lookup: a row moves only where its token appears, so it
-    # learns faster with a much larger lr than the head's (as in nanochat), and without
-    # weight decay, which grows with the lr and would pull its rows to zero; the head, whose
-    # every row the softmax reaches at every position, keeps learning_rate like the other
-    # AdamW weights
-    table = model.transformer.wte.weight if not model.config.tie_embeddings else None
-    rest = [p for p in trained if p not in hidden and p is not table]
-    adamw_groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
-         "peak_lr": cfg.learning_rate},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0,
-         "peak_lr": cfg.learning_rate},
-    ]
-    if table is not None and table.requires_grad:
-        adamw_groups.append({"params": [table], "weight_decay": 0.0,
-                             "peak_lr": cfg.embedding_lr or cfg.learning_rate})
-    # the fused kernel does the whole update in one pass over the parameters (of plain
-    # tensors: FSDP's sharded ones take the default path)
-    sharded = any(is_dtensor(p) for p in trained)
-    optimizers: list[torch.optim.Optimizer] = [AdamW(
-        adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-        fused=device.type in ("cuda", "cpu") and not sharded)]
-    if hidden:
-        # the model's order, not the set's: a checkpoint's optimizer state is matched to
-        # parameters by position
-        matrices = [p for p in trained if p in hidden]
-        optimizers.append(Muon(
-            [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr,
-            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
-            ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
-    return optimizers
