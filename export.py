@@ -11,7 +11,7 @@ The format follows from the layout: GPT-2's for GPT-2's layout (weights/gpt2.py)
 for the modern one (weights/nanochat.py); a layout that neither can hold is refused in one
 line naming the switch. AutoModelForCausalLM and AutoTokenizer load the folder.
 
---plain turns a run's sharded checkpoints (last.dcp, best.dcp: what training under FSDP
+--plain turns a run's sharded checkpoints (last.dcp and best.dcp, which training under FSDP
 writes) into plain ones beside them (last.pt, best.pt), which sample.py, evaluate.py,
 serve.py and this command read, streaming one tensor at a time (weights/sharded.py).
 """

@@ -10,7 +10,7 @@ Usage:
     chat = Chat(model, tokenizer, temperature=0.0)            # a conversation, cache kept
     chat.add_user("Who am I?"); reply = "".join(chat.reply())
 
-The file starts with the loop, `stream` (`generate` collects it): the prompt's window fills
+The file starts with the loop, `stream`, which `generate` collects: the prompt's window fills
 the KV cache in one forward pass (prefill), then each step feeds one token and attends over
 the cache (decode), each step's logits are sampled, and the window moves on when it is full.
 Then what the loop uses: sampling (temperature, top-k and top-p, small pure functions) and
@@ -53,10 +53,10 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     Context window: the model sees at most block_size tokens. When the next token would
     not fit, the window jumps forward to keep the most recent block_size // 2 tokens (at
     least one), and the cache is rebuilt from them by one prefill. It jumps, where nanoGPT
-    slides by one (idx[:, -block_size:]), because a cached key holds its position: a slide
-    would move every key and recompute the cache at every step; a jump, every block_size // 2
-    tokens. The cached and uncached paths use the same window: the same logits at every step.
-    decode: a backend name (see decode_step) or a step it built; unused without the cache.
+    slides by one (idx[:, -block_size:]), because a cached key holds its position, and a
+    slide would move every key and rebuild the cache at every step, not every block_size // 2
+    tokens. The cached and uncached paths use the same window, so their logits agree at every step.
+    decode: a backend name (see decode_step) or a step it built; ignored without the cache.
     """
     check_sampling(temperature, top_k, top_p)
     B, n = idx.size()
@@ -65,7 +65,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
     block_size = model.config.block_size
-    # the tokens the model sees, and room for the one sampled last: memory does not grow
+    # the tokens the model sees, plus room for the one sampled last; memory does not grow
     # with max_new_tokens, so a generation can go on for as long as it is read
     window = torch.empty(B, block_size + 1, dtype=idx.dtype, device=idx.device)
     T = min(n, block_size)  # tokens in the window
@@ -78,8 +78,8 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     next_token = None  # the token sampled last, which the next decode step feeds in
     for _ in range(max_new_tokens):
         if T > block_size:
-            keep = max(1, block_size // 2)  # one, for a bigram model's block_size 1
-            window[:, :keep] = window[:, T - keep:T]  # T - keep >= keep: no overlap
+            keep = max(1, block_size // 2)  # at least one, for a bigram model's block_size of 1
+            window[:, :keep] = window[:, T - keep:T]  # no overlap, because T - keep >= keep
             T = keep
             needs_prefill = True
         if cache is None:
@@ -109,10 +109,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
             start: int = 0) -> torch.Tensor:
-    """The tokens idx (B, T) in one pass at positions start..start+T-1, filling the cache;
-    the last token's logits (B, 1, vocab_size). Up to step.max_prefill tokens go through the
-    step (the C step reads each weight once for all of them); longer windows go through the
-    model's forward, whose matrix products are faster there."""
+    """Run the tokens idx (B, T) at positions start..start+T-1 in one pass, filling the
+    cache, and return the last token's logits (B, 1, vocab_size). Up to step.max_prefill
+    tokens go through the step (the C step reads each weight once for all of them); longer
+    windows go through the model's forward, whose matrix products are faster there."""
     positions = torch.arange(start, start + idx.size(1), device=idx.device)
     if idx.size(1) <= step.max_prefill:
         return step(idx, cache, positions)
@@ -121,8 +121,8 @@ def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
 
 def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     """Slots of a generation's KV cache. Every step attends over every slot (see KVCache), so
-    no more than the generation fills: the prompt and every new token but the last, never
-    fed back; rounded up to a power of two, so a compiled step is built for few sizes."""
+    there are just enough for the prompt plus every new token except the last, which is never
+    fed back, rounded up to a power of two so that a compiled step is built for few sizes."""
     filled = prompt_len + max_new_tokens - 1
     return min(block_size, 1 << (filled - 1).bit_length())  # the power of two >= filled
 
@@ -141,7 +141,7 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep exactly the k largest logits of each row (ties as torch.topk breaks them); -inf elsewhere."""
+    """Keep exactly the k largest logits of each row (ties as torch.topk breaks them), -inf elsewhere."""
     k = min(k, logits.size(-1))
     values, indices = torch.topk(logits, k, dim=-1)
     return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
@@ -152,7 +152,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     and always the most likely one (as vLLM and llama.cpp do)."""
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
     probs = F.softmax(sorted_logits, dim=-1)
-    drop = probs.cumsum(dim=-1) - probs >= p  # the probability of the tokens ranked above
+    drop = probs.cumsum(dim=-1) - probs >= p  # the probability of the tokens ranked above each
     # nothing ranks above the top token; keep it even where p rounds to 0 in float32 (0 >= 0)
     drop[..., 0] = False
     sorted_logits[drop] = float("-inf")
@@ -166,13 +166,13 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    # unlike nanoGPT, subtract the largest logit before dividing: the others are negative,
-    # so a tiny temperature sends them to -inf, never +inf, and sampling becomes greedy
+    # unlike nanoGPT, subtract the largest logit before dividing; the others are then
+    # negative, so a tiny temperature sends them to -inf, never +inf, and sampling is greedy
     logits = logits - logits.amax(dim=-1, keepdim=True)
-    if top_k is not None:  # before dividing: a huge temperature may round distinct logits
-        logits = filter_top_k(logits, top_k)  # to one value, and then topk picks among ties
+    if top_k is not None:  # before dividing, because a huge temperature may round
+        logits = filter_top_k(logits, top_k)  # distinct logits to one value, leaving topk to pick among ties
     finfo = torch.finfo(torch.float32)
-    # a temperature past float32's normal range divides as 0 or inf would: 0 / 0 is nan
+    # clamped, because past float32's normal range a temperature divides as 0 or inf would (0 / 0 is nan)
     logits = logits / min(max(temperature, finfo.tiny), finfo.max)
     if top_p is not None and top_p < 1.0:
         logits = filter_top_p(logits, top_p)
@@ -182,7 +182,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 # --- the decode steps that the loop calls: their protocol and backends ---------------
 
-# The decode backends that decode_step builds, each with a short description: they are the
+# The decode backends that decode_step builds, each with a short description. They are the
 # --decode choices of sample.py and serve.py, and the descriptions are their help (cli/options.py).
 DECODE_BACKENDS = {
     "auto": "the C step on a CPU when it builds, else eager",
@@ -201,7 +201,7 @@ def check_decode(decode: str, name: str = "decode") -> None:
 
 class DecodeStep(Protocol):
     """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
-    window position input_pos (1,), or each at its own (B, 1) (a server's batch), writes
+    window position input_pos (1,), or (B, 1) with a position per row (a server's batch), writes
     their keys and values into the cache, and returns (B, 1, vocab_size) logits.
 
     name: what it is called in messages and measurements: "eager", "compiled" or "C step".
@@ -210,7 +210,7 @@ class DecodeStep(Protocol):
         longer windows to the model's forward instead.
     steps_chosen_rows: whether a call may step only the B rows of the cache that `rows`
         names, leaving the others untouched. Without it, B is the cache's batch and every
-        call steps every row, one shape at every step (as a compiled step needs).
+        call steps every row, so every step has one shape (as a compiled step needs).
     """
 
     name: str
@@ -246,14 +246,14 @@ def eager_step(model: GPT) -> ModelStep:
 
 def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
     """The decode step through torch.compile. Every step has the same shapes (see KVCache),
-    so it builds one graph per cache size and batch size, on the first step: seconds to tens
-    of seconds on a CPU. On a CUDA GPU the step is also replayed as a CUDA graph (gpt-fast's
-    "reduce-overhead"), unless cuda_graphs is False: one launch for the whole step instead
-    of one per kernel, which is what bounds a small model's decoding there."""
+    so it builds one graph per cache size and batch size on the first step, which is slow on
+    a CPU (docs/decoding.md). On a CUDA GPU, unless cuda_graphs is False, the step is also
+    replayed as a CUDA graph (gpt-fast's "reduce-overhead"): one launch for the whole step
+    rather than one per kernel, because launches are what bound a small model's decoding."""
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
-        # The explicit attention path: for a single query, inductor fuses QK^T and AV with
-        # the softmax into its own loops, whereas SDPA stays a library call (and a slow one
-        # in bf16 on CPUs without bf16 arithmetic).
+        # The explicit attention path, because for a single query inductor fuses QK^T and AV
+        # with the softmax into its own loops, whereas SDPA stays a library call (and a slow
+        # one in bf16 on CPUs without bf16 arithmetic).
         return model(idx, kv_cache=kv_cache, input_pos=input_pos, attention="explicit")[0]
 
     device = model.lm_head.weight.device
@@ -264,8 +264,8 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
         def replay(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
             # A graph may write into the cache in place only if the cache stays at one
             # address; otherwise it would copy the whole cache in and out at every step.
-            # guard=False: a new cache (a new generation) re-records the graph instead of
-            # recompiling it.
+            # With guard=False, a new cache (a new generation) re-records the graph instead
+            # of recompiling it.
             if kv_cache not in marked:
                 for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos):
                     torch._dynamo.mark_static_address(buffer, guard=False)
@@ -276,7 +276,7 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
     if device.type != "cpu":
         return ModelStep("compiled", torch.compile(step, fullgraph=True, dynamic=False))
     options = {
-        # drive the graph from generated C++, not Python: no per-kernel Python calls
+        # drive the graph from generated C++, not Python, so there are no per-kernel Python calls
         "cpp_wrapper": True,
         # with one row of activations every matmul is a matrix-vector product bound by
         # reading the weights; as generated loops it fuses with its bias, GELU and
@@ -302,7 +302,7 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     if decode == "compile":
         check_compile(model.lm_head.weight.device, instead="choose another --decode")
         return compiled_step(model)
-    from cdecode import BuildError, CDecodeStep  # only now: its build needs a C compiler
+    from cdecode import BuildError, CDecodeStep  # imported here because building it needs a C compiler
     if decode == "c":
         return CDecodeStep(model)
     weight = model.lm_head.weight
@@ -326,7 +326,7 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
-    (GPT-2's end-of-text token, or a newline for a character vocabulary). InputError for
+    (GPT-2's end-of-text token, or a newline for a character vocabulary). Raises InputError for
     text the tokenizer cannot encode, or that is not text (data.text.check_text)."""
     if prompt:
         check_text(prompt, "prompt")
@@ -368,12 +368,12 @@ class TextStream:
 
 class StopText:
     """New tokens in, text out, cut before the first stop string. A stop string split
-    across tokens is still found: text is released only once no stop string can begin
-    inside it. `stopped` says when one was met."""
+    across tokens is still found, because text is released only once no stop string can
+    begin inside it. `stopped` says when one was met."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
                  skip_special_tokens: bool = True) -> None:
-        if any(check_text(s, "a stop string") == "" for s in stop):  # or InputError: not text
+        if any(check_text(s, "a stop string") == "" for s in stop):  # raises InputError for non-text
             raise InputError("a stop string is empty, which would end every sample at once; "
                              "drop it or give some text")
         self.text, self.stop, self.stopped = TextStream(tokenizer, skip_special_tokens), stop, False
@@ -438,7 +438,7 @@ class Chat:
                  system: str | None = None, skip_special_tokens: bool = True) -> None:
         check_sampling(temperature, top_k, top_p)
         self.model, self.tokenizer, self.ids_of = model, tokenizer, special_ids(tokenizer)
-        self.skip_special_tokens = skip_special_tokens  # in replies: see TextStream
+        self.skip_special_tokens = skip_special_tokens  # for replies; see TextStream
         self.sampling = (temperature, top_k, top_p, generator)
         self.max_new_tokens = max_new_tokens
         self.step = decode_step(model, decode) if isinstance(decode, str) else decode
@@ -458,8 +458,8 @@ class Chat:
         return render_prompt(self.tokenizer, with_system(self.system, [*messages, ("user", text)]))
 
     def add_user(self, text: str) -> int:
-        """Add a user turn and return how many of the oldest turns were dropped to make
-        room for it and at least one token of reply. InputError if it cannot fit even alone."""
+        """Add a user turn and return how many of the oldest turns were dropped to make room
+        for it and at least one token of reply. Raises InputError if it cannot fit even alone."""
         block_size, kept = self.model.config.block_size, self.turns
         ids = self.rendered(kept, text)
         while len(ids) >= block_size and kept:

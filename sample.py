@@ -62,7 +62,7 @@ def prompt_text(prompt: str, prompt_file: Path | None) -> str:
 def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: float | None,
                    seed: int, decode: str, kv_cache: bool) -> None:
     """The options that need no model, checked before one is loaded."""
-    check_weight_dtype(dtype)  # here, not only in load_model: --benchmark loads none
+    check_weight_dtype(dtype)  # here, not only in load_model, because --benchmark loads none
     check_sampling(temperature, top_k, top_p)
     check_seed(seed)
     check_decode(decode, "--decode")
@@ -72,8 +72,8 @@ def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: flo
 
 
 def stop_strings(stop: list[str]) -> tuple[str, ...]:
-    """--stop's strings, with \\n and \\t read as a newline and a tab: a shell passes "\\n" as
-    a backslash and an n, and a stop string almost always means a newline. The shell's
+    """--stop's strings, with \\n and \\t read as a newline and a tab, because a shell passes
+    "\\n" as a backslash and an n, and a stop string almost always means a newline. The shell's
     bytes are decoded as --prompt's are (prompt_text)."""
     stops = tuple(decode_text(os.fsencode(s), "--stop").replace("\\n", "\n").replace("\\t", "\t")
                   for s in stop)
@@ -107,7 +107,7 @@ def print_samples(draw: Callable[[], Iterator[str]], prompt: str, num_samples: i
 def attention_target(path: str) -> Path:
     """Where --attention PATH writes PATH.html and PATH.png: inside PATH when it is a folder
     or ends with a slash (as attention.html and .png), beside it otherwise. The folder is
-    made and tried now, so a path that cannot be written fails before sampling, not after."""
+    made and tested now, so a path that cannot be written fails before sampling, not after."""
     target = Path(path)
     if path.endswith(("/", "\\")) or target.is_dir():
         target = target / "attention"
@@ -128,7 +128,7 @@ def write_attention(model: GPT, tokenizer: Tokenizer, ids: list[int], path: Path
     try:
         html = write_html(maps, labels, path.with_suffix(".html"))
         png = write_png(maps, labels, path.with_suffix(".png"))
-    except OSError as e:  # a disk that filled since the check: no file is half-written
+    except OSError as e:  # a disk that filled since the check; no file is left half-written
         raise UserError(f"--attention could not write {path} ({e.strerror})") from None
     print(f"attention: {html} and {png}", file=sys.stderr)
 
@@ -137,7 +137,7 @@ def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str |
                        preset: str | None, device: str, dtype: str, lengths: str, repeats: int,
                        json_path: Path | None, decode: str, batch: int, layout: str,
                        n_kv_head: int) -> None:
-    """--benchmark: every decoding path timed on the model sample.py would load (a run, a
+    """--benchmark: time every decoding path on the model sample.py would load (a run, a
     checkpoint, a Hugging Face folder), or on a preset's shape."""
     if preset is not None and (run or checkpoint or init_from):
         raise UserError("--preset times random weights of a named shape; drop --run, "
@@ -146,7 +146,7 @@ def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str |
         raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if json_path is not None:  # checked now, not after the benchmark
         check_output_file(json_path, "--json")
-    # imported here: keeps the sampling path light
+    # imported here to keep the sampling path light
     from measure.decoding import parse_lengths, run_benchmark
     from_run = preset is None and not init_from
     run_benchmark(resolve_checkpoint(run, checkpoint) if from_run else None, preset, device,
@@ -169,8 +169,8 @@ def open_chat(run: str | None, checkpoint: str | None, init_from: str | None, de
 
 
 def say(lines: list[str]) -> None:
-    """Notes on stderr (what was loaded), once the command's checks have passed: stdout
-    holds the samples alone, and a refusal is its one line alone."""
+    """Print notes (what was loaded) on stderr once the command's checks have passed, so
+    that stdout holds the samples alone and a refusal is its one line alone."""
     for line in lines:
         print(line, file=sys.stderr)
 
@@ -303,16 +303,16 @@ def main(
                                       repeats, json_path, decode, batch, layout, n_kv_head)
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, generator=torch.Generator(device=device).manual_seed(seed))
-        if chat:  # turns from stdin: the options of a prompt are refused, not ignored
+        if chat:  # turns come from stdin, so a prompt's options are refused, not ignored
             prompted = bool(prompt or prompt_file or stop or attention or num_samples > 1)
             return chat_loop(open_chat(run, checkpoint, init_from, device, dtype, prompted,
                                        decode=decode if kv_cache else "eager",
                                        skip_special_tokens=skip_special_tokens, **sampling))
-        # a text to continue: the newest base model, where the newest run is a chat model
+        # to continue a text, prefer the newest base model over a newer chat model
         loaded: list[str] = []
         model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype,
                                          prefer="base", say=loaded.append)
-        # checked before sampling, after loading: a failed load leaves no folder behind
+        # checked after loading, so a failed load leaves no folder behind, but before sampling
         attention_path = attention_target(attention) if attention is not None else None
         text = prompt_text(prompt, prompt_file)
         ids = prompt_ids(tokenizer, text)
@@ -320,7 +320,7 @@ def main(
         say(loaded)
     first_sample = print_samples(
         lambda: generate_text(model, tokenizer, ids, use_kv_cache=kv_cache, stop=stops,
-                              decode=step or "eager",  # without the cache: unused
+                              decode=step or "eager",  # unused without the cache
                               skip_special_tokens=skip_special_tokens,
                               **sampling), text, num_samples, stream)
     if attention_path is not None:

@@ -6,7 +6,7 @@ Usage:
     python -m benchmarks.wallclock -- python ../nanoGPT/train.py ...   # any trainer's pace
     from benchmarks import check_paths; check_paths(input, json_path)   # before the work
 
-Each runs under machine.errors: a bad input, path or option is one line and exit 1.
+Each runs under machine.errors, so a bad input, path or option is one line and exit 1.
 """
 
 from __future__ import annotations

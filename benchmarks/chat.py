@@ -1,7 +1,7 @@
 """What the chat's kept KV cache buys: the time to the first token of turn N when the cache
 holds the conversation so far (the turn prefills its own tokens), against re-prefilling the
-whole history, for growing N. A random-weight model shape with a character vocabulary of
-its size; every turn's user text and reply are turn_tokens long.
+whole history, for growing N. The model is a random-weight shape with a character vocabulary
+of its size, and every turn's user text and reply are turn_tokens long.
 
 Usage:
     python -m benchmarks.chat                               # GPT-2's shape, 8 turns
@@ -26,7 +26,7 @@ from measure.decoding import benchmark_model
 
 def chat_tokenizer(vocab_size: int) -> CharTokenizer:
     """Characters from U+0100 on (below the surrogates for any GPT-2-sized vocabulary), and
-    the chat tokens: a vocabulary as large as the shape's."""
+    the chat tokens, making a vocabulary as large as the shape's."""
     return CharTokenizer("".join(chr(0x100 + i) for i in range(vocab_size - len(CHAT_SPECIALS))),
                          CHAT_SPECIALS)
 
@@ -36,7 +36,7 @@ def first_token_seconds(chat: Chat, text: str, keep_cache: bool) -> float:
     turns, ids, cached = list(chat.turns), list(chat.ids), chat.cached
     chat.add_user(text)
     if not keep_cache:
-        chat.cached = 0  # the whole history again, as a chat without a kept cache does
+        chat.cached = 0  # prefill the whole history again, as a chat without a kept cache does
     start = time.perf_counter()
     reply = chat.reply()
     next(reply)

@@ -1,6 +1,6 @@
 """Decoding speed of every path on a random-weight model shape: the same measurement as
 `python sample.py --benchmark --preset`, with the knobs a study needs (--prompt-len,
---no-baselines). What each row means: measure/decoding.py.
+--no-baselines). measure/decoding.py says what each row means.
 
 Usage:
     python -m benchmarks.decode --preset gpt2 --lengths 64

@@ -56,7 +56,7 @@ def decode_speed(shape: str, dtype: str, new_tokens: int, repeats: int) -> tuple
 
 def training_forward_speed(model: GPT, batch_size: int, steps: int = 10) -> float:
     """Tokens per second of training's forward pass (train mode, autograd recording) on
-    random batches of the model's block size: what evaluation should at least match."""
+    random batches of the model's block size, which evaluation should at least match."""
     model.train()
     block = model.config.block_size
     x = torch.randint(0, model.config.vocab_size, (batch_size, block))

@@ -12,8 +12,8 @@ random tokens) and prints one row per case:
   (its shards under FSDP), measured after a step, and the process's peak RSS;
 - time: the median ms/iter of the presets given (their model, batch, block and optimizer)
   under DDP and FSDP on 2 processes.
-The memory runs use block 256 and batch 1: the weights, gradients and optimizer state do
-not depend on them, and a step at GPT-2's 1024 takes long on a CPU.
+The memory runs use block 256 and batch 1, because the weights, gradients and optimizer
+state do not depend on them, and a step at GPT-2's 1024 takes long on a CPU.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def measure(cfg: TrainConfig, info: distributed.Dist, config: Path, parallel: st
     tokens = torch.randint(vocab_size, (cfg.batch_size, cfg.model.block_size + 1),
                            generator=torch.Generator().manual_seed(info.rank))
     times, grad_bytes = [], 0
-    for _ in range(steps + 1):  # the first step builds the optimizer state: not timed
+    for _ in range(steps + 1):  # the first step builds the optimizer state, so it is not timed
         start = time.perf_counter()
         _, loss = step_model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()

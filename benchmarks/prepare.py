@@ -7,7 +7,7 @@ Usage:
 
 A corpus of --gb gigabytes of JSON Lines is generated in --workdir (the built-in Shakespeare's
 paragraphs, shuffled into documents of 2 to 40 paragraphs, seeded) and deleted at the end
-unless --keep. Printed, each the median of --repeats runs of `python -m data.prepare
+unless --keep. It prints, each the median of --repeats runs of `python -m data.prepare
 --tokenizer gpt2` as a user runs it:
 - its wall time and MB/s of input, and tiktoken's single-process MB/s (the call that the
   workers make, results dropped) on the corpus's first --baseline-mb megabytes, measured in
@@ -18,7 +18,7 @@ unless --keep. Printed, each the median of --repeats runs of `python -m data.pre
 --kills N kills the preparation N times at random moments, reruns it after each, and checks
 every shard against an uninterrupted run's by sha256. --train runs 100 iterations of the
 tiny preset on the prepared corpus and on the built-in Shakespeare prepared with the same
-tokenizer: the time to the first step, the wall time and the peak RSS of each.
+tokenizer, and prints the time to the first step, the wall time and the peak RSS of each.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ for t in texts:
     enc.encode_to_numpy(t, disallowed_special=())  # what data.prepare's workers call
 seconds = time.perf_counter() - t0
 text = '<|endoftext|>'.join(texts); del texts
-ids = np.array(enc.encode_ordinary(text), dtype=np.uint16)  # the old data.prepare's way
+ids = np.array(enc.encode_ordinary(text), dtype=np.uint16)  # the whole-corpus approach
 print(json.dumps({{"mb": size / 1e6, "seconds": seconds,
                    "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
@@ -135,8 +135,8 @@ def prepare_cmd(corpus: Path, out: Path) -> list[str]:
 
 def train_start(data_dir: str, runs: Path, name: str) -> tuple[float, float, float]:
     """(seconds from process start to the first training step, wall seconds, peak RSS MB)
-    of 100 iterations of the tiny preset on a dataset: a small model, so that what the data
-    costs shows."""
+    of 100 iterations of the tiny preset on a dataset. The model is small so that what the
+    data costs shows."""
     cmd = [sys.executable, "train.py", "--config", "config/tiny.toml", "--data-dir", data_dir,
            "--out-dir", str(runs), "--run-name", name, "--max-iters", "100",
            "--eval-interval", "100", "--sample-tokens", "0"]
@@ -184,7 +184,7 @@ def main(gb: Annotated[float, typer.Option(help="Corpus size in GB.")] = 2.0,
             check_kills(corpus, out, kills, wall)
         if train:
             runs = work / "runs"
-            # the same tokenizer on both sides, so the same model: only the data differs
+            # the same tokenizer on both sides gives the same model, so only the data differs
             subprocess.run([sys.executable, "-m", "data.prepare", "--tokenizer", "gpt2"],
                            cwd=REPO, check=True, capture_output=True)
             for name, data_dir in (("the built-in Shakespeare (GPT-2 BPE, 1.7M tokens)",

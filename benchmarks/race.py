@@ -12,7 +12,7 @@ Every trainer is timed by one clock: the moment each line of its output arrives.
 evaluation is a line "iter N: train loss X, val loss Y" (train.py) or "step N: train loss
 X, val loss Y" (nanoGPT), and the time to the target is when the first such line at or
 below it arrives. The pace (ms/iter) is the median time between consecutive log lines
-(benchmarks/wallclock.py), the evaluations left out.
+(benchmarks/wallclock.py), leaving the evaluations out.
 
 The recipes take turns, `repeats` rounds of them, so that a slow minute of a shared machine
 falls on all of them alike. A baseline (nanoGPT's recipe, and ours of the same settings) is
@@ -60,7 +60,7 @@ class Recipe:
     name: str
     config: Path
     overrides: dict[str, Any] = field(default_factory=dict)
-    baseline: bool = False  # stopped at the target: only its time to it is compared
+    baseline: bool = False  # stopped at the target, because only its time to it is compared
 
     def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
         """The command line and the folder it runs in."""
@@ -139,7 +139,7 @@ def ablation_recipes() -> list[Recipe]:
 
 def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name: str,
                target: float) -> dict[str, Any]:
-    """Run one recipe in a fresh process; its figures, timed from the process's start."""
+    """Run one recipe in a fresh process and return its figures, timed from the process's start."""
     args, cwd = recipe.command(data_dir, out_dir, run_name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line arrives when it is printed
     lines, hit = [], None

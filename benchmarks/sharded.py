@@ -7,8 +7,8 @@ Usage:
 
 It prints:
 - the peak RSS of each process of one run (the largest of them), for the same model on 1
-  process and on 2 and 4 under FSDP (2 under DDP too), each run one iteration and its
-  checkpoint (whole under DDP, each process its shards under FSDP), then a resume from it;
+  process and on 2 and 4 under FSDP (2 under DDP too), each running one iteration and saving
+  its checkpoint (whole under DDP, each process its shards under FSDP), then resuming from it;
 - the largest model (n_embd 1024 and n_layer layers, AdamW) that trains one iteration,
   saves and resumes with every process under `ulimit -v`, by bisection over n_layer, under
   DDP and FSDP on 2 processes.
@@ -57,7 +57,7 @@ def train(out: Path, nproc: int, parallel: str, n_layer: int, max_iters: int,
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
     peaks: dict[int, int] = {}
-    while proc.poll() is None:  # VmHWM only grows: its last reading is the peak
+    while proc.poll() is None:  # VmHWM only grows, so its last reading is the peak
         for pid in workers(proc.pid, nproc):
             peaks[pid] = max(peaks.get(pid, 0), high_water_kb(pid))
         time.sleep(0.02)
@@ -84,8 +84,8 @@ def high_water_kb(pid: int) -> int:
 
 def trains_and_resumes(nproc: int, parallel: str, n_layer: int, limit_gb: float | None,
                        ) -> tuple[bool, float, str]:
-    """One iteration and its checkpoint, then one more resumed from it: (both finished,
-    the larger peak RSS of the two runs, the error if not)."""
+    """Train one iteration and save it, then one more resumed from it; return (whether both
+    finished, the larger peak RSS of the two runs, the error if not)."""
     with tempfile.TemporaryDirectory() as out:
         done, peak, error = train(Path(out), nproc, parallel, n_layer, 1, limit_gb=limit_gb)
         if not done:

@@ -6,7 +6,7 @@ Usage:
     python -m benchmarks.tokenizer --input tinyshakespeare/input.txt --scale 0.1 --scale 1
 
 --input is split as training splits it: the first 90% of characters train (the BPEs learn
-from them alone), the last 10% are held out. Printed:
+from them alone), and the last 10% are held out. It prints:
 - bytes per token on the held-out text: BPEs of 512 to 4,096 tokens against GPT-2's, and the
   seconds to train each with rustbpe and with Hugging Face tokenizers;
 - tiktoken's encoding MB/s with the 4,096-token BPE and with GPT-2's, on the same text in the
@@ -84,7 +84,7 @@ def compression(train_text: str, held_out: str) -> None:
 
 
 def scale(gigabytes: float, train_chars: int, work: Path) -> None:
-    """Train a 4,096-token BPE on a generated corpus in a fresh process: time, peak RSS."""
+    """Train a 4,096-token BPE on a generated corpus in a fresh process; print its time and peak RSS."""
     corpus = work / f"corpus_{gigabytes:g}.jsonl"
     make_corpus(corpus, gigabytes)
     code = f"""
@@ -105,7 +105,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t0,
 
 
 def train_run(data_dir: Path, runs: Path, name: str, max_iters: int) -> tuple[float, float]:
-    """The quickstart preset on a dataset: (wall seconds, median ms/iter)."""
+    """Train the quickstart preset on a dataset; return (wall seconds, median ms/iter)."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "train.py", "--config", "config/quickstart.toml",
                     "--data-dir", str(data_dir), "--out-dir", str(runs), "--run-name", name,
@@ -118,8 +118,8 @@ def train_run(data_dir: Path, runs: Path, name: str, max_iters: int) -> tuple[fl
 
 
 def race(text: str, train_text: str, held_out: str, work: Path) -> None:
-    """Each tokenizer's dataset, trained on for the char model's wall time, scored on the
-    held-out text in bits per character."""
+    """Train on each tokenizer's dataset for the char model's wall time, and score each model
+    on the held-out text in bits per character."""
     (work / "train.txt").write_text(train_text, encoding="utf-8")
     datasets = {}
     for name in RACE:

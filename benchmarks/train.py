@@ -18,10 +18,10 @@ value in TOML: --set bias=false, --set sample_prompt='"ROMEO:"').
 
 --profile runs the same training under torch's profiler and prints where the time went: on
 a GPU, the kernels that took the most device time, the device's busy time per iteration
-(to set beside the median ms/iter of a run without --profile: busy well below it, the GPU
-waits on Python, so fewer or fused launches pay; near it, the kernels themselves), and
-every place that made the process wait for the GPU, with how often. The profiler's own
-cost makes that run slower: its ms/iter are not the figures.
+(to set beside the median ms/iter of a run without --profile: well below it, the GPU waits
+on Python, so fewer or fused launches pay; near it, the kernels themselves are the cost),
+and every place that made the process wait for the GPU, with how often. The profiler's own
+cost makes that run slower, so its ms/iter are not the figures to report.
 
 --time-to-loss races training recipes instead (benchmarks/race.py): the classic recipe
 (nanoGPT's settings), the quickstart as shipped and in fp32, or with --ablate what each

@@ -10,8 +10,8 @@ that prints "iter N" at its log points, after waiting there for the device (nano
 lines: the median ms/iter over consecutive log points, leaving out the spans with any other
 line between them (an evaluation, a checkpoint).
 
-Why not the trainer's own figure: nanoGPT prints the time of the one iteration before its
-log point, taken before it waits for the GPU. Its Python may be ahead of the GPU's work by
+The trainer's own figure is not used, because nanoGPT prints the time of the one iteration
+before its log point, taken before it waits for the GPU. Its Python may be ahead of the GPU's work by
 then, so on a GPU that figure can read faster than the run goes. Both trainers timed this
 way are compared on the same clock.
 """
@@ -39,7 +39,7 @@ def log_point_times(lines: list[tuple[float, str]]) -> list[float]:
     for t, line in lines:
         match = LOG_POINT.match(line)
         if match is None:
-            last = None  # an evaluation or a message: the span it falls in is not a step's
+            last = None  # an evaluation or a message, so the span it falls in is not a step's
             continue
         it = int(match.group(1))
         # a line that repeats the iteration (train.py's evaluation, after the work) starts
@@ -51,7 +51,8 @@ def log_point_times(lines: list[tuple[float, str]]) -> list[float]:
 
 
 def run_timed(command: list[str]) -> tuple[int, list[tuple[float, str]]]:
-    """Run the command with its output unbuffered, echoed, and each line's arrival time."""
+    """Run the command with its output unbuffered and echoed; return its exit code and each
+    line with its arrival time."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a line arrives when it is printed
     lines = []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -31,7 +31,7 @@ WEIGHT_DEFINES = {torch.float32: [], torch.bfloat16: ["-DWEIGHT_BF16"],
                   torch.int8: ["-DWEIGHT_INT8"]}
 
 
-@functools.cache  # once per process: a generation builds its step, and many may run
+@functools.cache  # once per process, because each generation builds its step and many may run
 def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
     """decode_step.c built for weights of `dtype` (machine/cbuild.py keeps the build) and
     loaded. march: the instruction set to build for, as gcc's -march names it."""
@@ -64,7 +64,7 @@ def block_param_names(lib: ctypes.CDLL) -> list[str]:
 
 
 def address(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None  # None: C's NULL, e.g. a missing bias
+    return t.data_ptr() if t is not None else None  # None becomes C's NULL, e.g. for a missing bias
 
 
 def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
@@ -73,26 +73,26 @@ def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
 
 
 class CDecodeStep:
-    """generate.py's DecodeStep in C: (B, 1) tokens, a KVCache and input_pos, (1,) or a
-    position per sequence (B, 1), in; (B, 1, vocab_size) logits out.
+    """generate.py's DecodeStep in C. It takes (B, 1) tokens, a KVCache and input_pos, either
+    (1,) or a position per sequence (B, 1), and returns (B, 1, vocab_size) logits.
 
-    It also prefills: (B, T) tokens at consecutive positions input_pos (T,) in one call,
-    with the logits of the last. Each weight is then read once for all B * T tokens, so a
+    It also prefills (B, T) tokens at consecutive positions input_pos (T,) in one call and
+    returns the logits of the last. Each weight is then read once for all B * T tokens, so a
     short window costs little more than one step; past `max_prefill` tokens, PyTorch's matrix
-    products are faster, and generate.py prefills with the model instead. And it steps
-    rows: a server's batch steps only the cache rows of the sequences at work.
+    products are faster, and generate.py prefills with the model instead. It can also step
+    chosen rows, so a server's batch steps only the cache rows of the sequences at work.
     """
 
     name = "C step"
     steps_chosen_rows = True
-    # the longest window this step prefills, per weight dtype: where it stops beating the
-    # model's forward (docs/decoding.md). int8's forward dequantizes every matrix first, so
-    # the C step wins longer there; bfloat16's stays short for the CPUs with bf16
-    # arithmetic, where PyTorch's forward is fast.
+    # the longest window this step prefills, per weight dtype, which is where it stops
+    # beating the model's forward (docs/decoding.md). int8's forward dequantizes every matrix
+    # first, so the C step wins on longer windows there; bfloat16's limit stays short for the
+    # CPUs with bf16 arithmetic, where PyTorch's forward is fast.
     PREFILL_TOKENS = {torch.float32: 64, torch.bfloat16: 8, torch.int8: 128}
 
     def __init__(self, model: GPT, march: str = "native") -> None:
-        # wte is also lm_head; an int8 model (weights/quantize.py) keeps its matrices in buffers
+        # a tied wte is also lm_head; an int8 model (weights/quantize.py) keeps its matrices in buffers
         params = {**dict(model.named_parameters(remove_duplicate=False)),
                   **dict(model.named_buffers(remove_duplicate=False))}
         self.wte = params["transformer.wte.weight"]
@@ -103,9 +103,9 @@ class CDecodeStep:
         self.config = model.config
         self.lib = build(self.wte.dtype, march)
         self.max_prefill = self.PREFILL_TOKENS[self.wte.dtype]
-        # the C function gets only addresses: these references keep the tensors alive
+        # the C function gets only addresses, so these references keep the tensors alive
         self.wte_scales = params.get("transformer.wte.scales")  # None unless int8
-        # each None below is C's NULL: a switch of the layout that leaves the tensor out
+        # each None below becomes C's NULL, for a layout switch that leaves the tensor out
         self.wpe = params.get("transformer.wpe.weight")
         self.rope_cos, self.rope_sin = params.get("rope_cos"), params.get("rope_sin")
         self.ln_f_w = params.get("transformer.ln_f.weight")  # None with rmsnorm
@@ -142,18 +142,18 @@ class CDecodeStep:
 
     def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_pos: (T,), the same for every sequence, or (B, T), each its own; rows: the
-        cache row of each of the B sequences (default: row b), for a server's batch, whose
-        cache has a row per slot and steps only the slots at work."""
+        """input_pos is one (T,) tensor for every sequence, or (B, T) with each sequence's own
+        positions. rows is each sequence's cache row (by default row b); a server's batch
+        passes it, because its cache has a row per slot and it steps only the slots at work."""
         cfg = self.config
         B, T = idx.size()
         cache_rows, max_len = kv_cache.k[0].size(0), kv_cache.k[0].size(2)
-        # checked as Python lists: for a step's few numbers, much faster than tensor ops
+        # checked as Python lists, which beat tensor ops on a step's few numbers
         positions = input_pos.tolist()
         per_row = positions if input_pos.dim() == 2 else [positions] * B
         rows_of = list(range(B)) if rows is None else rows.tolist()
         ids = idx.flatten().tolist()
-        # C does not check bounds: refuse here what would read or write outside a tensor
+        # C does not check bounds, so refuse here what would read or write outside a tensor
         if not (len(per_row) == B and all(p == list(range(p[0], p[0] + T)) for p in per_row)
                 and 0 <= min(p[0] for p in per_row) and max(p[-1] for p in per_row) < max_len
                 and 0 <= min(ids) and max(ids) < cfg.vocab_size
@@ -161,14 +161,14 @@ class CDecodeStep:
                 and 0 <= min(rows_of) and max(rows_of) < cache_rows):
             raise IndexError(f"positions {per_row}, rows {rows_of} or a token of "
                              f"{idx.tolist()} is out of range")
-        tokens = idx.to(torch.int64).contiguous()  # held: C reads it during the call
+        tokens = idx.to(torch.int64).contiguous()  # kept alive because C reads it during the call
         starts = (ctypes.c_int64 * B)(*(p[0] for p in per_row))
         rows_array = (ctypes.c_int64 * B)(*rows_of)
         if kv_cache.k[0].dtype != self.dtype:
             raise ValueError("the cache's dtype differs from the step's")
         work_size = B * T * (5 * cfg.n_embd + max(cfg.n_embd, cfg.mlp_hidden)
                              + cfg.n_head * max_len)
-        if self.work.numel() < work_size:  # a longer prefill or cache: grow once for it
+        if self.work.numel() < work_size:  # grow once for a longer prefill or cache
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         self.lib.decode_step(

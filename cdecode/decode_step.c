@@ -28,7 +28,7 @@ typedef float weight_t;
 typedef float param_t;
 #endif
 
-/* bfloat16 is the top half of a float32: widening is a shift, rounding keeps the nearest */
+/* bfloat16 is the top half of a float32, so widening is a shift; store() rounds to nearest */
 static inline float bf16_to_float(uint16_t b) {
     union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
     return v.f;
@@ -59,7 +59,7 @@ static inline void store(param_t *p, size_t i, float x) {
 #endif
 }
 
-/* The parameters of one Block, written once: this list makes the enum that indexes them
+/* The parameters of one Block, listed once. The list makes both the enum that indexes them
  * here and the names (model.py's and quantize.py's, under transformer.h.<layer>.) that
  * Python reads from the library to pass them in this order. A model without biases passes
  * NULL for them; a float model passes NULL for the int8 row scales. */
@@ -87,7 +87,7 @@ static inline void rms_norm(float *x, int n, float eps) {
     for (int i = 0; i < n; i++) x[i] *= r;
 }
 
-/* out[b] = LayerNorm(x[b]) for each of B rows of n, or with rms RMSNorm (model.py's
+/* out[b] = LayerNorm(x[b]) for each of B rows of n, or RMSNorm when rms is set (model.py's
  * make_norm); a NULL bias means none */
 static void layer_norm(float *out, const float *x, const param_t *w, const param_t *bias,
                        int B, int n, int rms, float eps) {
@@ -112,10 +112,10 @@ static void layer_norm(float *out, const float *x, const param_t *w, const param
 }
 
 /* e^x, inline and vectorizable. libm's expf is a call per element, and the GELU makes
- * 4 * n_embd of them per token: at small shapes, a large share of a step whose products are
- * bound by arithmetic (int8; docs/performance.md). e^x = 2^n e^r with n = round(x / ln 2), so
- * |r| <= ln(2) / 2, where the Taylor series to r^6 is enough: within 3e-7 of expf (relative)
- * over the range. Below -87 it gives about 1e-38 rather than 0. */
+ * 4 * n_embd of them per token, which at small shapes is a large share of a step whose
+ * products are bound by arithmetic (int8; docs/performance.md). e^x = 2^n e^r with
+ * n = round(x / ln 2), so |r| <= ln(2) / 2, where the Taylor series to r^6 stays within 3e-7
+ * of expf (relative) over the range. Below -87 it gives about 1e-38 rather than 0. */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     /* adding and taking away 1.5 * 2^23 rounds a float to the nearest integer */
@@ -127,8 +127,8 @@ static inline float exp_approx(float x) {
     return p * two_n.f;
 }
 
-/* GPT-2's GELU, 0.5 x (1 + tanh(u)), as the equal x sigmoid(2u), in place on n floats: a
- * pass of its own, so that it runs on whole vectors */
+/* GPT-2's GELU, 0.5 x (1 + tanh(u)), computed as the equal x sigmoid(2u) in place on n
+ * floats, in a pass of its own so that it runs on whole vectors */
 static void gelu_tanh(float *x, size_t n) {
     #pragma omp for simd schedule(static)
     for (size_t i = 0; i < n; i++) {
@@ -144,7 +144,7 @@ static void relu_square(float *x, size_t n) {
 }
 
 /* model.py's apply_rope on one head of n floats at a position whose rows of rope_tables
- * are cos and sin (n / 2 each): pair (x_i, x_{i + n/2}) turns by that position's angle i */
+ * are cos and sin (n / 2 each); pair (x_i, x_{i + n/2}) turns by that position's angle i */
 static inline void rope(float *x, const param_t *cos, const param_t *sin, int n) {
     int half = n / 2;
     for (int i = 0; i < half; i++) {
@@ -171,8 +171,8 @@ static inline float dot_plain_params(const param_t *restrict w, const float *res
 }
 
 /* With AVX-512 or AVX2 (the build asks for -march=native) the same dot product is written
- * with intrinsics: gcc vectorizes the plain loop too, but then adds up its vector sums one
- * float at a time through memory, which for short rows costs as much as the products. */
+ * with intrinsics, because gcc vectorizes the plain loop too but then adds up its vector sums
+ * one float at a time through memory, which for short rows costs as much as the products. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
@@ -239,8 +239,8 @@ static inline float dot_params(const param_t *restrict w, const float *restrict 
     }
     for (; j + LANES <= n; j += LANES) a = vec_fma(vec_load_params(w + j), vec_load(x + j), a);
     float s = vec_sum((a + b) + (c + d));
-    /* the tail, fewer than LANES elements: a plain loop, since an `omp simd` one would add
-     * up its lanes through memory even when it runs no iteration */
+    /* the tail of fewer than LANES elements is a plain loop, because an `omp simd` one would
+     * add up its lanes through memory even when it runs no iteration */
     for (; j < n; j++) s += load(w, j) * x[j];
     return s;
 }
@@ -250,8 +250,8 @@ static inline float dot_params(const param_t *restrict w, const float *restrict 
 
 enum { SET, ADD };  /* what a product does with its output */
 
-/* Inputs per pass of the products' kernel: with AVX-512's 32 vector registers, four rows
- * by four inputs keep their 16 sums in registers; AVX2's 16 hold eight. */
+/* Inputs per pass of the products' kernel. With AVX-512's 32 vector registers, four rows
+ * by four inputs keep their 16 sums in registers; AVX2's 16 registers hold eight. */
 #if LANES == 16
 #define MAX_NB 4
 #else
@@ -259,13 +259,13 @@ enum { SET, ADD };  /* what a product does with its output */
 #endif
 
 /* The products' kernel: four weight rows w[0..3] against NB <= MAX_NB inputs
- * x + c * stride, the 4 * NB dot products into out[r][c]. Each weight vector loaded serves
- * NB inputs and each input vector four rows, so in a batch the loads per fma fall from 2 to
- * 0.5, and the sums in flight keep both fma units busy. Every dot product is summed in the
+ * x + c * stride, writing the 4 * NB dot products into out[r][c]. Each weight vector loaded
+ * serves NB inputs and each input vector four rows, so in a batch the loads per fma fall from
+ * 2 to 0.5, and the sums in flight keep both fma units busy. Every dot product is summed in the
  * same order whatever NB is (one vector sum each, then its lanes, then the tail), so a
- * sequence's logits are the same bits alone and in any batch: a server's answer does not
+ * sequence's logits are the same bits alone and in any batch, and a server's answer does not
  * depend on who else is served. NB is a constant where this is called, so each case
- * compiles to its own unrolled loop, the sums held in registers. */
+ * compiles to its own unrolled loop with the sums held in registers. */
 static inline __attribute__((always_inline)) void dot_4xN(
         const weight_t *const w[4], const float *restrict x, size_t stride, int n, int NB,
         float out[4][MAX_NB]) {
@@ -284,8 +284,8 @@ static inline __attribute__((always_inline)) void dot_4xN(
     }
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < NB; c++) out[r][c] = vec_sum(acc[r][c]);
-    /* the tail, fewer than LANES elements, with fmaf written out: left to itself, the
-     * compiler fuses or does not fuse a * b + c differently in each unrolled case */
+    /* the tail of fewer than LANES elements calls fmaf explicitly, because left to itself
+     * the compiler fuses or does not fuse a * b + c differently in each unrolled case */
     for (; j < n; j++)
         for (int r = 0; r < 4; r++)
             for (int c = 0; c < NB; c++)
@@ -304,11 +304,11 @@ static void matvec(float *restrict y, const float *restrict x, const weight_t *r
                    int B, int n_in, int n_out, int op) {
     #pragma omp for schedule(static)
     for (int i = 0; i < n_out; i += 4) {
-        int rows = n_out - i < 4 ? n_out - i : 4;  /* past n_out: the last row again, not kept */
+        int rows = n_out - i < 4 ? n_out - i : 4;  /* past n_out, repeat the last row; sums unused */
         const weight_t *w[4];
         for (int r = 0; r < 4; r++) w[r] = W + (size_t)(i + (r < rows ? r : rows - 1)) * n_in;
-        /* ask for the weights 4 KB ahead of these rows: the hardware prefetcher alone does
-         * not run far enough ahead of a stream this fast */
+        /* ask for the weights 4 KB ahead of these rows, because the hardware prefetcher
+         * alone does not run far enough ahead of a stream this fast */
         for (int j = 0; j < rows * n_in; j += 64 / sizeof(weight_t))
             __builtin_prefetch(w[0] + 4096 / sizeof(weight_t) + j);
         for (int b = 0; b < B; b += MAX_NB) {
@@ -335,8 +335,8 @@ static void matvec(float *restrict y, const float *restrict x, const weight_t *r
     }
 }
 
-/* The positions of model.py's CausalSelfAttention, on one head of a query or key at
- * window position p: qk_norm, then RoPE when the tables are given (NULL: none) */
+/* What model.py's CausalSelfAttention does to one head of a query or key at window
+ * position p: qk_norm, then RoPE when the tables are given (not NULL) */
 static inline void place_head(float *x, int qk_norm, float eps, const param_t *rope_cos,
                               const param_t *rope_sin, int p, int head_dim) {
     if (qk_norm) rms_norm(x, head_dim, eps);
@@ -347,7 +347,7 @@ static inline void place_head(float *x, int qk_norm, float eps, const param_t *r
 }
 
 /* Store the keys and values of T new tokens per sequence at slots pos[b]..pos[b]+T-1 of
- * its cache row rows[b], then let each attend over the slots up to its own: a decode step
+ * its cache row rows[b], then let each attend over the slots up to its own. A decode step
  * has T = 1, a prefill T > 1. Each sequence has its own position, as in a server's batch.
  * qkv: (B*T, C + 2 KV) as c_attn makes it, KV = n_kv_head * head_dim (GQA: query head h
  * reads key/value head h / (n_head / n_kv_head), as SDPA's enable_gqa does); its queries
@@ -379,7 +379,7 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
             store(k_cache, slot + d, k[d]);
             store(v_cache, slot + d, v[d]);
         }
-    }  /* the loop's barrier: every key is stored before any query reads it */
+    }  /* the loop ends in a barrier, so every key is stored before any query reads it */
     #pragma omp for
     for (int i = 0; i < B * n_head * T; i++) {
         int t = i % T, b = i / T / n_head, h = i / T % n_head, last = pos[b] + t;
@@ -413,15 +413,16 @@ static void attention(float *restrict y, float *restrict qkv, param_t *restrict 
  * n_kv_head = n_head, hidden = 4 n_embd, norm_eps = 1e-5) */
 typedef struct {
     int n_kv_head, rms_norm, qk_norm, relu2, embed_norm, hidden;
-    float norm_eps, logit_softcap;  /* logit_softcap 0: off */
+    float norm_eps, logit_softcap;  /* 0 turns logit_softcap off */
 } layout_t;
 
-/* Logits (B, vocab_size) of the last of T new tokens per sequence, sequence b's tokens at
- * window positions pos[b]..pos[b]+T-1 of cache row rows[b]: a decode step (T = 1) or a
- * prefill (T > 1), which reads each weight once for all B*T tokens.
- * tokens: (B, T); pos, rows: (B,), rows distinct; blocks: n_layer * N_BLOCK_PARAMS pointers; k_cache, v_cache: one pointer
- * per layer. wte_scales: the int8 token table's row scales, NULL for a float one. wpe: the
- * learned position table, or NULL; rope_cos, rope_sin: model.py's rope tables, or NULL.
+/* Logits (B, vocab_size) of the last of T new tokens per sequence, where sequence b's
+ * tokens sit at window positions pos[b]..pos[b]+T-1 of cache row rows[b]. T = 1 is a decode
+ * step, and T > 1 a prefill, which reads each weight once for all B*T tokens.
+ * tokens: (B, T); pos, rows: (B,), rows distinct; blocks: n_layer * N_BLOCK_PARAMS
+ * pointers; k_cache, v_cache: one pointer per layer. wte_scales: the int8 token table's row
+ * scales, NULL for a float one. wpe: the learned position table, or NULL; rope_cos,
+ * rope_sin: model.py's rope tables, or NULL.
  * lm_head (and its scales): an untied output layer, or NULL for wte's.
  * work: scratch of B * T * (5 * n_embd + max(n_embd, hidden) + n_head * max_len) floats. */
 void decode_step(float *logits, const int64_t *tokens, const int64_t *pos,

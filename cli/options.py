@@ -50,8 +50,8 @@ class OutputError(UserError):
 
 
 def check_output_file(path: Path, option: str) -> None:
-    """Refuse an output file that cannot be written, before the work that fills it: a
-    benchmark or an evaluation must not run for minutes and then lose its figures."""
+    """Refuse an output file that cannot be written, before the work that fills it, because
+    a benchmark or an evaluation must not run for minutes and then lose its figures."""
     if path.is_dir():
         raise OutputError(f"{option} {path} is a folder; give a file name")
     if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):

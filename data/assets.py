@@ -82,7 +82,7 @@ def fetch_sdist(sdist: Sdist) -> Path:
     if target.exists() and sha256_file(target) == sdist.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    if sys.stderr.isatty():  # a slow network's minutes should not pass in silence
+    if sys.stderr.isatty():  # a slow download should not pass in silence
         print(f"fetching {sdist.name}=={sdist.version} with pip (once: it is kept in "
               f"{target.parent})", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

@@ -28,7 +28,7 @@ class TiktokenTokenizer:
                  specials: tuple[str, ...] = ()) -> None:
         import tiktoken
         self.pattern, self.ranks = pattern, ranks
-        # <|endoftext|> right after the table, as GPT-2 has it; the added ones after it
+        # <|endoftext|> comes right after the table, as in GPT-2, and the added specials after it
         self.added = tuple(specials)
         self.specials = {END_OF_TEXT: len(ranks),
                          **{token: len(ranks) + 1 + i for i, token in enumerate(specials)}}
@@ -38,7 +38,7 @@ class TiktokenTokenizer:
         self.vocab_size = self.enc.n_vocab
 
     def encode(self, text: str) -> list[int]:
-        # ordinary: "<|endoftext|>" written in a text is text, not the special token
+        # ordinary, because "<|endoftext|>" written in a text is text, not the special token
         return self.enc.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -70,7 +70,7 @@ class GPT2Tokenizer(TiktokenTokenizer):
 
 class BPETokenizer(TiktokenTokenizer):
     """A byte-level BPE trained on your corpus (data/bpe.py): `tokens` holds each token's
-    bytes in id order, the 256 single bytes among them, and `pattern` splits text into the
+    bytes in id order, with the 256 single bytes among them; `pattern` splits text into the
     pieces that merges stay inside."""
 
     def __init__(self, tokens: list[bytes], pattern: str, specials: tuple[str, ...] = ()) -> None:
@@ -83,7 +83,7 @@ class BPETokenizer(TiktokenTokenizer):
     @classmethod
     def from_meta(cls, meta: dict) -> BPETokenizer:
         """The tokenizer of a description that tokenizer_problem passed (its keys, types and
-        size): what is left to fail is the tokens' base64 and the table itself."""
+        size), so what is left to fail is the tokens' base64 and the table itself."""
         try:
             tokens = [base64.b64decode(t, validate=True) for t in meta["tokens"]]
             return cls(tokens, meta["pattern"], tuple(meta.get("specials", ())))

@@ -17,9 +17,9 @@ The format is nanochat's:
 "developer" (OpenAI's newer name) is "system", and content may be a list of text parts
 ([{"type": "text", "text": "..."}], joined by newlines, as vLLM joins them). A
 system message is not a turn of its own: its text opens the first user turn, then a blank
-line, then the user's text. That is nanochat's choice, and the reason holds here: a model
-that learns two roles serves three, and the few tokens of instructions sit where the model
-reads the user.
+line, then the user's text. That is nanochat's choice, and it suits this project too,
+because a model that learns two roles serves three, and the few tokens of instructions sit
+where the model reads the user.
 
 Text is encoded as ordinary text: a message that spells "<|user_start|>" gets the ids of its
 characters, never the special id. Only this module writes special ids, so the mask, which
@@ -40,13 +40,13 @@ from data.tokenizer import Tokenizer
 from machine.errors import InputError
 
 BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer "system"
+ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer "system"
 
 
 # render_conversation's format as a Jinja chat template, for transformers' apply_chat_template
-# on an exported folder (a test holds the two equal). It renders text, whose special tokens
-# the tokenizer then recognises: fine for a template's user, who writes the messages; this
-# project itself renders ids, so that a message can never spell one.
+# on an exported folder (a test checks that the two agree). It renders text, whose special
+# tokens the tokenizer then recognises. That suits a template's user, who writes the messages;
+# this project itself renders ids, so that a message can never spell one.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{{- '<|bos|>' -}}"
@@ -68,8 +68,8 @@ class ConversationError(InputError):
 
 def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tuple[str, str]]:
     """The user and assistant turns of OpenAI-style `messages`, alternating from the user's,
-    the system message folded into the first, the last turn `ends_with`'s ("assistant" to
-    train, "user" to prompt for a reply)."""
+    with the system message folded into the first and the last turn `ends_with`'s
+    ("assistant" to train, "user" to prompt for a reply)."""
     if not isinstance(messages, list) or not messages:
         raise ConversationError("its messages are not a non-empty list")
     system, turns = None, []
@@ -105,8 +105,8 @@ def check_conversation(messages: Any, ends_with: str = "assistant") -> list[tupl
 
 def message_text(content: Any, n: int) -> str:
     """Message n's text: its content, a string or a list of text parts (joined by newlines).
-    ConversationError for any other part (an image: this model reads text alone) and for
-    text that is not text (data.text.check_text)."""
+    Raises ConversationError for any other part (an image, say, because this model reads
+    text alone) and for a string that is not text (data.text.check_text)."""
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content, 1):
@@ -138,7 +138,7 @@ def with_system(system: str | None, turns: list[tuple[str, Any]]) -> list[tuple[
 
 
 def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    """The chat tokens' ids; ValueError if the tokenizer lacks them (a base model's)."""
+    """The chat tokens' ids; InputError if the tokenizer lacks them, as a base model's does."""
     missing = [t for t in CHAT_SPECIALS if t not in tokenizer.specials]
     if missing:
         raise InputError(f"the tokenizer has no {', '.join(missing)}: it is a base model's; "
@@ -149,16 +149,16 @@ def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
 def user_turn(tokenizer: Tokenizer, text: str) -> list[int]:
     """A user turn and the opening of the reply that follows it."""
     s = special_ids(tokenizer)
-    text = check_text(text, "a user turn")  # as every text this module encodes
+    text = check_text(text, "a user turn")  # as is every text this module encodes
     return [s[USER_START], *tokenizer.encode(text), s[USER_END], s[ASSISTANT_START]]
 
 
 def render_conversation(tokenizer: Tokenizer,
                         turns: list[tuple[str, str | list[int]]]) -> tuple[list[int], list[bool]]:
     """The conversation's ids, and for each whether SFT learns it: the assistant's text and
-    the <|assistant_end|> that closes it (so the model learns to stop), nothing else. An
-    assistant turn may be given as the ids a model sampled (a chat's history), kept as
-    they are: text encoded again may split into other tokens."""
+    the <|assistant_end|> that closes it (so the model learns to stop), and nothing else.
+    An assistant turn may be given as the ids a model sampled (a chat's history), which are
+    kept as they are, because text encoded again may split into other tokens."""
     s = special_ids(tokenizer)
     ids, mask = [s[BOS]], [False]
     for role, content in turns:
@@ -193,17 +193,17 @@ def assistant_mask(ids: np.ndarray, start_id: int, end_id: int) -> np.ndarray:
 class Conversations:
     """The conversations of a chat split, drawn whole: each row of a batch is one
     conversation from its <|bos|>, and the targets outside the assistant's turns are -1,
-    which the loss ignores (data/chat.py's mask, read back from the ids).
+    which the loss ignores (render_conversation's mask, read back by assistant_mask).
 
-    Padded, not packed: rows are as long as the batch's longest conversation, the rest of
-    a shorter row filled with <|bos|> and its targets -1. Each row then attends to its own
+    Rows are padded, not packed: each is as long as the batch's longest conversation, and a
+    shorter row is filled out with <|bos|> and targets of -1. Each row then attends to its own
     conversation only, from position 0 as in the chat REPL, with no attention mask to
     build; conversations are short, so the padding costs little (docs/chat.md measures
     it). A conversation longer than block_size + 1 tokens is cut, and one whose first
     learned token falls past the cut is left out, so every row has targets.
 
-    `ids` is the whole split (`where` names it), read into memory once: chat datasets are
-    small next to pretraining's."""
+    `ids` is the whole split (`where` names it), read into memory once, because chat
+    datasets are small next to pretraining's."""
 
     def __init__(self, ids: np.ndarray, where: str, specials: dict[str, int],
                  block_size: int) -> None:
@@ -218,7 +218,7 @@ class Conversations:
                       for s, e, k in zip(starts, ends, keep, strict=True) if k]
         cut = sum(1 for s, e in zip(starts, ends, strict=True) if e - s > block_size + 1)
         left_out = len(starts) - len(self.spans)
-        # what the cut costs, for the run to say: None when every conversation fits
+        # what the cut costs, for the run to report; None when every conversation fits
         self.note = (f"note: {cut:,} of {len(starts):,} conversations in {where} are "
                      f"longer than block_size + 1 ({block_size + 1}) tokens and are cut, "
                      f"{left_out:,} of them before any reply, which leaves them out"

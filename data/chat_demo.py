@@ -1,5 +1,5 @@
 """The built-in conversations: a small synthetic set on which a base model trained on
-Shakespeare cannot answer and a fine-tuned one can, so that SFT's effect is a number.
+Shakespeare cannot answer and a fine-tuned one can, so that SFT's effect shows as a number.
 
 Usage:
     from data.chat_demo import conversations

@@ -27,12 +27,12 @@ from data.sources import DataError
 from machine.files import lock_folder, write_bytes_atomic
 
 PROGRESS, DOCUMENTS, LOCK = ".prepare.json", ".documents.bin", ".prepare.lock"
-FORMAT = 2  # meta.json's layout: 2 is the sharded stream (data/shards.py)
+FORMAT = 2  # the version of meta.json's layout; 2 is the sharded stream (data/shards.py)
 
 
 def fingerprint(inputs: list[Input], tokenizer: dict, text_field: str, val_fraction: float,
                 shard_tokens: int, batch_bytes: int) -> dict:
-    """What decides the bytes: the same fingerprint means the same dataset."""
+    """Everything that decides the bytes, so the same fingerprint means the same dataset."""
     files = [[i.name, i.size, sha256_bytes(i.data) if i.data is not None
               else os.stat(i.name).st_mtime_ns] for i in inputs]
     return {"format": FORMAT, "inputs": files, **tokenizer, "text_field": text_field,
@@ -89,11 +89,11 @@ def save_progress(out: Path, progress: dict) -> None:
 
 @contextmanager
 def locked(out: Path) -> Iterator[Path]:
-    """The output folder, made if missing and locked for this command (a second one into it
-    is refused while this one runs). A command that stops leaves no lock file or folder of
+    """The output folder, made if missing and locked for this command (a second command
+    writing into it is refused while this one runs). A command that stops leaves no lock file or folder of
     its own making behind, unless it wrote something; a file system error is a DataError
     that says where, and that the same command resumes."""
-    out.exists()  # a name the file system refuses (too long) is reported as such, not here
+    out.exists()  # raises for a name the file system refuses (too long), reported as that
     try:
         held = lock_folder(out, LOCK)
     except OSError as e:
@@ -105,7 +105,7 @@ def locked(out: Path) -> Iterator[Path]:
     try:
         yield out
     except BaseException as e:
-        held.release(undo=True)  # the lock file and folder, if made now and left empty
+        held.release(undo=True)  # removes the lock file and folder if made now and left empty
         if isinstance(e, OSError):
             raise DataError(f"cannot write the dataset to {out} ({e.strerror}); free some "
                             f"space or choose another --out, then run the same command "

@@ -18,8 +18,8 @@ from data.specials import END_OF_TEXT
 
 
 class HFTokenizer:
-    """A tokenizer.json, as the module docstring says; ValueError for a file it cannot
-    read."""
+    """A tokenizer.json, as the module docstring says; raises ValueError for a file it
+    cannot read."""
 
     def __init__(self, json_text: str) -> None:
         from tokenizers import Tokenizer as Backend
@@ -60,7 +60,7 @@ class HFTokenizer:
         return self.backend.decode(ids, skip_special_tokens=False)
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        """The bytes of these tokens, a character possibly cut between two of them."""
+        """The bytes of these tokens, where a character may be cut between two of them."""
         if self.byte_of is None:
             return self.decode(ids).encode("utf-8")
         pieces = []

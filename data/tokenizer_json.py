@@ -1,16 +1,16 @@
-"""tokenizer.json, Hugging Face's tokenizer file, for each of this project's tokenizers: what
-an exported folder carries, so that AutoTokenizer gives the ids the project's own gives.
+"""tokenizer.json, Hugging Face's tokenizer file, for each of this project's tokenizers. An
+exported folder carries it, so that AutoTokenizer gives the ids that the project's own gives.
 
 Usage:
     from data.tokenizer_json import tokenizer_files
     files = tokenizer_files(tokenizer)   # {"tokenizer.json": b"...", "tokenizer_config.json": ...,
                                          #  and a chat model's "chat_template.jinja"}
 
-A BPE of ours (GPT-2's, or one trained here) is tiktoken's: a rank for every token's bytes.
+A BPE of ours (GPT-2's, or one trained here) is in tiktoken's form: a rank for every token's bytes.
 tokenizer.json spells the same BPE as merges: each token of two bytes or more is made of
 two shorter tokens, merged at its rank, and the pieces come from the same split pattern, so
 both give the same ids. A character table becomes a BPE without merges, whose words are
-never split by a pattern: each character is its own token.
+never split by a pattern, so each character is its own token.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from data.tokenizer import CharTokenizer, Tokenizer
 
 
 def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merges that build every token of `ranks` from its bytes, in rank order: for a
-    token, each split into two tokens of lower rank (transformers' tiktoken converter
-    lists them all, as BPE may reach a token by more than one)."""
+    """The merges that build every token of `ranks` from its bytes, in rank order: for each
+    token, every split into two tokens of lower rank. transformers' tiktoken converter lists
+    them all too, because BPE may reach a token by more than one."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
         splits = [(token[:i], token[i:]) for i in range(1, len(token))
@@ -104,6 +104,6 @@ def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
             config[role] = found
     files = {"tokenizer.json": (json.dumps(spec, ensure_ascii=False) + "\n").encode(),
              "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
-    if all(token in special for token in CHAT_SPECIALS):  # a chat model's: its format too
+    if all(token in special for token in CHAT_SPECIALS):  # a chat model's folder carries its format too
         files["chat_template.jinja"] = CHAT_TEMPLATE.encode()
     return files

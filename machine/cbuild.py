@@ -2,11 +2,12 @@
 
 Usage:
     from machine.cbuild import BuildError, build_library
-    lib = build_library(Path("cdecode/decode_step.c"), ["-DWEIGHT_BF16"], "the C decode step")
+    lib = build_library(Path("cdecode/decode_step.c"), ["-DWEIGHT_BF16"], "the C decode step",
+                        instead="choose --decode eager")
 
 The C compiler (`cc`, or $CC) builds a file once for this CPU (-march=native) and with
 OpenMP where it can, into $GPTLAB_CACHE/<the file's name>/ (default ~/.cache/gptlab), with
-its sha256 beside it: a damaged copy is built again. A build that had to leave out -march
+its sha256 beside it, so a damaged copy is built again. A build that had to leave out -march
 or OpenMP says so on stderr each time it is loaded. PyTorch ships its own OpenMP runtime
 under the same name as the system's, so a library built here shares PyTorch's threads.
 """
@@ -61,8 +62,8 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
     attempts = {"": [*base, *arch, "-fopenmp"],
                 f"without -march={march}": [*base, "-fopenmp"],
                 f"without -march={march} or OpenMP (one thread)": base}
-    # the key names the CPU: -march=native builds for this one, and a cache folder may be
-    # shared between machines
+    # the key includes the CPU, because -march=native builds for this one and a cache
+    # folder may be shared between machines
     key = hashlib.sha256(" ".join([cc, *attempts[""], cpu_identity()]).encode()
                          + source.read_bytes()).hexdigest()[:16]
     out = cache_dir() / source.stem / f"{key}.so"
@@ -71,7 +72,7 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
         # a library damaged in the cache (a copy cut short) can crash the process that
         # loads it (SIGBUS), so it is checked against the digest written when it was built
         if not intact(out):
-            if sys.stderr.isatty():  # seconds of compiling, said where someone watches
+            if sys.stderr.isatty():  # compiling takes a moment: say so to a watcher
                 print(f"building {what} with {cc} (once: it is kept in {out.parent})",
                       file=sys.stderr, flush=True)
             compile_library(cc, source, attempts, out, note, what)
@@ -99,7 +100,7 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
                 lacks = without
                 break
             if "File too large" in result.stderr or "No space left" in result.stderr:
-                # the disk, not the flags: a smaller fallback build would be cached for good
+                # the disk failed, not the flags, and a fallback build would be cached for good
                 raise BuildError(f"{cc} could not write {what} in {out.parent} (the disk is "
                                  f"full or a file size limit is set); free space")
         if lacks is None:
@@ -107,7 +108,7 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
             raise BuildError(f"{cc} could not build {source.name}: {last_line}")
         if lacks:
             write_bytes_atomic(note, lacks.encode())
-        # whole or not at all: a concurrent build never loads half a library
+        # whole or not at all, so a concurrent build never loads half a library
         library = tmp_out.read_bytes()
         write_bytes_atomic(out, library)
         write_bytes_atomic(out.with_suffix(".sha256"), hashlib.sha256(library).hexdigest().encode())

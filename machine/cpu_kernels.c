@@ -1,8 +1,8 @@
 /* Three of the model's element-wise operations, forward and backward, each in one pass over
  * its tensors, for training on a CPU in float32. machine/cpu_kernels.py says why they exist
- * and when they run; tests/test_model.py holds each equal to PyTorch's own operations. Every
- * tensor is contiguous float32, and loops over rows or elements are shared among the
- * threads of the OpenMP runtime that PyTorch itself uses. */
+ * and when they run; tests/test_model.py checks each against PyTorch's own operations. Every
+ * tensor is float32 and, except for RMSNorm's input, contiguous. Loops over rows or elements
+ * are shared among the threads of the OpenMP runtime that PyTorch itself uses. */
 #include <math.h>
 #include <stdint.h>
 
@@ -59,12 +59,12 @@ void relu_square_backward(const float *h, const float *g, float *dh, int64_t n) 
     }
 }
 
-/* Rotary positions: x holds rows of `heads` heads of size 2 half, the T tokens of one
- * sequence in turn, batch after batch. Each pair (x_i, x_{i + half}) of a head turns by an
- * angle of its token: y_i = x_i cos - x_{i + half} sin and y_{i + half} = x_i sin + x_{i + half}
- * cos, where cos and sin are the (T, half) tables' row for the token's place t in its
- * sequence. The gradient turns back by the same angle, which is this rotation with sin
- * negated (direction -1). */
+/* Rotary positions: x holds one row per token, each of `heads` heads of size 2 half, the T
+ * tokens of each sequence in order, one sequence after another. Each pair (x_i, x_{i + half})
+ * of a head turns by its token's angle: y_i = x_i cos - x_{i + half} sin and
+ * y_{i + half} = x_i sin + x_{i + half} cos, where cos and sin are the (T, half) tables' row
+ * for the token's place t in its sequence. The gradient turns back by the same angle, which
+ * is this rotation with sin negated (direction -1). */
 void rotate_pairs(const float *x, const float *cos, const float *sin, float *y, int64_t rows,
                   int64_t T, int64_t heads, int64_t half, float direction) {
     #pragma omp parallel for schedule(static)

@@ -9,9 +9,9 @@ Usage:
 
 Each is several small operations, and PyTorch passes over the whole tensor once for each,
 forward and backward, which on a CPU is much of a small model's step. In float32 they run as
-loops in C (cpu_kernels.c) that pass over each tensor once; elsewhere (bf16, torch.compile,
-no C compiler) as a few PyTorch operations. Both give the plain operations' values and
-gradients (tests/test_model.py); docs/performance.md has the measurements.
+loops in C (cpu_kernels.c) that pass over each tensor once; otherwise (bf16, torch.compile, no
+C compiler) they run as a few PyTorch operations. Both give the plain operations' values and
+gradients, as tests/test_model.py checks; docs/performance.md has the measurements.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torch.nn import functional as F
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
     """cpu_kernels.c, built once for this CPU and kept in the cache, or None where it cannot
-    be built (which is said once)."""
-    from machine.cbuild import BuildError, build_library  # the compiler, only when needed
+    be built (a note says so, once)."""
+    from machine.cbuild import BuildError, build_library  # imported only when needed
     try:
         lib = build_library(Path(__file__).with_name("cpu_kernels.c"), [], "cpu_kernels.c",
                             instead="let the model run PyTorch's operations, slower")
@@ -47,8 +47,8 @@ def kernels() -> ctypes.CDLL | None:
 
 def in_c(*tensors: torch.Tensor, contiguous: bool = True) -> ctypes.CDLL | None:
     """The C kernels, if they can run on these tensors: float32 on the CPU, and contiguous
-    unless the kernel takes the strides itself. Not under torch.compile, which fuses the
-    plain operations itself."""
+    unless the kernel takes the strides itself. They are not used under torch.compile,
+    which fuses the plain operations itself."""
     if not torch.compiler.is_compiling() and all(
             t.dtype == torch.float32 and t.device.type == "cpu" and (t.is_contiguous() or not contiguous)
             for t in tensors):
@@ -57,9 +57,9 @@ def in_c(*tensors: torch.Tensor, contiguous: bool = True) -> ctypes.CDLL | None:
 
 
 def row_groups(x: torch.Tensor) -> tuple[int, int] | None:
-    """x's rows (its last dimension) as groups of consecutive rows, evenly apart: (rows in a
-    group, floats from one group to the next), or None. A contiguous tensor is one group; the
-    queries and keys split from one projection (model.py's qk) are a group a token."""
+    """x's rows as evenly spaced groups of consecutive rows: (rows in a group, floats from one
+    group to the next), or None. A contiguous tensor is one group; the queries and keys split
+    from one projection (model.py's qk) form one group per token."""
     if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.size(-1):
         return None
     try:
@@ -80,7 +80,7 @@ class RMSNormFunction(torch.autograd.Function):
             lib.rms_norm_forward(x.data_ptr(), y.data_ptr(), r.data_ptr(), r.numel(), *groups,
                                  x.size(-1), eps)
         else:
-            xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes
+            xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes it
             r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
             y = xf * r
         ctx.save_for_backward(y, r)
@@ -126,7 +126,7 @@ class ReLUSquared(torch.autograd.Function):
 class RotatePairs(torch.autograd.Function):
     """model.apply_rope's rotation of (B, T, heads, hd) queries or keys in one pass, with
     (T, 1, hd / 2) tables whose row t turns the t-th token of every sequence. The gradient
-    turns each pair back by the same angle. model.apply_rope asks can_rotate first."""
+    turns each pair back by the same angle. model.apply_rope checks can_rotate first."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -140,8 +140,8 @@ class RotatePairs(torch.autograd.Function):
 
 
 def can_rotate(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether RotatePairs can turn x: float32 on the CPU, one table row for the t-th token of
-    every sequence (not a row for each sequence, as a server's batch has), and C kernels."""
+    """Whether RotatePairs can turn x. It needs float32 on the CPU, the C kernels, and one
+    table row per position shared by every sequence (a server's batch has a row per sequence)."""
     return (x.dim() == 4 and cos.dim() == 3 and cos.is_contiguous()
             and in_c(x, cos, contiguous=False) is not None)
 

@@ -43,13 +43,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_identity() -> str:
-    """The CPU's architecture and feature flags: what `-march=native` builds for."""
+    """The CPU's architecture and feature flags, which decide what `-march=native` builds for."""
     return f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
 
 
 def cpu_name() -> str:
     """The CPU's model name and the flags that decide its speed here (AVX-512, native bf16,
-    AMX), for a figure's label: the machines we measure on differ in exactly these."""
+    AMX), for a figure's label, because the machines we measure on differ in exactly these."""
     cpuinfo = Path("/proc/cpuinfo")
     info = cpuinfo.read_text() if cpuinfo.exists() else ""
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
@@ -75,7 +75,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     except RuntimeError:
         raise DeviceError(f"device {name!r} is not a device; use auto, cpu, cuda, cuda:N "
                           f"or mps") from None
-    if device.type not in ("cpu", "cuda", "mps"):  # xpu, meta, vulkan ...: torch's, not ours
+    if device.type not in ("cpu", "cuda", "mps"):  # xpu, meta, vulkan ... are torch's, not ours
         raise DeviceError(f"device {name!r} is not one this project runs on; use auto, cpu, "
                           f"cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -91,12 +91,12 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 def check_compile(device: torch.device, instead: str) -> None:
     """Compile and run a two-op function on `device` now, so that a torch.compile that cannot
-    work here (no C++ compiler for inductor's CPU kernels, one that fails) is one line
-    before the work, not a long traceback at the first step. Seconds the first time;
-    inductor caches the build."""
+    work here (no C++ compiler for inductor's CPU kernels, or one that fails) is one line
+    before the work, not a long traceback at the first step. The first call builds a kernel,
+    which inductor caches."""
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(8, device=device))
-    except Exception as e:  # InvalidCxxCompiler, a failed build, wrapped by dynamo
+    except Exception as e:  # InvalidCxxCompiler or a failed build, wrapped by dynamo
         reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise DeviceError(f"torch.compile does not work on {device} here ({reason.strip()}); "
                           f"{instead}, or install a C++ compiler (g++, or set CXX)") from None
@@ -110,11 +110,10 @@ def reuse_freed_memory() -> None:
     """Have the C library keep the memory of freed tensors and hand it out again.
 
     A training step allocates and frees the same activations every time. By default glibc
-    gives a large freed block back to the kernel, and the next step's block of the same
-    size then arrives as fresh pages, each costing a page fault when it is first touched:
-    thousands a step on a CPU. Kept memory counts against a limit on the address space
-    (ulimit -v), so where one is set, glibc's defaults stay. Nothing changes away from glibc
-    (macOS, musl) either.
+    gives a large freed block back to the kernel, so the next step's block of the same size
+    arrives as fresh pages, and each page costs a fault when it is first touched. Kept
+    memory counts against a limit on the address space (ulimit -v), so where one is set,
+    glibc's defaults stay. Nothing changes away from glibc (macOS, musl) either.
     """
     try:
         import resource

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 
 class UserError(Exception):
     """An error the user can fix; its message says what is wrong, then what to do. A
-    command prints "LABEL: message" and exits with exit_code. `everywhere`: under torchrun
-    every process meets this error alike (the same config, the same checkpoint), so rank 0
-    alone reports it."""
+    command prints "LABEL: message" and exits with exit_code. `everywhere` means that under
+    torchrun every process meets this error alike (the same config, the same checkpoint), so
+    rank 0 alone reports it."""
     label = "error"
     exit_code = 1
     everywhere = False
@@ -41,8 +41,8 @@ class UserError(Exception):
 
 class InputError(UserError, ValueError):
     """A value that a function cannot take, with a message written for the user who gave
-    it (a sampling setting, a prompt, a length). A ValueError too, as Python's callers of a
-    library expect."""
+    it (a sampling setting, a prompt, a length). It is a ValueError too, as Python callers
+    of a library expect."""
 
 
 def error_line(error: Exception) -> str:
@@ -61,8 +61,8 @@ def error_line(error: Exception) -> str:
 @contextmanager
 def reported(debug: bool = False, rank: int = 0) -> Iterator[None]:
     """Report a UserError (or an OSError) raised in the block as "LABEL: <one line>" and
-    exit with its code. On a process of torchrun's other than rank 0, an error that every
-    process meets is left to rank 0 to say; the process exits with its code all the same."""
+    exit with its code. On a torchrun process other than rank 0, an error that every
+    process meets is left to rank 0 to report; the process exits with its code all the same."""
     try:
         yield
     except (UserError, OSError) as e:
@@ -83,7 +83,7 @@ def run_command(command: Callable[[], object]) -> None:
     except OSError as e:
         if not stdout_failed(e):
             raise
-        # the interpreter flushes stdout once more as it exits: let that write go nowhere
+        # the interpreter flushes stdout once more as it exits, so send that write nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"error: cannot write the output ({e.strerror or e}); send it to a file or "
               f"a disk with space", file=sys.stderr)

@@ -60,10 +60,10 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     processes writing one file (the cache) never write into each other's."""
     path = Path(path)
     prefix = f".{path.name}."
-    for stale in path.parent.glob(glob.escape(prefix) + "*.tmp"):  # what killed writers left
-        with suppress(ValueError, PermissionError):  # not a pid; another user's process
+    for stale in path.parent.glob(glob.escape(prefix) + "*.tmp"):  # files that killed writers left
+        with suppress(ValueError, PermissionError):  # not a pid, or another user's process
             try:
-                os.kill(int(stale.name[len(prefix):-len(".tmp")]), 0)  # no signal: is it alive?
+                os.kill(int(stale.name[len(prefix):-len(".tmp")]), 0)  # only checks that it is alive
             except ProcessLookupError:
                 stale.unlink(missing_ok=True)
     tmp = path.with_name(f"{prefix}{os.getpid()}.tmp")
@@ -93,8 +93,8 @@ def write_failure(error: BaseException) -> BaseException:
 
 @contextmanager
 def quiet_writer_threads() -> Iterator[None]:
-    """Silence OSErrors in threads: TensorBoard's writer thread prints a traceback for a
-    full disk, which the main thread meets at its next write and reports in one line."""
+    """Silence OSErrors in threads, because TensorBoard's writer thread prints a traceback for
+    a full disk that the main thread meets at its next write and reports in one line."""
     previous = threading.excepthook
 
     def hook(args: threading.ExceptHookArgs) -> None:
@@ -115,7 +115,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
 def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -> str | None:
     """What is wrong with a record read from disk (meta.json, a checkpoint, a tokenizer's
     description): the first of `fields` that it lacks or that is not of its type, in a few
-    words that name the key; None if nothing is. A bool is no number here."""
+    words that name the key; None if nothing is. A bool does not count as a number here."""
     if not isinstance(record, dict):
         return f"it is a {type(record).__name__}, not a record of keys"
     for key, kind in fields.items():
@@ -146,8 +146,8 @@ class FolderLock:
     made: list[Path]  # folders and the lock file, in the order they were made
 
     def release(self, undo: bool = False) -> None:
-        """Drop the lock. With undo, first remove what taking it made: a command that fails
-        before it writes anything leaves nothing behind."""
+        """Drop the lock. With undo, first remove what taking it made, so that a command that
+        fails before it writes anything leaves nothing behind."""
         if undo:
             for path in reversed(self.made):
                 with suppress(OSError):
@@ -156,9 +156,9 @@ class FolderLock:
 
 
 def lock_folder(folder: Path, name: str) -> FolderLock | None:
-    """Make `folder` and take its lock, or None if another live process holds it: an flock
-    on the empty file folder/name, which the kernel drops when its holder exits, however
-    it exits."""
+    """Make `folder` and take its lock, or return None if another live process holds it.
+    The lock is an flock on the empty file folder/name, which the kernel drops when its
+    holder exits, however it exits."""
     made = [f for f in (*reversed(folder.parents), folder) if not f.exists()]
     if not (folder / name).exists():
         made.append(folder / name)

@@ -89,7 +89,7 @@ class LayerPictures:
         self.n_head, self.T = n_head, T
         width = n_head * (T + self.GAP) - self.GAP
         self.fig, self.ax = plt.subplots(figsize=(1.2 + 2.2 * n_head, 2.8), dpi=100)
-        # animated: left out of the frame, painted on demand
+        # animated, so it is left out of the frame and painted on demand
         self.image = self.ax.imshow(np.zeros((T, width)), cmap="viridis", vmin=0.0, vmax=1.0,
                                     animated=True)
         fontsize = 5 if T <= 64 else 0
@@ -140,7 +140,7 @@ def draw_grid(maps: torch.Tensor, labels: list[str]) -> np.ndarray:
 def log_attention(writer: SummaryWriter, model: GPT, ids: list[int], pictures: LayerPictures,
                   step: int) -> None:
     """An image per layer (heads side by side, queries down, keys across) and each head's
-    attention entropy: collapsing or diffuse heads show up as curves."""
+    attention entropy, so that collapsing or diffuse heads show up as curves."""
     maps = attention_maps(model, ids)
     for layer in range(maps.size(0)):
         writer.add_image(f"attention/layer_{layer + 1}", pictures.draw(maps[layer]), step,
@@ -163,7 +163,7 @@ def write_html(maps: torch.Tensor, labels: list[str], path: str | Path) -> Path:
     n_layer, n_head, T, _ = maps.shape
     data = {
         "tokens": labels, "n_layer": n_layer, "n_head": n_head, "T": T,
-        # float32 in base64: exact weights at a third of the size of JSON numbers
+        # float32 in base64 keeps the weights exact, and is smaller than JSON numbers
         "weights": base64.b64encode(maps.numpy().astype("<f4").tobytes()).decode("ascii"),
     }
     page = HTML_TEMPLATE.read_text().replace("/*DATA*/null", json.dumps(data))
