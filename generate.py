@@ -12,13 +12,11 @@ Usage:
 
 The file starts with the loop, `stream`, which `generate` collects: the prompt's window fills
 the KV cache in one forward pass (prefill), then each step feeds one token and attends over
-the cache (decode), each step's logits are sampled, and the window moves on when it is full.
-Then what the loop uses: sampling (temperature, top-k and top-p, small pure functions) and
-the decode step, built by one of DECODE_BACKENDS: "eager" (model.forward), "compile"
-(torch.compile, replayed as a CUDA graph on a GPU) or "c" (cdecode/'s C step). "auto", the
-default everywhere, is the C step on a CPU when it builds and no autocast is on, and eager
-elsewhere. Last, what is built on the loop: text, cut at end-of-text or a stop string, and
-Chat, which keeps its cache across the turns of a conversation.
+the cache (decode), and the window moves on when it is full. Then what the loop uses:
+sampling (small pure functions) and the decode step of one of DECODE_BACKENDS, "eager",
+"compile" or "c" (cdecode/'s C step); "auto", the default, is the C step on a CPU when it
+builds and no autocast is on, and eager elsewhere. Last, what is built on the loop: text,
+cut at end-of-text or a stop string, and Chat, which keeps its cache across turns.
 """
 
 from __future__ import annotations
@@ -424,12 +422,10 @@ def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_toke
 
 class Chat:
     """A conversation with a chat model (data/chat.py's format) that keeps its KV cache
-    across turns, so that a turn prefills only the tokens the cache does not hold yet
-    (normally its own).
-
-    The history is kept as token ids, each reply exactly as it was sampled, so the cache
-    holds what a fresh prefill of the whole conversation would. When a turn would not fit
-    in block_size, the oldest turns are dropped (add_user says how many) and the cache is
+    across turns, so that a turn prefills only the tokens the cache does not hold yet. The
+    history is kept as token ids, each reply exactly as it was sampled, so the cache holds
+    what a fresh prefill of the whole conversation would. When a turn would not fit in
+    block_size, the oldest turns are dropped (add_user says how many) and the cache is
     refilled from the rest, with the system text folded into the new first turn."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, *, max_new_tokens: int = 256,
@@ -451,6 +447,7 @@ class Chat:
         self.turns: list[tuple[str, list[int]]] = []  # (user text, reply ids) of each turn
         self.ids: list[int] = []  # the conversation so far, ending with the open reply
         self.cached = 0  # how many of ids the cache holds, from the first
+        self.pending: str | None = None  # the user turn that reply() answers
 
     def rendered(self, turns: list[tuple[str, list[int]]], text: str) -> list[int]:
         """The conversation of `turns` and a new user turn, opening the reply."""
@@ -480,6 +477,8 @@ class Chat:
         """The reply to the last user turn, as text, piece by piece. It ends at
         <|assistant_end|>, at max_new_tokens, or where the context is full; the turn is
         closed with <|assistant_end|> either way."""
+        if self.pending is None:
+            raise InputError("reply() answers a user turn; add one with add_user first")
         end, device = self.ids_of[ASSISTANT_END], self.model.lm_head.weight.device
         budget = min(self.max_new_tokens, self.model.config.block_size - len(self.ids))
         text, start = TextStream(self.tokenizer, self.skip_special_tokens), len(self.ids)
@@ -497,3 +496,4 @@ class Chat:
             self.ids.append(end)
         yield text.flush()
         self.turns.append((self.pending, self.ids[start:-1]))
+        self.pending = None

@@ -124,7 +124,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Turn each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
     its token's angle (rope_tables' rows): a query and a key then meet through how far apart
     they are, not where."""
-    if can_rotate(x, cos):  # the same rotation in one pass over x (machine/cpu_kernels.py)
+    if can_rotate(x, cos, sin):  # the same rotation in one pass over x (machine/cpu_kernels.py)
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]

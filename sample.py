@@ -68,7 +68,7 @@ def check_settings(dtype: str, temperature: float, top_k: int | None, top_p: flo
     check_decode(decode, "--decode")
     if decode != "auto" and not kv_cache:  # a decode step steps through the cache
         raise UserError(f"--decode {decode} chooses the cached decode step; drop "
-                          f"--no-kv-cache or --decode")
+                        f"--no-kv-cache or --decode")
 
 
 def stop_strings(stop: list[str]) -> tuple[str, ...]:
@@ -79,7 +79,7 @@ def stop_strings(stop: list[str]) -> tuple[str, ...]:
                   for s in stop)
     if any(not s for s in stops):
         raise UserError("--stop is empty, which would end every sample at once; give "
-                          "some text or drop it")
+                        "some text or drop it")
     return stops
 
 
@@ -115,7 +115,7 @@ def attention_target(path: str) -> Path:
         probe_writable(target.parent)
     except OSError as e:
         raise UserError(f"--attention cannot write to {target.parent} ({e.strerror}); "
-                          f"choose another path") from None
+                        f"choose another path") from None
     return target
 
 
@@ -141,7 +141,7 @@ def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str |
     checkpoint, a Hugging Face folder), or on a preset's shape."""
     if preset is not None and (run or checkpoint or init_from):
         raise UserError("--preset times random weights of a named shape; drop --run, "
-                          "--checkpoint and --init-from, or drop --preset")
+                        "--checkpoint and --init-from, or drop --preset")
     if layout not in LAYOUTS:
         raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if json_path is not None:  # checked now, not after the benchmark
@@ -159,7 +159,7 @@ def open_chat(run: str | None, checkpoint: str | None, init_from: str | None, de
     """--chat's conversation with the model that sample.py would load."""
     if prompted:
         raise UserError("--chat reads its turns from stdin; drop --prompt, --prompt-file, "
-                          "--stop, --attention and --num-samples")
+                        "--stop, --attention and --num-samples")
     loaded: list[str] = []
     model, tokenizer, _ = load_model(run, checkpoint, init_from, device, dtype, prefer="chat",
                                      say=loaded.append)

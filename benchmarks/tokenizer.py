@@ -39,6 +39,7 @@ from data.bpe_tokenizers import GPT2Tokenizer
 from data.documents import list_inputs
 from data.prepare import prepare, prepare_text
 from measure.scores import evaluate
+from training.config import load_config
 from weights.loading import load_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,7 +115,8 @@ def train_run(data_dir: Path, runs: Path, name: str, max_iters: int) -> tuple[fl
                    cwd=REPO, check=True, capture_output=True)
     wall = time.perf_counter() - t0
     tokens_per_s = statistics.median(e.value for e in read_scalars(runs / name)["perf/tokens_per_sec"])
-    return wall, 1000 * 48 * 64 / tokens_per_s
+    cfg = load_config("config/quickstart.toml")
+    return wall, 1000 * cfg.batch_size * cfg.model.block_size / tokens_per_s
 
 
 def race(text: str, train_text: str, held_out: str, work: Path) -> None:

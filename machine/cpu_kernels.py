@@ -139,10 +139,10 @@ class RotatePairs(torch.autograd.Function):
         return rotate(g.contiguous(), cos, sin, -1.0), None, None
 
 
-def can_rotate(x: torch.Tensor, cos: torch.Tensor) -> bool:
+def can_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether RotatePairs can turn x. It needs float32 on the CPU, the C kernels, and one
     table row per position shared by every sequence (a server's batch has a row per sequence)."""
-    return (x.dim() == 4 and cos.dim() == 3 and cos.is_contiguous()
+    return (x.dim() == 4 and cos.dim() == 3 and cos.is_contiguous() and sin.is_contiguous()
             and in_c(x, cos, contiguous=False) is not None)
 
 

@@ -279,6 +279,19 @@ def reply_matches_a_fresh_prefill(model: GPT, conversation: Chat, text: str) -> 
     return dropped
 
 
+def test_a_reply_without_a_user_turn_is_one_clear_error():
+    tokenizer = CharTokenizer("\nabc ", CHAT_SPECIALS)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=1,
+                          n_head=2, n_embd=16)).eval()
+    conversation = Chat(model, tokenizer, max_new_tokens=3, temperature=0.0, decode="eager")
+    with pytest.raises(InputError, match="add one with add_user first"):
+        next(conversation.reply())
+    conversation.add_user("abc")
+    assert isinstance("".join(conversation.reply()), str) and len(conversation.turns) == 1
+    with pytest.raises(InputError, match="add one with add_user first"):  # answered already
+        next(conversation.reply())
+
+
 def test_replies_with_the_cache_kept_equal_a_fresh_prefill_of_the_history():
     torch.manual_seed(0)
     tokenizer = CharTokenizer("\nabcdefgh .", CHAT_SPECIALS)
