@@ -188,12 +188,9 @@ class BatchStream:
         self.state = self.generator.get_state()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y) batch: random windows (get_batch, above) or conversations."""
         self.state = self.generator.get_state()
-        for r in range(self.world_size):
-            batch = self.draw(self.generator)
-            if r == self.rank:
-                mine = batch
-        return mine
+        return [self.draw(self.generator) for _ in range(self.world_size)][self.rank]
 
     def restore(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
