@@ -184,9 +184,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)
-            scaler.update()
-            for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
+            scaler.update()
             iter_num += 1
             iters_since_log += 1
             log.step()

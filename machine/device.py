@@ -107,14 +107,10 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 def reuse_freed_memory() -> None:
-    """Have the C library keep the memory of freed tensors and hand it out again.
-
-    A training step allocates and frees the same activations every time. By default glibc
-    gives a large freed block back to the kernel, so the next step's block of the same size
-    arrives as fresh pages, and each page costs a fault when it is first touched. Kept
-    memory counts against a limit on the address space (ulimit -v), so where one is set,
-    glibc's defaults stay. Nothing changes away from glibc (macOS, musl) either.
-    """
+    """Have glibc keep the memory of freed tensors for reuse. By default it gives a large
+    freed block back to the kernel, so each step's activations arrive as fresh pages, each a
+    page fault when first touched. Kept memory counts against ulimit -v, so where that is
+    set, and away from glibc, nothing changes."""
     try:
         import resource
         if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:

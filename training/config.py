@@ -106,15 +106,12 @@ class TrainConfig:
             value = getattr(self, f.name)  # (the model's fields GPTConfig checks itself)
             if type(value) is float and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
-        positive = ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval",
-                    "eval_iters", "log_interval")
-        for key in positive:
+        for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval",
+                    "eval_iters", "log_interval"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1, got {getattr(self, key)}")
-        non_negative = ("learning_rate", "min_lr", "embedding_lr", "muon_lr", "warmup_iters",
-                        "lr_decay_iters",
-                        "weight_decay", "grad_clip", "sample_tokens")
-        for key in non_negative:
+        for key in ("learning_rate", "min_lr", "embedding_lr", "muon_lr", "warmup_iters",
+                    "lr_decay_iters", "weight_decay", "grad_clip", "sample_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.min_lr > self.learning_rate:
@@ -126,8 +123,7 @@ class TrainConfig:
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
         if self.dtype not in ("auto", *DTYPES):
-            raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}, "
-                              f"got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         check_seed(self.seed)

@@ -146,18 +146,16 @@ def from_main(make: Callable[[], Any], info: Dist) -> Any:
 
 
 def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The model wrapped in DDP, which averages the gradients across the processes during the
-    backward pass. The gradients live in DDP's buckets rather than beside them, so there is
-    no second copy of them."""
+    """The model in DDP, which averages the gradients across the processes in the backward
+    pass, keeping them in its buckets rather than in a second copy beside them."""
     from torch.nn.parallel import DistributedDataParallel
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
 
 
 def sync_gradients(model: torch.nn.Module, now: bool) -> None:
-    """Whether the next backward pass reduces the gradients across the processes: only the
-    last of a step's micro-batches needs to, and the earlier reductions would be wasted. DDP
-    reads its flag at the forward pass, as its no_sync() sets it (nanoGPT sets it so too)."""
+    """Whether the next backward pass reduces the gradients across the processes, which only
+    a step's last micro-batch needs to. DDP reads the flag that no_sync() sets, as nanoGPT does."""
     if is_sharded(model):
         model.set_requires_gradient_sync(now)
     else:

@@ -1,6 +1,5 @@
-"""What a run shows while it trains: TensorBoard's scalars, text samples and attention
-pictures, a progress bar on a terminal, a plain line per log point elsewhere (a log file,
-nohup, a pipe). Rank 0 alone shows anything.
+"""What a run shows while it trains (rank 0 alone): TensorBoard's scalars, text samples and
+attention pictures, and a progress bar on a terminal, or else a plain line per log point.
 
 Usage:
     from training.log import RunLog

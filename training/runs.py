@@ -1,5 +1,5 @@
-"""The run folder: which one a run writes to, its lock, whether a checkpoint in it can be
-resumed, and how a run stops cleanly when a signal asks it to.
+"""The run folder (which one a run writes to, and its lock), and how a run stops cleanly
+when a signal asks it to. A run never writes into another run's folder, old or live.
 
 Usage:
     from training.runs import run_folder, stop_signals
@@ -7,8 +7,6 @@ Usage:
         run.path                      # runs/quickstart (or -2, -3 ...), locked by rank 0
         if stop.asked(dist, device, at_log_point=True): ...   # Ctrl-C, SIGTERM or SIGHUP came
         run.resume_hint()             # what is on disk to go on from, and the command
-
-A run never writes into another run's folder, old or live; --resume continues one.
 """
 
 from __future__ import annotations
