@@ -131,10 +131,7 @@ def score_task(task: Path, run: str | None, checkpoint: str | None, init_from: s
     loaded: list[str] = []
     model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
                                           say=loaded.append)
-    try:
-        scores = score_items(model, tokenizer, items, batch_size, progress=True)
-    except InputError as e:  # text outside a character vocabulary
-        raise InputError(f"{task}: {e}") from None
+    scores = score_items(model, tokenizer, items, batch_size, progress=True)
     if json_path is not None:
         write_json(json_path, {**asdict(scores), "task": str(task), "model": source,
                                "dtype": dtype})

@@ -18,6 +18,7 @@ tiktoken, the same fast path as GPT-2's.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Iterable
 from multiprocessing import get_context
@@ -25,7 +26,7 @@ from multiprocessing.connection import Connection
 
 from data.bpe_tokenizers import BPETokenizer
 from data.sources import DataError
-from data.workers import WorkerDied, exit_with_parent_thread
+from data.workers import WorkerDied, end_with_parent
 
 # GPT-4's split pattern (tiktoken's cl100k_base, as rustbpe has it by default)
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
@@ -63,7 +64,8 @@ def train_bpe_apart(texts: Callable[[], Iterable[str]], vocab_size: int) -> dict
     module's function, or a functools.partial of one): the child reads the corpus itself."""
     context = get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    trainer = context.Process(target=train_in_child, args=(texts, vocab_size, send), daemon=True)
+    trainer = context.Process(target=train_in_child, args=(texts, vocab_size, send, os.getpid()),
+                              daemon=True)
     trainer.start()
     send.close()
     try:
@@ -84,9 +86,10 @@ def train_bpe_apart(texts: Callable[[], Iterable[str]], vocab_size: int) -> dict
     return value
 
 
-def train_in_child(texts: Callable[[], Iterable[str]], vocab_size: int, send: Connection) -> None:
+def train_in_child(texts: Callable[[], Iterable[str]], vocab_size: int, send: Connection,
+                   parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C, and ends this
-    exit_with_parent_thread()
+    end_with_parent(parent)
     try:
         send.send(("done", train_bpe(texts(), vocab_size).to_meta()))
     except DataError as e:

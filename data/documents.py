@@ -10,10 +10,10 @@ Usage:
 The formats, one row each in FORMATS:
 - `.txt`: the whole file is one document, UTF-8 (a byte-order mark at its start is not
   text, and is dropped). A large file is read in pieces of about BATCH_BYTES, cut just
-  before a line break (\\n or \\r) that follows a letter or digit: the split patterns of
-  GPT-2's and GPT-4's BPE always split there (a run of letters or digits never takes
-  whitespace, and a run of whitespace depends only on what follows it), so the pieces
-  tokenize as the whole file would, CRLF line ends included. A piece with no such line
+  before a line break (\\n or \\r) that follows a letter or digit, because the split
+  patterns of GPT-2's and GPT-4's BPE always split there (a run of letters or digits never
+  takes whitespace, and a run of whitespace depends only on what follows it). So the
+  pieces tokenize as the whole file would, CRLF line ends included. A piece with no such line
   break in 4 x BATCH_BYTES (a file of one endless line) is cut before a space that follows
   a letter or digit, for the same reason, and only failing that at a character boundary.
 - `.jsonl`, `.jsonl.gz`, `.jsonl.zst`: one JSON object per line, the document in its text
@@ -22,9 +22,9 @@ The formats, one row each in FORMATS:
 
 A folder is read recursively, its files of these formats in path order; a file named on the
 command line with another suffix is read as text. A record without the field, or whose
-field is not a string, stops the run with the file and line (or row): nothing is skipped
-silently. Reading and decoding are split so that the main process only moves bytes and the
-workers do the parsing, in parallel.
+field is not a string, stops the run and names the file and line (or row), so nothing is
+skipped silently. Reading and decoding are split so that the main process only moves bytes
+and the workers do the parsing, in parallel.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import BinaryIO
 
 from data.sources import DataError
 
-BATCH_BYTES = 1 << 20  # text per unit of work: large enough to amortise the hand-off
+BATCH_BYTES = 1 << 20  # text per unit of work, large enough to amortise the hand-off
 PARQUET_ROWS = 512
 
 
@@ -120,11 +120,11 @@ class Batch:
     data: bytes | list
     line: int                  # first line (or, for parquet, row) of data, counted from 1
     offset: int                # byte offset of data in the decompressed file
-    continues: bool = False    # text: data goes on with the previous batch's document
+    continues: bool = False    # with text, data continues the previous batch's document
     field: str = "text"
     read: int = 0              # bytes of the file on disk consumed so far (progress)
     chat: bool = False         # records are conversations (data/chat.py), not texts
-    skip_bad: bool = False     # chat: count a bad conversation and go on, instead of stopping
+    skip_bad: bool = False     # with chat, count a bad conversation and go on instead of stopping
 
 
 def format_of(path: Path) -> str | None:
@@ -161,8 +161,8 @@ def list_inputs(paths: list[str | Path]) -> list[Input]:
 def read_batches(inputs: list[Input], text_field: str = "text", batch_bytes: int = BATCH_BYTES,
                  chat: bool = False, skip_bad: bool = False) -> Iterator[Batch]:
     """The corpus as batches, in input order. The same files give the same batches on every
-    run, which is what lets an interrupted preparation resume at a batch. chat: the field
-    holds conversations (OpenAI's messages), which .txt files cannot."""
+    run, which is what lets an interrupted preparation resume at a batch. With chat, the
+    field holds conversations (OpenAI's messages), which .txt files cannot hold."""
     done = 0
     for item in inputs:
         kind = FORMATS[item.suffix][0]
@@ -191,13 +191,13 @@ def stream_batches(item: Input, kind: str, field: str, batch_bytes: int) -> Iter
                                 f"damaged or not {item.suffix}: fetch it again") from None
             if offset == 0 and not carry and block.startswith(BOM):  # a byte-order mark
                 block, offset = block[len(BOM):], len(BOM)  # (Windows tools write one)
-            if kind == "text":  # before a cut: a binary file's NUL may come after the first
+            if kind == "text":  # check before cutting, because a NUL may lie past the cut
                 refuse_binary(block, item.name, offset + len(carry))
             data = carry + block
             if not data:
                 return
             cut = cut_point(data, kind, len(data) >= 4 * batch_bytes) if block else len(data)
-            if cut == 0:  # no place to cut yet: read on
+            if cut == 0:  # no place to cut yet, so read on
                 carry = data
                 continue
             piece, carry = data[:cut], data[cut:]
@@ -221,7 +221,7 @@ def cut_point(data: bytes, kind: str, force: bool) -> int:
     cut = last_cut(data, (b" ", b"\t"))
     if cut:
         return cut
-    cut = len(data)  # no such place: cut before the last character that starts here
+    cut = len(data)  # failing that, cut before the last character that starts here
     while cut > 1 and data[cut - 1] & 0xC0 == 0x80:
         cut -= 1
     return max(cut - 1, 1)
@@ -269,10 +269,10 @@ BOM = "\ufeff".encode()
 
 def last_cut(data: bytes, breaks: tuple[bytes, ...]) -> int:
     """The last position in data of one of `breaks` that a letter or digit precedes (0 if
-    none): a place where BPE's split patterns always split."""
+    none), which is a place where BPE's split patterns always split."""
     end = len(data)
     while (i := max(data.rfind(b, 1, end) for b in breaks)) > 0:
-        start = i - 1  # the character before: back over UTF-8's continuation bytes
+        start = i - 1  # step back over UTF-8's continuation bytes to the character before
         while start > 0 and i - start < 4 and data[start] & 0xC0 == 0x80:
             start -= 1
         if data[start:i].decode("utf-8", errors="replace").isalnum():
@@ -281,7 +281,7 @@ def last_cut(data: bytes, breaks: tuple[bytes, ...]) -> int:
     return 0
 
 
-# lone halves of a UTF-16 surrogate pair, which JSON may escape one at a time: alone they
+# lone halves of a UTF-16 surrogate pair, which JSON may escape one at a time; alone they
 # are not a character, and no tokenizer can encode them
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -320,14 +320,58 @@ def json_lines(batch: Batch) -> Iterator[tuple[str, bytes]]:
 def json_field(line: bytes, where: str, field: str) -> object:
     """The value of `field` in a line's JSON object (None where it has none); DataError for a
     line that is not JSON."""
+    record = parse_json(line, where)
+    return record.get(field) if isinstance(record, dict) else None
+
+
+class RepeatedKey(ValueError):
+    """A JSON object that gives one key twice; the key is the message."""
+
+
+def parse_json(line: bytes, where: str, unique_keys: bool = False) -> object:
+    """The value of one line of JSON Lines; DataError naming `where` for a line that is not
+    UTF-8 or not JSON, a number longer than Python reads, a nesting deeper than it follows,
+    and with unique_keys an object that gives a key twice (which value counts would be a
+    guess)."""
     try:
-        record = json.loads(line)
-    except UnicodeDecodeError:
-        raise DataError(f"{where} is not valid UTF-8; convert the file to UTF-8") from None
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not valid UTF-8 (byte {e.start + 1} of the line); "
+                        f"convert the file to UTF-8") from None
+    try:
+        return json.loads(text, object_pairs_hook=refuse_repeated_keys if unique_keys else None)
     except json.JSONDecodeError as e:
         raise DataError(f"{where} is not valid JSON ({e.msg}, column {e.colno}); fix or "
                         f"remove the line") from None
-    return record.get(field) if isinstance(record, dict) else None
+    except RepeatedKey as e:
+        raise DataError(f"{where} gives the key {e} twice; keep one") from None
+    except ValueError as e:  # an integer past Python's limit on digits
+        raise DataError(f"{where} is not JSON that can be read ({e}); fix or remove the "
+                        f"line") from None
+    except RecursionError:
+        raise DataError(f"{where} nests its JSON deeper than it can be read; fix or remove "
+                        f"the line") from None
+
+
+def refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict; RepeatedKey for the first key that comes twice."""
+    record: dict[str, object] = {}
+    for key, value in pairs:
+        if key in record:
+            raise RepeatedKey(repr(key))
+        record[key] = value
+    return record
+
+
+def read_records(path: str | Path) -> list[tuple[str, object]]:
+    """Each non-blank line of a JSON Lines file read whole (a task's items, conversations to
+    score), parsed, with where it stands: "items.jsonl line 3". A byte-order mark at the
+    start is dropped, and CRLF line ends read as LF, as in a corpus. DataError naming the
+    line for one that parse_json refuses, a key given twice included."""
+    path = Path(path)
+    lines = path.read_bytes().removeprefix(BOM).split(b"\n")
+    return [(f"{path} line {n}", parse_json(line, f"{path} line {n}", unique_keys=True))
+            for n, line in enumerate(lines, 1) if line.strip()]
 
 
 # --- plain text: one file, or a folder of .txt files, read exactly ---------------------------
@@ -345,8 +389,8 @@ def decode_text(data: bytes, where: str, offset: int = 0, line: int = 1) -> str:
 
 
 def refuse_binary(data: bytes, where: str, offset: int = 0) -> None:
-    """A NUL byte means a binary file (an image, an archive): say so, rather than where its
-    bytes first fail as UTF-8."""
+    """A NUL byte means a binary file (an image, an archive), so say that, rather than where
+    its bytes first fail as UTF-8."""
     nul = data.find(b"\x00")
     if nul >= 0:
         raise DataError(f"{where} is not text (NUL byte at offset {offset + nul}); give a UTF-8 "

@@ -4,6 +4,7 @@ Usage:
     python -m data.prepare                                        # built-in Shakespeare, char-level
     python -m data.prepare --tokenizer gpt2                       # built-in Shakespeare, GPT-2 BPE
     python -m data.prepare --input corpus/ --input web.jsonl.zst --tokenizer gpt2 --out data/web
+    python -m data.prepare corpus.txt                             # the same as --input corpus.txt
     python -m data.prepare --input corpus/ --tokenizer bpe --vocab-size 4096      # your own BPE
     python -m data.prepare --input finetune.jsonl --tokenizer data/corpus_bpe4096  # reuse it
 
@@ -375,6 +376,9 @@ def stop(signum: int, frame: object) -> None:
 
 
 def main(
+    paths: Annotated[list[str] | None, typer.Argument(
+        help="Corpus files or folders, as --input names them (python -m data.prepare "
+             "corpus.txt).", show_default=False)] = None,
     input: Annotated[list[str] | None, typer.Option(
         help="A corpus file or folder, read recursively; repeat for more. .txt (a file is a "
              "document), .jsonl/.jsonl.gz/.jsonl.zst (a line is one), .parquet (a row is "
@@ -409,7 +413,8 @@ def main(
     try:
         # OSError: a path the file system refuses; WorkerDied: a process killed, resumable
         with reported():
-            inputs, source, out = corpus(input, tokenizer, vocab_size, out, chat)
+            inputs, source, out = corpus([*(paths or []), *(input or [])], tokenizer,
+                                         vocab_size, out, chat)
             if skip_bad and not chat:
                 raise DataError("--skip-bad leaves out bad conversations: add --chat")
             meta = prepare(inputs, tokenizer, out, source, vocab_size=vocab_size,

@@ -9,8 +9,10 @@ Usage:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -32,6 +34,7 @@ from machine.errors import UserError
 CHAR_SEPARATOR = "\n\n"  # between two documents, for the char tokenizer (GPT-2's: <|endoftext|>)
 
 worker: dict[str, Any] = {}
+PR_SET_PDEATHSIG = 1  # from Linux's <sys/prctl.h>
 
 
 class WorkerDied(UserError):
@@ -39,25 +42,52 @@ class WorkerDied(UserError):
     kernel's out-of-memory killer). Nothing written is lost: the run resumes."""
 
 
-def init_worker(tokenizer_meta: dict | None, in_process: bool = False) -> None:
-    if not in_process:  # Ctrl-C is the main process's to handle, and it stops the workers
+def init_worker(tokenizer_meta: dict | None, parent: int | None = None) -> None:
+    """Ready a tokenizer process, or with parent None the main process that tokenizes
+    alone. A pool's process leaves Ctrl-C to its parent, which stops the pool, and ends
+    when its parent does."""
+    if parent is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        exit_with_parent_thread()
+        end_with_parent(parent)
     if tokenizer_meta is not None:
         tokenizer = load_tokenizer(tokenizer_meta)
         worker["tokenizer"] = tokenizer
         worker["separator"] = np.array(separator_ids(tokenizer), dtype=np.uint32)
 
 
-def exit_with_parent_thread() -> None:
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+def end_with_parent(parent: int) -> None:
+    """End this process when `parent`, the process that started it, ends, however it ends.
+    A SIGKILL leaves the parent no time to stop its children, and a pool's worker would
+    wait for work forever, because it holds both ends of the pool's pipe and so never sees
+    it close. The parent's id comes from the parent itself, because a parent that died
+    while this process was starting has already left it to another (init, or a subreaper),
+    whose id this process would otherwise watch. On Linux the kernel kills this process as
+    the parent ends (even while native code holds the interpreter, as rustbpe's merges do);
+    everywhere, a thread checks the parent every half second."""
+    kill_on_parent_death()
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
 
 
-def exit_with_parent(parent: int) -> None:
-    """A worker whose main process was killed (SIGKILL leaves no time to stop the pool)
-    would wait for work forever: it goes too."""
+def kill_on_parent_death() -> None:
+    """Ask Linux to SIGKILL this process when its parent ends (prctl's PR_SET_PDEATHSIG); a
+    no-op elsewhere, where watch_parent alone does it. Linux sends the signal when the
+    thread that started this process ends, and the parents here start their children from
+    the thread that then waits for them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no C library to ask, or one without prctl
+        pass
+
+
+def watch_parent(parent: int) -> None:
+    """Exit once this process is no longer `parent`'s child: the parent has ended."""
     while os.getppid() == parent:
-        time.sleep(1)
+        time.sleep(0.5)
     os._exit(1)
 
 
@@ -157,12 +187,12 @@ def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: i
     bounded whatever the corpus size, and a worker never waits for the main process's next
     batch."""
     if workers <= 1:
-        init_worker(tokenizer_meta, in_process=True)
+        init_worker(tokenizer_meta)
         yield from ((batch, fn(batch)) for batch in batches)
         return
     # spawn, not fork: a process that has imported torch (a training start) may hold threads
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
-                               initializer=init_worker, initargs=(tokenizer_meta,))
+                               initializer=init_worker, initargs=(tokenizer_meta, os.getpid()))
     pending: deque = deque()
     try:
         for batch in batches:

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from contextlib import suppress
+from pathlib import Path
 
 import torch
 
@@ -60,15 +61,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     key = f"{where}, {kind}, {torch.get_num_threads()} threads"
     path = cache_dir() / "peak_flops.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known.get(key), float):
+    known = cached_peaks(path)
+    if key not in known:
         known[key] = measure_peak_flops(device, dtype)
         with suppress(OSError):  # a cache that cannot be written: measured again next time
             write_bytes_atomic(path, (json.dumps(known, indent=1) + "\n").encode())
     return known[key], f"this machine's best {kind} matmul, measured once and kept in {path}"
+
+
+def cached_peaks(path: Path) -> dict[str, float]:
+    """The figures in the cache file that a machine can have measured, 10^6 to 10^18 FLOP/s.
+    A file that is no JSON object, and a figure that is not one (zero, negative, NaN, text),
+    which would make MFU negative or astronomical, are measured again and written over."""
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON
+        return {}
+    return {key: float(value) for key, value in known.items() if type(value) in (int, float)
+            and 1e6 <= value <= 1e18} if isinstance(known, dict) else {}
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:

@@ -12,13 +12,13 @@ a model before and after fine-tuning.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from data.chat import ASSISTANT_END, check_conversation, render_prompt, special_ids
 from data.chat_demo import conversations
+from data.documents import read_records
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
 from data.tokenizer import Tokenizer, load_tokenizer, with_specials
@@ -34,15 +34,18 @@ def demo_conversations() -> list[dict]:
 
 
 def read_conversations(path: Path) -> list[dict]:
-    """The records of a JSON Lines file of conversations, one {"messages": [...]} per line."""
+    """The records of a JSON Lines file of conversations, one {"messages": [...]} per line,
+    each checked before a model is loaded; DataError naming the line otherwise."""
     records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n} is not valid JSON ({e.msg}); fix or remove "
-                                f"the line") from None
+    for where, record in read_records(path):
+        try:
+            check_conversation(record.get("messages") if isinstance(record, dict) else None)
+        except ValueError as e:
+            raise DataError(f"{where}: {e}; fix or remove the line") from None
+        records.append(record)
+    if not records:
+        raise DataError(f"{path} holds no conversations; write one {{\"messages\": [...]}} "
+                        f"per line")
     return records
 
 

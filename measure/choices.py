@@ -19,17 +19,18 @@ accuracy above chance, as a fraction of the room above it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from data.documents import read_records
 from data.sources import DataError
 from data.text import check_text
 from data.tokenizer import Tokenizer
 from logprobs import token_logprobs
+from machine.errors import InputError
 from model import GPT
 
 DELIMITER = " "  # between the context and a choice, as lm-eval's target_delimiter
@@ -40,21 +41,13 @@ class Item:
     context: str
     choices: list[str]
     answer: int
+    where: str = "an item"  # its file and line, for a message about it
 
 
 def read_items(path: str | Path) -> list[Item]:
     """The items of a JSON Lines task: each line {"ctx", "endings", "label"} (HellaSwag's
     own fields) or {"context", "choices", "answer"}; DataError naming the line otherwise."""
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {n}: not JSON ({e.msg})") from None
-            items.append(item_of(record, f"{path}, line {n}"))
+    items = [item_of(record, where) for where, record in read_records(path)]
     if not items:
         raise DataError(f"{path} holds no items; write one JSON object per line")
     return items
@@ -70,14 +63,15 @@ def item_of(record: object, where: str) -> Item:
     for text in (context, *choices) if isinstance(choices, list) else (context,):
         if isinstance(text, str):
             check_text(text, where)  # a lone surrogate is no text: refused, not replaced
-    if isinstance(answer, str) and answer.isdigit():  # HellaSwag's labels are strings
+    # HellaSwag's labels are strings of ASCII digits ("²" is a digit that int() refuses)
+    if isinstance(answer, str) and answer.isascii() and answer.isdigit():
         answer = int(answer)
     if not (isinstance(context, str) and isinstance(choices, list) and len(choices) >= 2
             and all(isinstance(c, str) and c for c in choices) and isinstance(answer, int)
             and not isinstance(answer, bool) and 0 <= answer < len(choices)):
         raise DataError(f"{where}: the context must be text, the choices two or more texts, "
                         f"and the answer the index of one of them")
-    return Item(context, choices, answer)
+    return Item(context, choices, answer, where)
 
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -93,12 +87,33 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     return context_ids, whole[len(context_ids):]
 
 
+def encode_item(tokenizer: Tokenizer, item: Item, block_size: int,
+                ) -> list[tuple[list[int], list[int]]]:
+    """An item's pairs of context and continuation ids, one for each choice; InputError
+    naming the item for text the tokenizer cannot encode, and for a continuation longer
+    than the model's context, which lm-eval refuses too: each of its tokens is scored, and
+    the first would have no token of the context left before it."""
+    try:
+        pairs = [encode_pair(tokenizer, item.context, DELIMITER + choice)
+                 for choice in item.choices]
+    # a character outside a character vocabulary; an empty context without a start token
+    except (ValueError, DataError) as e:
+        raise InputError(f"{item.where}: {e}") from None
+    for n, (_, continuation) in enumerate(pairs):
+        if len(continuation) > block_size:
+            raise InputError(f"{item.where}: choice {n} is {len(continuation):,} tokens, more "
+                             f"than the model's context of {block_size:,}, so it cannot be "
+                             f"scored (lm-eval refuses it too); shorten the choice, or use a "
+                             f"model with a longer context")
+    return pairs
+
+
 def start_id(tokenizer: Tokenizer) -> int:
     """What an empty context stands for: the end-of-text (or <|bos|>) token."""
     start = tokenizer.specials.get("<|bos|>", tokenizer.eot_token)
     if start is None:
-        raise DataError("an item has an empty context, and this tokenizer has no start token "
-                        "to stand for it; give every item a context")
+        raise DataError("the context is empty, and this tokenizer has no start token to "
+                        "stand for it; give the item a context")
     return start
 
 
@@ -119,8 +134,7 @@ def score_items(model: GPT, tokenizer: Tokenizer, items: list[Item], batch_size:
     items' accuracies and their standard errors (lm-eval's: the sample standard deviation
     over the square root of the count)."""
     block_size = model.config.block_size
-    pairs = [encode_pair(tokenizer, item.context, DELIMITER + choice)
-             for item in items for choice in item.choices]
+    pairs = [pair for item in items for pair in encode_item(tokenizer, item, block_size)]
     # as lm-eval: the last block_size + 1 tokens, of which the continuation's are scored
     sequences = [(ctx + cont)[-(block_size + 1):] for ctx, cont in pairs]
     sums = []

@@ -19,6 +19,8 @@ import torch
 
 from data.prepare import prepare_text
 from model import GPT, GPTConfig
+from tests.forked import stop_server
+from tests.processes import left_behind, mark_session
 from tests.shared import built_once, conversation
 from training.config import load_config
 
@@ -33,6 +35,17 @@ def make_corpus(n_lines: int = 3000, seed: int = 0) -> str:
     lines = [f"{rng.choice(names)}: {rng.choice(names).title()} {rng.choice(verbs)} "
              f"{rng.choice(things)}." for _ in range(n_lines)]
     return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """Fail the session if a process it started is still running at its end (after a
+    grace period: a worker sees its parent's death within a second), and end it."""
+    mark_session()
+    yield
+    stop_server()
+    left = left_behind(within=15)
+    assert not left, f"processes the tests started are still running: {left}"
 
 
 @pytest.fixture(scope="session")

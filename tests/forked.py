@@ -86,8 +86,16 @@ def python(argv: list[str], cwd: Path = REPO, env: dict[str, str] | None = None,
     global _server
     if _server is None:
         _server = CommandServer()
-        atexit.register(_server.close)
+        atexit.register(stop_server)
     return _server.run(argv, cwd, dict(os.environ if env is None else env), timeout, input)
+
+
+def stop_server() -> None:
+    """End this process's command server, if it has one; the next command starts another."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 def child(request: dict) -> None:

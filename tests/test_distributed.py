@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from data.prepare import prepare_text
 from tests.layouts import LAYOUTS, cli_args
+from tests.output import error_line
 from tests.shared import built_once
 from weights.checkpoint import load_checkpoint
 from weights.loading import model_from_checkpoint
@@ -178,10 +179,10 @@ def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, f
     sample = [sys.executable, str(REPO / "sample.py"), "--run", str(sharded_run),
               "--max-new-tokens", "8"]
     refused = subprocess.run(sample, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 1 and refused.stderr.splitlines() == [
+    assert refused.returncode == 1 and error_line(refused.stderr) == (
         f"error: {sharded_run} holds sharded checkpoints (last.dcp, written under FSDP); make "
-        f"plain ones beside them with: python export.py {sharded_run} --plain"]
-    made = subprocess.run(refused.stderr.split("with: ")[1].split(), cwd=REPO,
+        f"plain ones beside them with: python export.py {sharded_run} --plain")
+    made = subprocess.run(error_line(refused.stderr).split("with: ")[1].split(), cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert made.stdout == f"wrote {sharded_run / 'last.pt'}, {sharded_run / 'best.pt'}\n"

@@ -12,6 +12,7 @@ import torch
 from data.tokenizer import load_tokenizer
 from measure.scores import check_batch_memory, check_stride, evaluate, windows
 from tests.forked import python
+from tests.output import error_line
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_model
 
@@ -110,3 +111,91 @@ def test_cli_writes_the_scores_it_prints_and_int8_costs_little(trained_run, corp
     assert abs(scores["int8"]["loss"] - fp32["loss"]) < 0.02
 
 
+
+
+GOOD = {"ctx": "ROMEO: Nurse sees", "endings": ["the moon.", "moon the."], "label": "0"}
+LONG_CHOICE = "the moon " * 4  # 36 characters: with its space, 37 tokens of a char model
+
+
+@pytest.mark.parametrize("second, problem", [
+    (json.dumps({**GOOD, "label": "²"}).encode(), "the answer the index of one of them"),
+    (b'{"ctx": "caf\xe9", "endings": ["a", "b"], "label": 0}', "is not valid UTF-8 (byte 13 "
+                                                             "of the line)"),
+    (b'{"ctx": "ROMEO", "endings": ["a", "b"], "label": 0', "is not valid JSON"),
+    (b'{"ctx": "ROMEO", "ctx": "JULIET", "endings": ["a", "b"], "label": 0}',
+     "gives the key 'ctx' twice; keep one"),
+    (b'{"context": "ROMEO", "choices": ["a"], "answer": 0}', "two or more texts"),
+    (b'{"context": "ROMEO", "choices": ["a", "b"], "answer": 1.0}', "the index of one"),
+    (b'{"context": "ROMEO", "choices": "ab", "answer": 0}', "two or more texts"),
+    (b'{"context": "ROMEO", "choices": ["a", ""], "answer": 0}', "two or more texts"),
+    (b'{"context": "ROMEO", "choices": ["a", "b"], "answer": true}', "the index of one"),
+    (b'{"context": "ROMEO", "choices": ["a", "b"], "answer": 2}', "the index of one"),
+    (b'{"context": "ROMEO", "choices": ["a", "b"]}', "give ctx, endings and label"),
+    (b'["ROMEO", ["a", "b"], 0]', "give ctx, endings and label"),
+    (b'{"context": "ROMEO", "choices": ["a", "b"], "answer": ' + b"9" * 5000 + b"}",
+     "is not JSON that can be read (Exceeds the limit"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests its JSON deeper than it can be read"),
+    (b'{"context": "", "choices": ["a", "b"], "answer": 0}',
+     "the context is empty, and this tokenizer has no start token to stand for it"),
+    (b'{"context": "ROMEO", "choices": ["a", "~^"], "answer": 0}',
+     "2 character(s) not in this model's vocabulary"),
+    (b'{"context": "ROMEO \\ud83d", "choices": ["a", "b"], "answer": 0}',
+     "holds half a character (\\ud83d"),
+    (json.dumps({**GOOD, "endings": ["the moon.", LONG_CHOICE]}).encode(),
+     "choice 1 is 37 tokens, more than the model's context of 32, so it cannot be scored "
+     "(lm-eval refuses it too)"),
+])
+def test_a_bad_task_line_is_one_line_naming_it_and_nothing_written(trained_run, tmp_path, second,
+                                                                  problem):
+    task = tmp_path / "task.jsonl"
+    task.write_bytes(json.dumps(GOOD).encode() + b"\n" + second + b"\n")
+    result = run_evaluate("--task", str(task), "--run", str(trained_run), "--json",
+                          str(tmp_path / "scores.json"))
+    assert result.returncode == 1
+    assert error_line(result.stderr).startswith(f"error: {task} line 2")
+    assert problem in error_line(result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["task.jsonl"]
+
+
+@pytest.mark.parametrize("contents", [b"", b"\n  \r\n", b"\xef\xbb\xbf"])
+def test_a_task_without_items_is_one_line(trained_run, tmp_path, contents):
+    task = tmp_path / "task.jsonl"
+    task.write_bytes(contents)
+    result = run_evaluate("--task", str(task), "--run", str(trained_run))
+    assert result.returncode == 1
+    assert error_line(result.stderr) == (f"error: {task} holds no items; write one JSON object "
+                                         f"per line")
+
+
+def test_a_task_from_windows_scores_as_the_same_task_from_linux(trained_run, tmp_path):
+    # a byte-order mark and CRLF line ends, as Windows editors write, and a choice exactly as
+    # long as the context: scored, as lm-eval scores one, with one token of context before it
+    items = [GOOD, {**GOOD, "endings": ["the moon.", LONG_CHOICE[:31]], "label": 1}]
+    text = "".join(json.dumps(item) + "\n" for item in items)
+    scores = []
+    for name, data in (("linux", text.encode()),
+                       ("windows", b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())):
+        (tmp_path / f"{name}.jsonl").write_bytes(data)
+        out = tmp_path / f"{name}.json"
+        result = run_evaluate("--task", str(tmp_path / f"{name}.jsonl"), "--run",
+                              str(trained_run), "--json", str(out))
+        assert result.returncode == 0, result.stderr
+        scores.append({k: v for k, v in json.loads(out.read_text()).items() if k != "task"})
+    assert scores[0] == scores[1] and scores[0]["items"] == 2
+
+
+@pytest.mark.parametrize("contents, problem", [
+    (b'{"messages": [{"role": "user", "content": "ROMEO"}]}\n',
+     "line 1: the conversation ends without an assistant turn"),
+    (b'{"messages": []}\n', "line 1: its messages are not a non-empty list; fix or remove"),
+    (b'\n{"messages": "ROMEO"\n', "line 2 is not valid JSON"),
+    (b"", "holds no conversations"),
+])
+def test_a_bad_conversations_file_is_one_line_naming_its_line(trained_run, tmp_path, contents,
+                                                              problem):
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(contents)
+    result = run_evaluate("--answers", str(path), "--run", str(trained_run))
+    assert result.returncode == 1
+    assert error_line(result.stderr).startswith(f"error: {path}")
+    assert problem in error_line(result.stderr)

@@ -22,6 +22,7 @@ import torch
 import model as model_module
 from model import GPT, GPTConfig
 from tests.forked import python
+from tests.output import error_line
 from train import train
 from training.config import ConfigError, load_config
 from training.runs import TrainingError
@@ -321,8 +322,9 @@ def test_resume_is_refused_while_the_run_is_still_going(tmp_path, char_data):
         proc.kill()
         proc.wait()
     assert second.returncode == 1
-    assert second.stderr == (f"error: {tmp_path / 'tiny'} is in use by a run that is still "
-                             f"going; wait for it to end, or start a new run without --resume\n")
+    assert error_line(second.stderr) == (
+        f"error: {tmp_path / 'tiny'} is in use by a run that is still going; wait for it to "
+        f"end, or start a new run without --resume")
 
 
 def test_ctrl_c_after_the_loss_turned_nan_writes_no_checkpoint(tmp_path, char_data):
@@ -336,8 +338,8 @@ def test_ctrl_c_after_the_loss_turned_nan_writes_no_checkpoint(tmp_path, char_da
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr
-    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
-    assert "holds NaN or inf at iter" in stderr and "no checkpoint was written" in stderr
+    assert "holds NaN or inf at iter" in error_line(stderr)
+    assert "no checkpoint was written" in error_line(stderr)
     assert sorted(p.name for p in (tmp_path / "tiny").iterdir()
                   if not p.name.startswith("events.")) == [".lock"]
 
@@ -379,14 +381,14 @@ def test_a_disk_that_fills_mid_write_is_one_line_and_keeps_the_last_checkpoint(
                             preexec_fn=small_disk(limit))
     run = tmp_path / "tiny"
     assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith("error: " + message.format(run=run)), result.stderr
-    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert error_line(result.stderr).startswith("error: " + message.format(run=run))
     assert not list(run.glob(".*.tmp"))
     if what == "events":  # the last checkpoint is whole, and the hint resumes it
         saved = load_checkpoint(run / "last.pt")["iter_num"]
         assert saved % 20 == 0 and saved > 0
-        assert result.stderr.endswith(f"{run / 'last.pt'} (iter {saved}) is intact; continue "
-                                      f"with the same command and --resume\n")
+        assert error_line(result.stderr).endswith(
+            f"{run / 'last.pt'} (iter {saved}) is intact; continue with the same command and "
+            f"--resume")
 
 
 def test_attention_pictures_that_fill_the_disk_leave_no_half_file(tmp_path, trained_run):
@@ -421,7 +423,7 @@ def test_an_unusable_cache_folder_is_a_fallback_or_one_line(tmp_path, trained_ru
     for argv in ([*sample, "--decode", "c"],
                  ["-m", "data.prepare", "--tokenizer", "gpt2", "--out", str(tmp_path / "bpe")]):
         result = run_with_cache(cache, *argv)
-        assert result.returncode == 1 and result.stderr == f"error: {problem}\n", argv
+        assert result.returncode == 1 and error_line(result.stderr) == f"error: {problem}", argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
@@ -456,10 +458,9 @@ def test_output_to_a_full_disk_is_one_line_and_what_was_written_is_kept(tmp_path
             result = subprocess.run([sys.executable, *argv], cwd=REPO, stdout=full,
                                     stderr=subprocess.PIPE, text=True, timeout=120)
         assert result.returncode == 1, (name, result.stderr)
-        assert result.stderr.splitlines()[-1:] == [
+        assert error_line(result.stderr) == (
             "error: cannot write the output (No space left on device); send it to a file or "
-            "a disk with space"], (name, result.stderr)
-        assert "Traceback" not in result.stderr, name
+            "a disk with space"), name
     assert json.loads((tmp_path / "scores.json").read_text())["tokens"] > 0
     assert (tmp_path / "data" / "meta.json").is_file()
 
@@ -482,8 +483,8 @@ def test_a_process_memory_limit_is_one_line_naming_the_batch_and_the_limit(tmp_p
                              "--eval-interval", "100", "--eval-iters", "1", "--sample-tokens", "0"],
                             cwd=REPO, capture_output=True, text=True, timeout=300,
                             preexec_fn=limited)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert len(result.stderr.splitlines()) == 1 and re.match(message, result.stderr), result.stderr
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert re.match(message, error_line(result.stderr)), result.stderr
 
 
 def test_processes_that_write_one_file_at_once_leave_it_whole(tmp_path):

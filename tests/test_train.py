@@ -216,6 +216,51 @@ def test_the_cpu_peak_is_measured_once_and_reused(tmp_path, monkeypatch):
     assert peak_flops(torch.device("cpu"), torch.float32)[0] == 1.5e9
 
 
+@pytest.mark.parametrize("damage", [
+    lambda key: [1.5e9], lambda key: "1.5e9", lambda key: 0, lambda key: None,
+    lambda key: {key: 0.0}, lambda key: {key: -2e9}, lambda key: {key: math.nan},
+    lambda key: {key: math.inf}, lambda key: {key: "1.5e9"}, lambda key: {key: True},
+    lambda key: {key: 5e-324}, lambda key: {key: [1.5e9]},
+], ids=["a list", "a string", "zero", "null", "a zero peak", "a negative peak", "a NaN peak",
+        "an infinite peak", "a peak as text", "a peak of true", "a peak too small to be one",
+        "a peak in a list"])
+def test_a_damaged_peak_in_the_cache_is_measured_again_and_rewritten(tmp_path, monkeypatch,
+                                                                     damage):
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    path = tmp_path / "peak_flops.json"
+    measured, _ = peak_flops(torch.device("cpu"), torch.float32)
+    (key,) = json.loads(path.read_text())
+    # NaN and infinity as Python's json writes them, which its reader takes back
+    path.write_text(json.dumps(damage(key)))
+    again, _ = peak_flops(torch.device("cpu"), torch.float32)
+    assert 1e6 <= again <= 1e18 and json.loads(path.read_text()) == {key: again}
+    # a figure for another machine, or another dtype, is kept beside it
+    path.write_text(json.dumps({key: again, "another machine, float32, 1 threads": 7e9}))
+    assert peak_flops(torch.device("cpu"), torch.float32)[0] == again
+    assert json.loads(path.read_text())["another machine, float32, 1 threads"] == 7e9
+
+
+def test_mfu_is_a_percentage_after_a_damaged_peak_in_the_cache(char_data, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "peak_flops.json").write_text("[1.5e9]")  # of another shape: a list
+    args = ["train.py", "--config", "config/tiny.toml", "--data-dir", str(char_data),
+            "--max-iters", "10", "--sample-tokens", "0"]
+    env = {**os.environ, "GPTLAB_CACHE": str(cache)}
+    first = python([*args, "--out-dir", str(tmp_path / "a")], env=env)
+    assert first.returncode == 0, first.stderr
+    peaks = json.loads((cache / "peak_flops.json").read_text())
+    (key,) = peaks
+    peaks[key] = 5e-324  # a figure a billion billion times too small
+    (cache / "peak_flops.json").write_text(json.dumps(peaks))
+    second = python([*args, "--out-dir", str(tmp_path / "b")], env=env)
+    assert second.returncode == 0, second.stderr
+    assert 1e6 <= json.loads((cache / "peak_flops.json").read_text())[key] <= 1e18
+    for result in (first, second):
+        mfu = [float(m) for m in re.findall(r"MFU (-?[\d.e+]+)%", result.stdout)]
+        assert mfu and all(0 <= m < 100 for m in mfu), result.stdout
+
+
 def test_a_config_path_that_is_no_toml_file_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError, match=f"config {tmp_path} is a folder; give a TOML file"):
         load_config(tmp_path)
@@ -291,9 +336,9 @@ def test_wallclock_times_a_trainer_between_its_log_lines(char_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     # log points at 5, 10, ..., 40 and evaluations at 20 and 40: the spans 5-10, 10-15,
     # 15-20 and 20-25, ..., 35-40, the first left out as warm-up
-    last = proc.stdout.splitlines()[-1]
+    [summary] = [line for line in proc.stdout.splitlines() if line.startswith("wall clock:")]
     assert re.fullmatch(r"wall clock: median [\d.]+ ms/iter over 6 spans between log "
-                        r"points, [\d,]+ tokens/s", last), last
+                        r"points, [\d,]+ tokens/s", summary), proc.stdout
 
 
 def test_cli_help_documents_every_config_field():

@@ -187,9 +187,16 @@ def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -
     if problem:
         raise CheckpointError(f"{path} is damaged: the tokenizer's description: {problem}; "
                               f"use another checkpoint")
+    # imported here because a plain training run, which reads no checkpoint, need not read it
+    from weights.fields import resume_problem, shape_problem
+    problem = shape_problem(ckpt["model_args"])
+    if problem:  # every use of a checkpoint builds its model, or compares its shape
+        raise CheckpointError(f"{path} is damaged: its model_args are not a model shape "
+                              f"({problem}); use another checkpoint")
     # what a resumed run needs besides (a file damaged, or written by other code)
     problem = resume and (record_problem(ckpt, SHARDED_RESUME if sharded else RESUME)
-                          or record_problem(ckpt["rng"], RESUME_RNG))
+                          or record_problem(ckpt["rng"], RESUME_RNG)
+                          or resume_problem(ckpt, sharded))
     if problem:
         raise CheckpointError(f"cannot resume from {path}: {problem}; it can be sampled, not "
                               f"continued: start a new run without --resume")

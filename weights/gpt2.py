@@ -57,6 +57,7 @@ def hf_gpt2_weights(folder: str | Path, dropout: float = 0.0,
         config = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
                            n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
                            dropout=dropout, bias=True)
+        shapes = expected(config)
     except (TypeError, ValueError) as e:
         raise FolderError(f"{folder / 'config.json'}: {e}") from None
     state = {}
@@ -69,7 +70,7 @@ def hf_gpt2_weights(folder: str | Path, dropout: float = 0.0,
         state[key if key == "lm_head.weight" else f"transformer.{key}"] = tensor
     if "transformer.wte.weight" in state:
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # tied
-    problem = state_dict_mismatch(expected(config), state, "config.json")
+    problem = state_dict_mismatch(shapes, state, "config.json")
     if problem:
         raise FolderError(f"weights in {folder} do not match its config.json: {problem}")
     return config, state

@@ -46,9 +46,9 @@ def read_config(folder: str | Path) -> dict:
                           f"(GPT-2 or NanoChat)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FolderError(f"{path} is not valid JSON ({e}); point at a Hugging Face model "
-                          f"folder") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, too long, too deep
+        raise FolderError(f"{path} is not valid JSON ({str(e) or type(e).__name__:.120}); "
+                          f"point at a Hugging Face model folder") from None
     if not isinstance(config, dict):
         raise FolderError(f"{path} holds a {type(config).__name__}, not a model's settings")
     return config

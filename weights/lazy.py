@@ -42,9 +42,14 @@ def mapped(tensors: dict[str, torch.Tensor]) -> dict[str, Lazy]:
 
 
 def expected(config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state_dict of a model of this shape, on the meta device: shapes, no memory."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        return GPT(config).state_dict()
+    """The state_dict of a model of this shape, on the meta device: shapes, no memory.
+    ValueError for a shape with a tensor larger than torch can describe (a damaged size)."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return GPT(config).state_dict()
+    except RuntimeError as e:  # "Storage size calculation overflowed"
+        raise ValueError(f"a model of this shape has a tensor too large for any machine "
+                         f"({str(e).splitlines()[0]})") from None
 
 
 def build(config: GPTConfig, state: dict[str, Lazy]) -> GPT:

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.hf_tokenizer import HFTokenizer
@@ -25,7 +28,6 @@ from model import GPT, GPTConfig
 from weights.checkpoint import (
     CheckpointError,
     load_checkpoint,
-    non_finite,
     sharded_hint,
     state_dict_mismatch,
     unwrap_state_dict,
@@ -38,6 +40,9 @@ from weights.quantize import cast_weights, check_weight_dtype
 
 class LoadError(UserError):
     """No model where the user pointed; the message says what is there and what to do."""
+
+
+DIVERGED = "its run diverged; use an earlier checkpoint"  # the fix for a checkpoint's NaN
 
 
 def run_checkpoint(folder: Path) -> Path | None:
@@ -146,6 +151,8 @@ def folder_weights(folder: str | Path, block_size: int | None = None, dropout: f
                  "GPT-2's tokenizer, which reads a folder without tokenizer.json")
         raise LoadError(f"{folder} has a vocabulary of {config.vocab_size:,} tokens, fewer "
                         f"than the {tokenizer.vocab_size:,} of {whose}")
+    state = finite(state, str(folder), "the weights are damaged, or the model they were "
+                                       "saved from had diverged; use another copy")
     return (*cropped(config, state, block_size), tokenizer)
 
 
@@ -208,12 +215,7 @@ def load_base(path: str | Path, block_size: int | None = None,
     from: a Hugging Face folder, a checkpoint, or a run folder (its best.pt). block_size
     below the model's crops it; dropout is the fine-tuning's."""
     config, state, tokenizer, source = base_weights(path, block_size, dropout)
-    model = build(config, state)
-    broken = non_finite(model.state_dict())
-    if broken is not None:
-        raise CheckpointError(f"{source}'s {broken} holds NaN or inf: its run diverged; use "
-                              f"an earlier checkpoint")
-    return model, tokenizer, source
+    return build(config, state), tokenizer, source
 
 
 def base_weights(path: str | Path, block_size: int | None = None, dropout: float = 0.0,
@@ -229,15 +231,13 @@ def base_weights(path: str | Path, block_size: int | None = None, dropout: float
         raise LoadError(f"{path} is neither a Hugging Face folder (config.json), a checkpoint "
                         f"(.pt) nor a run folder (best.pt or last.pt); give one of them")
     ckpt = load_checkpoint(checkpoint, map_location="cpu", mmap=True)
-    try:
-        config = GPTConfig(**{**ckpt["model_args"], "dropout": dropout})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{checkpoint}'s model_args are not a model shape ({e})") from None
+    config = GPTConfig(**{**ckpt["model_args"], "dropout": dropout})
     state = mapped(unwrap_state_dict(ckpt["model"]))
     problem = state_dict_mismatch(expected(config), state, "model_args")
     if problem:
         raise CheckpointError(f"{checkpoint}'s weights do not match its model_args: {problem}; "
                               f"the file is damaged, use another checkpoint")
+    state = finite(state, str(checkpoint), DIVERGED)
     try:
         tokenizer = load_tokenizer(ckpt["tokenizer"])
     except ValueError as e:
@@ -253,20 +253,30 @@ def grow_vocabulary(model: GPT, vocab_size: int) -> GPT:
 
 
 def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
-    """A GPT with the checkpoint's shape and weights, on the CPU, in eval mode."""
-    try:
-        model = GPT(GPTConfig(**ckpt["model_args"]))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"the checkpoint's model_args are not a model shape ({e})") from None
+    """A GPT with the shape and weights of a checkpoint that load_checkpoint accepted, on the
+    CPU, in eval mode."""
+    config = GPTConfig(**ckpt["model_args"])
     state = unwrap_state_dict(ckpt["model"])
-    problem = state_dict_mismatch(model.state_dict(), state, "model_args")
+    problem = state_dict_mismatch(expected(config), state, "model_args")
     if problem:
         raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
                               f"the file is damaged, use another checkpoint")
-    broken = non_finite(state)
     # train.py refuses to save a diverged run, but a checkpoint of an older version may hold one
-    if broken is not None:
-        raise CheckpointError(f"the checkpoint's {broken} holds NaN or inf: its run diverged; "
-                              f"use an earlier checkpoint")
-    model.load_state_dict(state)
-    return model.eval()
+    return build(config, finite(mapped(state), "the checkpoint", DIVERGED)).eval()
+
+
+def finite(state: dict[str, Lazy], source: str, fix: str) -> dict[str, Lazy]:
+    """The weights, each checked as it is read, at every door that loads a model: one that
+    holds NaN or inf is refused in one line naming it and `fix`, because such a model
+    samples from NaN probabilities and scores every choice alike, without an error; one
+    that is not floating point (a damaged file) is refused too, where it would be cast."""
+    def check(tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            raise LoadError(f"{source}'s {name} holds {str(tensor.dtype).removeprefix('torch.')} "
+                            f"values, where weights are floating point; the file is damaged, "
+                            f"use another copy")
+        # float8's isfinite is not implemented: its values are checked in float32
+        if not torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float()).all():
+            raise LoadError(f"{source}'s {name} holds NaN or inf: {fix}")
+        return tensor
+    return {name: lazy.then(partial(check, name=name)) for name, lazy in state.items()}

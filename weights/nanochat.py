@@ -87,6 +87,10 @@ def hf_nanochat_weights(folder: str | Path, dropout: float = 0.0,
     yet (weights/lazy.py): separate q, k, v projections become one fused c_attn."""
     folder = Path(folder)
     config = config_from_hf(read_config(folder), folder / "config.json", dropout)
+    try:
+        shapes = expected(config)
+    except ValueError as e:
+        raise FolderError(f"{folder / 'config.json'}: {e}") from None
     hd, state = config.head_dim, {}
     for key, tensor in read_weights(folder).items():
         name = key.removeprefix("model.")
@@ -111,7 +115,7 @@ def hf_nanochat_weights(folder: str | Path, dropout: float = 0.0,
                 state[f"{prefix}{ours}.weight"] = state.pop(f"{prefix}{theirs}.weight")
     if config.tie_embeddings and "transformer.wte.weight" in state:
         state.setdefault("lm_head.weight", state["transformer.wte.weight"])
-    problem = state_dict_mismatch(expected(config), state, "config.json")
+    problem = state_dict_mismatch(shapes, state, "config.json")
     if problem:
         raise FolderError(f"weights in {folder} do not match its config.json: {problem}")
     return config, state
