@@ -42,7 +42,7 @@ def fingerprint(inputs: list[Input], tokenizer: dict, text_field: str, val_fract
 def read_json(path: Path) -> dict | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

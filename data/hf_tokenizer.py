@@ -27,7 +27,7 @@ class HFTokenizer:
         try:
             spec = json.loads(json_text)
             model = spec.get("model") or {}
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, AttributeError, RecursionError):
             raise ValueError("not a tokenizer file (it is not a JSON record)") from None
         if not isinstance(model, dict) or model.get("type") != "BPE":
             kind = model.get("type") if isinstance(model, dict) else model

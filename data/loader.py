@@ -43,7 +43,7 @@ def load_meta(data_dir: str | Path) -> dict:
     again = f"prepare the dataset again (python -m data.prepare ... --out {data_dir})"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested too deep too
         raise DataError(f"{path} is not valid JSON; {again}") from None
     problem = record_problem(meta, META_FIELDS)
     if problem:

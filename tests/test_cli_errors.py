@@ -247,6 +247,11 @@ CASES = {
         resumable_with(lambda c: c.update(optimizer=[{"state": {}, "param_groups": []}])), 1,
         "error: cannot resume from {tmp}/runs/tiny/last.pt: its optimizer state 0 is damaged: "
         "it has no groups of parameters"),
+    "resume with another number of optimizers' states": (
+        [*TRAIN, "--resume", "--max-iters", "30"],
+        resumable_with(lambda c: c.update(optimizer=[c["optimizer"][0]] * 2)), 1,
+        "error: cannot resume: {tmp}/runs/tiny/last.pt holds the state of 2 optimizers, and "
+        "this run has 1; the file is damaged: start a new run without --resume"),
     "seed past 64 bits": ([*TRAIN, "--seed", str(2**64)], nothing, 1,
                           "error: seed must be in [0, 2^63), got 18446744073709551616"),
     "seed past 64 bits in TOML": (["train.py", "--config", "{tmp}/c.toml"],
@@ -270,6 +275,10 @@ CASES = {
     "meta.json not JSON": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
                            damaged_data(lambda d: (d / "meta.json").write_text("{oops")), 1,
                            "meta.json"),
+    "meta.json nested too deep": (
+        [*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
+        damaged_data(lambda d: (d / "meta.json").write_text("[" * 100_000 + "]" * 100_000)), 1,
+        "meta.json is not valid JSON"),
     "meta.json lacks a key": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
                               damaged_data(drop_meta_key), 1, "vocab_size"),
     "unknown tokenizer": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],

@@ -67,6 +67,11 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
         from training.fsdp import laid_out_like
         saved = laid_out_like(saved, model, optimizers)
     model.load_state_dict(saved.model)
+    if len(saved.optimizer) != len(optimizers):
+        raise CheckpointError(f"cannot resume: {checkpoint} holds the state of "
+                              f"{len(saved.optimizer)} optimizers, and this run has "
+                              f"{len(optimizers)}; the file is damaged: start a new run "
+                              f"without --resume")
     for opt, state in zip(optimizers, saved.optimizer, strict=True):
         # the state (moments, momentum, step counts) is the run's; the settings (peak lr,
         # decay, betas, momentum) are the config's, which a resumed run may change
