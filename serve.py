@@ -16,6 +16,7 @@ lets what runs finish for a few seconds, cancels the rest, and exits 0.
 from __future__ import annotations
 
 import errno
+import gc
 import signal
 import socket
 import sys
@@ -103,6 +104,10 @@ def run_server(service: Service, sock: socket.socket) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+    # the objects of the start (torch's, the model's) live as long as the process; frozen,
+    # they are left out of the collector's full passes, which stop every thread, the event
+    # loop's too, for as long as they walk what the process holds
+    gc.freeze()
     thread = threading.Thread(target=http, name="http")
     thread.start()
     service.engine.run()
@@ -117,7 +122,8 @@ HostOption = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for
                                            "interface.")]
 PortOption = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")]
 ApiKeyOption = Annotated[str | None, typer.Option(
-        help="Require 'Authorization: Bearer KEY' on /v1/ (the openai client's api_key).")]
+        help="Require 'Authorization: Bearer KEY' (the openai client's api_key) on every "
+             "route but the chat page, /health and /metrics.")]
 ParallelOption = Annotated[int, typer.Option(
         min=1, help="Sequences decoded together (slots; each holds a KV cache row).")]
 QueueOption = Annotated[int, typer.Option(

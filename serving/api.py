@@ -3,7 +3,8 @@
 Usage:
     body = ChatRequest.model_validate(json)      # pydantic checks types and ranges
     error_body("n must be 1", param="n")         # {"error": {"message", "type", "param", "code"}}
-    chunk = chat_chunk(meta, {"content": "Hi"})  # one server-sent event's data
+    chunk = chunk(meta, "Hi")                    # one server-sent event's data
+    Logprobs(tokenizer, chat=False).shape(tokens, offsets)   # a choice's logprobs object
 
 Fields OpenAI defines that change nothing here (user, metadata, ...) are accepted and
 ignored, as clients send them. A field that would change the answer and that this server
@@ -17,23 +18,47 @@ token) and `echo` (the prompt's tokens come back first, with their logprobs; the
 null), whose `logprobs` object holds tokens, token_logprobs, top_logprobs and text_offset;
 a chat's `logprobs: true` and `top_logprobs`, as choices[].logprobs.content[]. A
 completion's prompt is a string, a list of strings, a list of token ids or a list of lists
-of them: one choice per prompt, each with its index, as lm-eval sends them.
+of them: one choice per prompt, each with its index, as lm-eval sends them. `Logprobs`
+writes both shapes, and nothing else does.
+
+Every field is strict, as OpenAI's API is: a token id, a count or a seed is an integer (not
+true, 1.0 or "1"), a switch is a boolean, and a number is finite, because pydantic's lax
+mode would read `prompt: [true, false, 5]` as the tokens 1, 0 and 5, and "yes" as true.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from data.text import check_text
+from data.tokenizer import Tokenizer
 
 NO_TOOLS = "this server calls no tools (its models were not trained to); drop the field"
 NOT_HERE = "not supported here; drop the field"
 MAX_LOGPROBS = 20  # alternatives per token at most, as vLLM's default
+# every request's fields: unknown ones ignored, and no type read as another (the module's
+# docstring says why)
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+PROMPT_SHAPES = ("must be a string, a list of strings, a list of token ids (integers) or a "
+                 "list of lists of token ids")
 # field -> (the values that ask for nothing, why any other is refused, after "field: ")
 UNHONOURED: dict[str, tuple[list, str]] = {
     "n": ([1], "this server returns one choice per request; send n requests instead"),
@@ -52,9 +77,31 @@ UNHONOURED: dict[str, tuple[list, str]] = {
 }
 
 
+def prompt_kind(prompt: Any) -> str | None:
+    """Which of a completion's four prompt shapes a prompt takes, by its first item, so
+    that only that one is checked, because pydantic's plain union would try each shape on
+    every item and note an error for each, in a time that grows with the prompt."""
+    if isinstance(prompt, str):
+        return "text"
+    if not isinstance(prompt, list):
+        return None
+    head = prompt[0] if prompt else 0  # an empty list passes as ids; check_prompt refuses it
+    return "texts" if isinstance(head, str) else "batch" if isinstance(head, list) else "ids"
+
+
+Prompt = Annotated[Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
+                   | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("batch")],
+                   Discriminator(prompt_kind)]
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
 class BaseRequest(BaseModel):
     """What both completion endpoints take."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's logprobs alone
@@ -64,10 +111,12 @@ class BaseRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True  # vLLM's: leave <|assistant_end|> and its kind out of text
     cache_prompt: bool = True  # llama.cpp's: false prefills the whole prompt, reusing nothing
     ignore_eos: bool = False  # vLLM's and llama.cpp's: go on past the end token, to max_tokens
+    # vLLM's: logprobs name each token "token_id:N", so that tokens of one text stay apart
+    return_tokens_as_token_ids: bool = False
     # refused unless they ask for nothing (UNHONOURED)
     n: Any = None
     best_of: Any = None
@@ -85,7 +134,9 @@ class BaseRequest(BaseModel):
     @classmethod
     def honoured(cls, value: Any, info: ValidationInfo) -> Any:
         asks_nothing, why = UNHONOURED[info.field_name]
-        if value is not None and value not in asks_nothing:
+        # true == 1 in Python, so n: true would pass for n: 1 unless the kinds must agree
+        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                         for v in asks_nothing):
             raise ValueError(why)
         return value
 
@@ -112,7 +163,7 @@ class BaseRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class ChatRequest(BaseRequest):
@@ -142,13 +193,19 @@ class ChatRequest(BaseRequest):
 
 
 class CompletionRequest(BaseRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    prompt: Prompt = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def some_prompt(cls, prompt: str | list) -> str | list:
+    def check_prompt(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> str | list:
+        """The prompt in one of its four shapes, or a message that names the first item that
+        fits none of them (pydantic's would name the shape it tried: "prompt.ids.0")."""
+        try:
+            prompt = handler(prompt)
+        except ValidationError:
+            raise ValueError(f"{PROMPT_SHAPES}; {misfit(prompt)}") from None
         if isinstance(prompt, list) and not prompt:
             raise ValueError("is an empty list; send a string, strings, or token ids")
         return prompt
@@ -175,14 +232,86 @@ class CompletionRequest(BaseRequest):
 
 class TokenizeRequest(BaseModel):
     """/tokenize's body, as vLLM takes it (add_special_tokens: no tokenizer here adds any)."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     prompt: str
     add_special_tokens: bool = True
 
+    @field_validator("prompt")
+    @classmethod
+    def is_text(cls, prompt: str) -> str:
+        return check_text(prompt, "the text")  # the rule of every text this server takes
+
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     tokens: list[int]
+
+
+def is_token_id(value: object) -> bool:
+    """Whether a JSON value can be a token id: an integer, and not a boolean (Python's bool
+    is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def misfit(prompt: Any) -> str:
+    """Where a prompt first leaves the shapes it may take, and what it holds there."""
+    if not isinstance(prompt, list) or not prompt:
+        return f"it is {shown(prompt)}"
+    head = prompt[0]
+    for i, item in enumerate(prompt):
+        if isinstance(head, list) and isinstance(item, list):
+            bad = next((j for j, t in enumerate(item) if not is_token_id(t)), None)
+            if bad is not None:
+                return f"prompt[{i}][{bad}] is {shown(item[bad])}"
+        elif not (isinstance(head, str) and isinstance(item, str)
+                  or is_token_id(head) and is_token_id(item)):
+            return f"prompt[{i}] is {shown(item)}"
+    return f"it is {shown(prompt)}"
+
+
+def shown(value: object) -> str:
+    """A JSON value as a message quotes it, cut short."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def refusal(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
+    """The message and the param of a request that pydantic refused: its first error at
+    the deepest place in the body, named by its path there ("stop[0]"). pydantic's own
+    paths name the member of a union it tried ("stop.list[str].0"), which no client wrote."""
+    found = [(path_in(body, error), error) for error in errors]
+    path, error = max(found, key=lambda pair: len(pair[0]))  # the first of the deepest
+    what = str(error.get("msg", "is invalid")).removeprefix("Value error, ")
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return "the body is not valid JSON; send a JSON object", None
+    if isinstance(body, bytes):  # FastAPI reads JSON only under a JSON content type
+        return ("the body is not marked as JSON; send a JSON object with Content-Type: "
+                "application/json"), None
+    if not path and isinstance(body, dict):  # a rule between fields (a model validator's)
+        return what, None
+    if not path:
+        return (f"the body is {'empty' if kind == 'missing' else shown(body)}, not a JSON "
+                f"object; send one, with Content-Type: application/json"), None
+    if kind.endswith("_type") or kind == "finite_number":
+        what += f", not {shown(error.get('input'))}"
+    name = str(path[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path[1:])
+    return f"{name}: {what}", str(path[0])
+
+
+def path_in(body: Any, error: dict) -> list[str | int]:
+    """An error's place in the body, as keys and indices: the parts of pydantic's path
+    that lead through the body's objects and lists, and a missing field's name."""
+    path, here, loc = [], body, list(error.get("loc", ()))[1:]  # loc[0] is "body"
+    for n, part in enumerate(loc):
+        if isinstance(here, dict) and isinstance(part, str) and part in here:
+            here = here[part]
+        elif isinstance(here, list) and isinstance(part, int) and 0 <= part < len(here):
+            here = here[part]
+        elif not (error.get("type") == "missing" and n == len(loc) - 1):
+            continue  # a union member's name, or a validator's
+        path.append(part)
+    return path
 
 
 class APIError(Exception):
@@ -227,7 +356,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def choice(meta: Meta, text: str | None, finish_reason: str | None, *, delta: bool,
            index: int = 0, logprobs: dict | None = None) -> dict:
     """A choice of an answer (delta False) or of a streamed chunk (delta True); logprobs in
-    the endpoint's own shape (text_logprobs or chat_logprobs), or None."""
+    the endpoint's own shape (Logprobs.shape), or None."""
     if meta.object == "text_completion":
         return {"index": index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish_reason}
@@ -237,9 +366,24 @@ def choice(meta: Meta, text: str | None, finish_reason: str | None, *, delta: bo
             "finish_reason": finish_reason}
 
 
-def answer(meta: Meta, choices: list[dict], counts: dict) -> dict:
-    """The whole answer of a request that did not stream."""
-    return {**meta.head(), "choices": choices, "usage": counts}
+def answer(meta: Meta, choices: list[dict], counts: dict) -> bytes:
+    """The whole answer of a request that did not stream, as JSON, each choice written by
+    a call of its own (json_object says why)."""
+    return json_object({**meta.head(), "usage": counts}, "choices", map(dumps, choices))
+
+
+def dumps(value: object) -> str:
+    """JSON as the answers write it: compact, and text as it is, not as escapes."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def json_object(fields: dict, name: str, items: Iterable[str]) -> bytes:
+    """A JSON object of `fields` and, last, a list under `name` whose items (or runs of
+    them) come already written, each by a json.dumps call of its own, because one call
+    holds the interpreter's lock for all it writes, and an answer of many megabytes written
+    in one call, even in a thread, would hold the event loop back all that while."""
+    head = dumps(fields)[:-1] + ("," if fields else "")
+    return f"{head}{dumps(name)}:[{','.join(items)}]}}".encode()
 
 
 def chunk(meta: Meta, text: str | None, finish_reason: str | None = None, index: int = 0,
@@ -249,34 +393,59 @@ def chunk(meta: Meta, text: str | None, finish_reason: str | None = None, index:
         choice(meta, text, finish_reason, delta=True, index=index, logprobs=logprobs)]}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Logprob:
-    """A token of an answer as logprobs show it: its text, and its logprob and the
-    alternatives', as text -> logprob (None where nothing predicts it: a prompt's first)."""
-    text: str
+    """A token of an answer as logprobs report it: its id, its logprob (None where nothing
+    predicts it: an echoed prompt's first token) and the likeliest tokens there, as
+    (id, logprob), likeliest first."""
+    id: int
     logprob: float | None
-    top: dict[str, float] | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
-def text_logprobs(tokens: list[Logprob], offset: int = 0) -> dict:
-    """A completion's logprobs object (OpenAI's legacy shape, which lm-eval reads): each
-    token's text, logprob, alternatives and where its text starts in the choice's text."""
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token.text)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [t.top for t in tokens], "text_offset": offsets}
+class Logprobs:
+    """The one writer of logprobs in OpenAI's shapes, for one request: a completion's
+    legacy object (each position's alternatives a dict of name to logprob), or a chat's
+    content list (every alternative an entry of its own, with its bytes). A token is named
+    by its text or, with vLLM's return_tokens_as_token_ids, by "token_id:N"."""
 
+    def __init__(self, tokenizer: Tokenizer, chat: bool, token_ids: bool = False) -> None:
+        self.tokenizer, self.chat, self.token_ids = tokenizer, chat, token_ids
+        self.decode_bytes = getattr(tokenizer, "decode_bytes", None)  # a byte-level BPE's
 
-def chat_logprobs(tokens: list[Logprob]) -> dict:
-    """A chat answer's logprobs object: choices[].logprobs.content[], each token with its
-    UTF-8 bytes and its top alternatives."""
-    def entry(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-    return {"content": [{**entry(t.text, t.logprob),
-                         "top_logprobs": [entry(text, lp) for text, lp in (t.top or {}).items()]}
-                        for t in tokens]}
+    def shape(self, tokens: list[Logprob], offsets: list[int]) -> dict:
+        """The logprobs object of these tokens; `offsets` says where each one's text starts
+        in the choice's text, which only a completion reports."""
+        if self.chat:
+            return {"content": [{**self.entry(t.id, t.logprob),
+                                 "top_logprobs": [self.entry(i, lp) for i, lp in t.top]}
+                                for t in tokens]}
+        return {"tokens": [self.name(t.id) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [None if t.logprob is None else self.alternatives(t)
+                                 for t in tokens],
+                "text_offset": offsets}
+
+    def name(self, token: int) -> str:
+        return f"token_id:{token}" if self.token_ids else self.tokenizer.decode([token])
+
+    def entry(self, token: int, logprob: float | None) -> dict:
+        """A chat's token: its name, logprob and its own UTF-8 bytes, so that the bytes of
+        tokens that each hold part of a character join into that character (their texts
+        are all U+FFFD)."""
+        raw = (self.decode_bytes([token]) if self.decode_bytes is not None
+               else self.tokenizer.decode([token]).encode("utf-8"))
+        return {"token": self.name(token), "logprob": logprob, "bytes": list(raw)}
+
+    def alternatives(self, token: Logprob) -> dict[str, float]:
+        """A completion's alternatives, likeliest first, and the token's own logprob, as
+        OpenAI's legacy shape has it (up to logprobs + 1 entries). Tokens of one name (the
+        bytes of a character, which all read U+FFFD) share a key, which keeps the
+        likeliest's logprob, because lm-eval reads the largest as the greedy token's."""
+        named: dict[str, float] = {}
+        for i, logprob in (*token.top, (token.id, token.logprob)):
+            named.setdefault(self.name(i), logprob)
+        return named
 
 
 def role_chunk(meta: Meta) -> dict:

@@ -16,8 +16,9 @@ import torch
 
 from data.prepare import prepare_text
 from tests.forked import python
+from tests.output import error_line
 from tests.shared import built_once
-from tests.test_serve import Server, serving
+from tests.test_serve import CHAIN_KEY, CHAIN_NAME, Server, byte_chain_checkpoint, serving
 from train import train
 from training.config import load_config
 
@@ -178,10 +179,39 @@ def test_prompt_logprobs_equal_evaluate_and_transformers_whatever_the_batch(bpe_
         hf = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
         served = choice.logprobs.token_logprobs[1:]
         assert served == pytest.approx(ours, abs=1e-4) and served == pytest.approx(hf, abs=1e-4)
-        assert len(choice.logprobs.top_logprobs[1]) <= 2  # two alternatives (fewer: one text)
+        # two alternatives and the token's own, as OpenAI's legacy shape (fewer: one text)
+        assert len(choice.logprobs.top_logprobs[1]) <= 3
         assert choice.logprobs.text_offset[:2] == [0, len(choice.logprobs.tokens[0])]
     assert alone.logprobs.token_logprobs == pytest.approx(together[1].logprobs.token_logprobs,
                                                           abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def byte_chain_server(trained_run, tmp_path_factory) -> Iterator[tuple[Server, list[int]]]:
+    path = tmp_path_factory.mktemp("chain") / f"{CHAIN_NAME}.pt"
+    chain = byte_chain_checkpoint(trained_run, path)
+    with serving("--checkpoint", str(path), "--api-key", CHAIN_KEY) as server:
+        yield server, chain
+
+
+@pytest.mark.parametrize("alternatives", [1, 5])
+def test_lm_eval_reads_a_greedy_continuation_of_split_characters_as_greedy(byte_chain_server,
+                                                                          alternatives):
+    """lm-eval's local-completions calls a continuation greedy where each token's logprob is
+    the largest of its top_logprobs. The bytes of a Chinese character are tokens that all
+    read U+FFFD, one key of that dict, which must hold the likeliest's logprob. Its own
+    parser reads the server's answer to its own request (echo, one token, logprobs)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    server, chain = byte_chain_server
+    client = server.client(CHAIN_KEY)
+    swapped = [chain[0], chain[2], chain[1], *chain[3:]]  # the chain's bytes out of order
+    for continuation, greedy in ((chain, True), (swapped, False)):
+        answer = client.completions.create(model=CHAIN_NAME, prompt=continuation, echo=True,
+                                           max_tokens=1, temperature=0, logprobs=alternatives)
+        (logprob, is_greedy), = LocalCompletionsAPI.parse_logprobs(
+            answer.model_dump(), tokens=[continuation], ctxlens=[1])
+        assert is_greedy == greedy
+        assert (logprob > -1e-2) == greedy  # the chain is all but certain, the swap is not
 
 
 def hub_cache(root: Path, repo: str, folder: Path) -> Path:
@@ -208,7 +238,7 @@ def test_init_from_takes_a_hub_id_read_from_the_hub_cache(tmp_path, bpe_model):
     assert sampled[0].stdout == sampled[1].stdout and sampled[0].stdout.startswith("ROMEO:")
     missing = python(["evaluate.py", "--input", str(REPO / "README.md"), "--init-from",
                       "someone/missing"], env=env)
-    assert missing.returncode == 1 and missing.stderr == (
+    assert missing.returncode == 1 and error_line(missing.stderr) == (
         "error: someone/missing is not a folder here, and it is not in the Hugging Face cache "
         "while the Hub cannot be reached (offline, or HF_HUB_OFFLINE=1); download it where "
-        "there is a connection, or give a folder\n")
+        "there is a connection, or give a folder")

@@ -6,11 +6,14 @@ one, and every bad request gets a 4xx in OpenAI's error shape."""
 import asyncio
 import http.client
 import json
+import math
 import os
+import random
 import re
 import shutil
 import signal
 import socket
+import string
 import subprocess
 import sys
 import threading
@@ -25,9 +28,11 @@ import torch
 
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import with_specials
+from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
 from model import GPT, GPTConfig
+from serving.app import METRICS, prometheus
 from tests.forked import python
+from tests.output import error_line
 from weights.checkpoint import load_checkpoint, save_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -118,6 +123,47 @@ def gpt2_server(trained_run, tmp_path_factory) -> Iterator[Server]:
     save_checkpoint(ckpt, path)
     with serving("--checkpoint", str(path)) as server:
         yield server
+
+
+CHAIN_TEXT = "你好世界"  # four characters of two byte-level tokens each, every one U+FFFD alone
+CHAIN_KEY = "k3y"
+# a model is named after its file: this name needs escaping in /metrics' label values
+CHAIN_NAME = 'chain "x\\y'
+
+
+def byte_chain_checkpoint(trained_run: Path, path: Path) -> list[int]:
+    """A model, in GPT-2's tokenizer with the chat tokens, whose greedy answer after
+    <|assistant_start|> is CHAIN_TEXT: its blocks add nothing, so each position's logits come
+    from its own token alone, and each chain token's embedding points the head at the next.
+    The bytes 0x80 to 0x93, each a token that reads U+FFFD, come next everywhere in the chain,
+    in that order. Saved at `path`; returns the chain's ids, <|assistant_start|> first."""
+    ckpt = load_checkpoint(trained_run / "best.pt")
+    meta = with_specials(GPT2Tokenizer().to_meta(), CHAT_SPECIALS)
+    tokenizer = load_tokenizer(meta)
+    chain = [tokenizer.specials["<|assistant_start|>"], *tokenizer.encode(CHAIN_TEXT)]
+    shape = {**ckpt["model_args"], "vocab_size": meta["vocab_size"], "block_size": 64,
+             "n_layer": 1, "n_head": 2, "n_embd": 32, "bias": False, "pos_embedding": "none",
+             "norm": "rmsnorm", "tie_embeddings": False}
+    weights = {k: torch.zeros_like(v) for k, v in GPT(GPTConfig(**shape)).state_dict().items()}
+    scale = 1 / math.sqrt(shape["n_embd"])  # RMSNorm makes a one-hot vector sqrt(n_embd) long
+    for i, token in enumerate(chain):
+        weights["transformer.wte.weight"][token, i] = 1.0
+        if i + 1 < len(chain):
+            weights["lm_head.weight"][chain[i + 1], i] += 30 * scale
+    for j, byte in enumerate(range(0x80, 0x94)):
+        weights["lm_head.weight"][tokenizer.ranks[bytes([byte])], :len(chain)] += (20 - j / 2) * scale
+    ckpt["model_args"], ckpt["model"], ckpt["tokenizer"] = shape, weights, meta
+    save_checkpoint(ckpt, path)
+    return chain
+
+
+@pytest.fixture(scope="module")
+def chain_server(trained_run, tmp_path_factory) -> Iterator[tuple[Server, list[int]]]:
+    """serve.py with --api-key on byte_chain_checkpoint's model, and the chain's ids."""
+    path = tmp_path_factory.mktemp("chain") / f"{CHAIN_NAME}.pt"
+    chain = byte_chain_checkpoint(trained_run, path)
+    with serving("--checkpoint", str(path), "--api-key", CHAIN_KEY) as server:
+        yield server, chain
 
 
 CHAT = [{"role": "user", "content": "ROMEO"}]
@@ -238,10 +284,50 @@ BAD = [  # (endpoint, body, status, words of the message, param)
     ("completions", {"prompt": [[3, 99999]]}, 400, "token id 99999 is outside the vocabulary",
      "prompt"),
     ("completions", {"prompt": []}, 400, "empty list", "prompt"),
+    # token ids are integers: neither booleans (true was token 1) nor floats nor strings
+    ("completions", {"prompt": [True, False, 5]}, 400, "token ids (integers) or a list of lists "
+     "of token ids; prompt[0] is true", "prompt"),
+    ("completions", {"prompt": [[5, 1.0]]}, 400, "prompt[0][1] is 1.0", "prompt"),
+    ("completions", {"prompt": ["ROMEO", 5]}, 400, "prompt[1] is 5", "prompt"),
+    ("completions", {"prompt": [-1]}, 400, "token id -1 is outside the vocabulary", "prompt"),
+    ("completions", {"prompt": [10**30]}, 400, f"token id {10**30} is outside", "prompt"),
+    ("detokenize", {"tokens": [True, False]}, 400,
+     "tokens[0]: Input should be a valid integer, not true", "tokens"),
+    ("detokenize", {"tokens": [5.0]}, 400, "tokens[0]: Input should be a valid integer, not 5.0",
+     "tokens"),
+    ("detokenize", {"tokens": [[5]]}, 400, "not [5]", "tokens"),
+    ("detokenize", {"tokens": [5, 99999]}, 400, "token id 99999 is outside the vocabulary of 43; "
+     "send ids from 0 to 42", "tokens"),
+    # and so is every count, and a switch is a boolean
+    ("completions", {"prompt": "ROMEO", "max_tokens": True}, 400,
+     "max_tokens: Input should be a valid integer, not true", "max_tokens"),
+    ("completions", {"prompt": "ROMEO", "logprobs": True}, 400, "logprobs: Input should be a "
+     "valid integer, not true", "logprobs"),
+    ("completions", {"prompt": "ROMEO", "max_tokens": 2.0}, 400, "not 2.0", "max_tokens"),
+    ("chat", {"messages": CHAT, "stream": "yes"}, 400, 'stream: Input should be a valid boolean, '
+     'not "yes"', "stream"),
+    ("chat", {"messages": CHAT, "stream_options": {"include_usage": "no"}}, 400,
+     'stream_options.include_usage: Input should be a valid boolean, not "no"', "stream_options"),
+    ("chat", {"messages": CHAT, "n": True}, 400, "n: this server returns one choice", "n"),
+    ("chat", '{"messages": [], "temperature": NaN}', 400,
+     "temperature: Input should be a finite number, not NaN", "temperature"),
+    ("chat", {"messages": CHAT, "stop": [None]}, 400,
+     "stop[0]: Input should be a valid string, not null", "stop"),
+    # more prompts than the slots and the queue hold could never be taken: not a 429
+    ("completions", {"prompt": ["ROMEO"] * 81}, 400,
+     "prompt holds 81 prompts, and this server takes at most 80 at once", "prompt"),
+    # a body that is not a JSON object, on every route
+    ("chat", "[1, 2]", 400, "the body is [1, 2], not a JSON object", None),
+    ("completions", "", 400, "the body is empty, not a JSON object", None),
+    ("tokenize", b'{"prompt": "\xff"}', 400, "the body is not UTF-8 text", None),
+    ("detokenize", '{"tokens": ' + "[" * 10**5 + "]" * 10**5 + "}", 400, "nests lists or "
+     "objects too deeply", None),
+    ("tokenize", {"prompt": 5}, 400, "prompt: Input should be a valid string, not 5", "prompt"),
     ("completions", {"prompt": "ROMEO", "logprobs": 21}, 400, "logprobs", "logprobs"),
     ("completions", {"prompt": "ROMEO", "max_tokens": 0}, 400, "echo", None),
     ("completions", {"prompt": "ROMEO " * 9, "echo": True, "max_tokens": 0, "logprobs": 1}, 400,
-     "context holds 32", "prompt"),
+     "takes 54 tokens, and an echo scores at most 33 (the model's context of 32, and the token "
+     "after it)", "prompt"),
     ("chat", {"messages": CHAT, "top_logprobs": 2}, 400, "logprobs: true", None),
     ("nothing", {}, 404, "not an endpoint", None),
 ]
@@ -250,14 +336,23 @@ BAD = [  # (endpoint, body, status, words of the message, param)
 @pytest.mark.parametrize("endpoint, body, status, words, param", BAD)
 def test_a_bad_request_gets_a_4xx_in_openais_shape(chat_server, endpoint, body, status, words,
                                                    param):
-    content = body if isinstance(body, str) else json.dumps(body)
-    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}.get(endpoint, "/v1/x")
+    content = body if isinstance(body, str | bytes) else json.dumps(body)
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+            "tokenize": "/tokenize", "detokenize": "/detokenize"}.get(endpoint, "/v1/x")
     code, _, answer = chat_server.request("POST", path, content,
                                           {"content-type": "application/json"})
     assert code == status, answer
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"] and error["param"] == param
+
+
+def test_a_body_not_sent_as_json_is_told_to_say_so(chat_server):
+    # curl -d sends its body as a form, which FastAPI passes on as bytes, unparsed
+    code, _, answer = chat_server.request("POST", "/v1/completions", '{"prompt": "ROMEO"}', {
+        "content-type": "application/x-www-form-urlencoded"})
+    assert code == 400 and answer["error"]["message"] == (
+        "the body is not marked as JSON; send a JSON object with Content-Type: application/json")
 
 
 HALF = "half \ud800 a character"  # JSON's "\ud800": a surrogate without its pair
@@ -271,6 +366,7 @@ HALF = "half \ud800 a character"  # JSON's "\ud800": a surrogate without its pai
         "role": "user", "content": [{"type": "text", "text": HALF}]}]}, "messages"),
     ("/v1/completions", {"prompt": "hi", "stop": HALF}, "stop"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": ["x", HALF]}, "stop"),
+    ("/tokenize", {"prompt": HALF}, "prompt"),
 ])
 def test_text_that_is_not_text_is_refused_alike_by_every_route(gpt2_server, path, body, param):
     """A prompt was answered as if it held U+FFFD, while chat refused the same text: now
@@ -498,9 +594,9 @@ def test_a_port_in_use_is_one_line(chat_server, sft_run):
     result = subprocess.run([sys.executable, "serve.py", "--run", str(sft_run[0]), "--port",
                              port], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
+    assert error_line(result.stderr) == (
         f"error: port {port} on 127.0.0.1 is in use (another server?); stop it or choose "
-        f"another --port"]
+        f"another --port")
 
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -584,6 +680,23 @@ def test_logprobs_in_openais_shapes_streamed_or_whole(chat_server):
         assert choice.logprobs.tokens[-1] == alone.logprobs.tokens[0]
         assert choice.logprobs.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0],
                                                                    abs=1e-4)
+
+
+def test_alternatives_past_the_vocabulary_are_all_of_it(trained_run, tmp_path):
+    """A character table may hold fewer tokens than logprobs asks for: each position then
+    lists every token, generated or echoed, where the alternatives were drawn past the end."""
+    ckpt = load_checkpoint(trained_run / "best.pt")
+    tokenizer = CharTokenizer("\nEMOR")
+    torch.manual_seed(0)
+    shape = {**ckpt["model_args"], "vocab_size": tokenizer.vocab_size}
+    ckpt["model_args"], ckpt["model"] = shape, GPT(GPTConfig(**shape)).state_dict()
+    ckpt["tokenizer"] = tokenizer.to_meta()
+    save_checkpoint(ckpt, tmp_path / "five.pt")
+    with serving("--checkpoint", str(tmp_path / "five.pt")) as server:
+        choice = server.client().completions.create(model="five", prompt="ROME", max_tokens=3,
+                                                    logprobs=20, echo=True, seed=0).choices[0]
+    tops = choice.logprobs.top_logprobs[1:]
+    assert len(tops) == 6 and all(set(top) == set("\nEMOR") for top in tops)
 
 
 def test_ignore_eos_goes_on_to_max_tokens(chat_server):
@@ -670,3 +783,169 @@ def http_text(server: Server, path: str) -> str:
         return connection.getresponse().read().decode()
     finally:
         connection.close()
+
+
+def test_completion_logprobs_keep_the_likeliest_of_tokens_that_read_alike(chain_server):
+    """The bytes of a Chinese character are tokens that each read U+FFFD. A completion's
+    alternatives are a dict keyed by text, where they share one key: it holds the
+    likeliest's logprob, because lm-eval takes the largest for the greedy token's.
+    return_tokens_as_token_ids (vLLM's) keys every alternative apart."""
+    server, chain = chain_server
+    client = server.client(CHAIN_KEY)
+    settings = dict(model=CHAIN_NAME, prompt=[chain[0]], max_tokens=8, temperature=0.0,
+                    logprobs=5, echo=True)
+    choice = client.completions.create(**settings).choices[0]
+    lp = choice.logprobs
+    assert choice.text == "<|assistant_start|>" + CHAIN_TEXT
+    assert lp.tokens == ["<|assistant_start|>"] + ["\ufffd"] * 8 and lp.top_logprobs[0] is None
+    for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top == {"\ufffd": logprob} and logprob > -1e-3  # the greedy token's own
+    # each token's offset points at the character it starts or continues
+    assert [choice.text[at] for at in lp.text_offset[1:]] == [c for c in CHAIN_TEXT for _ in "ab"]
+    assert lp.text_offset[0] == 0
+    by_id = client.completions.create(**settings, extra_body={"return_tokens_as_token_ids": True})
+    lp = by_id.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in chain]
+    bytes_first = [f"token_id:{GPT2Tokenizer().ranks[bytes([b])]}" for b in range(0x80, 0x94)]
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:],
+                                   strict=True):
+        assert list(top) == [token, *[t for t in bytes_first if t != token][:4]]
+        assert top[token] == logprob and list(top.values()) == sorted(top.values(), reverse=True)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        **settings, stream=True, extra_body={"return_tokens_as_token_ids": True}) if c.choices
+        and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [t for s in streamed for t in s.top_logprobs] == lp.top_logprobs
+
+
+def test_chat_logprobs_give_every_alternative_with_its_own_bytes(chain_server):
+    """Chat's top_logprobs are a list, which holds every alternative asked for, tokens that
+    read alike included, and each token's bytes are its own (not U+FFFD's), so that
+    consecutive tokens' bytes join into the text's characters, as OpenAI defines them."""
+    server, chain = chain_server
+    tokenizer = GPT2Tokenizer()
+    settings = dict(model=CHAIN_NAME, messages=[{"role": "user", "content": "你好"}],
+                    max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=20)
+    client = server.client(CHAIN_KEY)
+    answer = client.chat.completions.create(**settings)
+    content = answer.choices[0].logprobs.content
+    assert answer.choices[0].message.content == CHAIN_TEXT
+    assert b"".join(bytes(e.bytes) for e in content) == CHAIN_TEXT.encode("utf-8")
+    assert [bytes(e.bytes) for e in content] == [tokenizer.decode_bytes([t]) for t in chain[1:]]
+    for entry in content:
+        assert entry.token == "\ufffd" and len(entry.top_logprobs) == 20
+        assert entry.top_logprobs[0].bytes == entry.bytes
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        assert len({bytes(t.bytes) for t in entry.top_logprobs}) == 20
+    by_id = client.chat.completions.create(**settings,
+                                           extra_body={"return_tokens_as_token_ids": True})
+    for entry, token in zip(by_id.choices[0].logprobs.content, chain[1:], strict=True):
+        assert entry.token == f"token_id:{token}"
+        for alternative in entry.top_logprobs:
+            named = int(alternative.token.removeprefix("token_id:"))
+            assert bytes(alternative.bytes) == tokenizer.decode_bytes([named])
+    streamed = [e for c in client.chat.completions.create(**settings, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+
+def health_meanwhile(server: Server, path: str, body: str,
+                     headers: dict[str, str]) -> tuple[float, list[float], int, bytes]:
+    """POST `body` to `path`, and ask /health again and again on another connection until
+    its answer has come: the POST's duration, how long each /health asked meanwhile took,
+    and the POST's status and raw answer (the caller parses it after the timing, because
+    parsing holds this process's interpreter lock)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    posted: list[tuple[float, float, int, bytes]] = []
+
+    def post() -> None:
+        connection = http.client.HTTPConnection(host, int(port), timeout=120)
+        start = time.monotonic()
+        connection.request("POST", path, body=body, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+        posted.append((start, time.monotonic(), response.status, raw))
+
+    worker = threading.Thread(target=post)
+    worker.start()
+    asked, connection = [], http.client.HTTPConnection(host, int(port), timeout=120)
+    while worker.is_alive() and len(asked) < 100_000:
+        sent = time.monotonic()
+        connection.request("GET", "/health")
+        assert connection.getresponse().read()
+        asked.append((sent, time.monotonic() - sent))
+    worker.join(timeout=120)
+    (start, end, status, raw), = posted
+    return end - start, [took for sent, took in asked if start <= sent <= end], status, raw
+
+
+def test_a_large_tokenize_holds_no_other_request_back(chain_server):
+    """A megabyte to /tokenize is most of a million ids to count and write, work that must
+    not hold the event loop. /health is asked again and again while it runs: no answer may
+    take half as long as the tokenizing does (where the loop waited for the work, one took
+    nearly all of it)."""
+    server, _ = chain_server
+    rng = random.Random(0)
+    alphabet = string.ascii_letters + string.digits + "!#$%&()*+,-./:;<=>?@[]^_`{|}~ "
+    body = json.dumps({"prompt": "".join(rng.choice(alphabet) for _ in range(1_000_000))})
+    took, health, status, raw = health_meanwhile(server, "/tokenize", body, {
+        "Authorization": f"Bearer {CHAIN_KEY}", "content-type": "application/json"})
+    answer = json.loads(raw)
+    assert status == 200 and answer["count"] == len(answer["tokens"]) > 500_000
+    assert len(health) >= 3 and max(health) < took / 2, (len(health), max(health), took)
+
+
+def test_many_prompts_in_one_request_hold_no_other_request_back(chat_server):
+    """lm-eval sends its loglikelihood requests many prompts at a time, each echoed with one
+    token and its logprobs. The work of a prompt's job and answer is done in a thread, and
+    none of it grows with the square of the prompts: /health, asked again and again
+    meanwhile, never waits half as long as the request."""
+    prompts = [[i % 40 + 1, i % 7 + 1] for i in range(10_000)]
+    body = json.dumps({"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 1,
+                       "temperature": 0})
+    took, health, status, raw = health_meanwhile(chat_server, "/v1/completions", body,
+                                                 {"content-type": "application/json"})
+    choices = json.loads(raw)["choices"]
+    assert status == 200 and [c["index"] for c in choices] == list(range(10_000))
+    assert all(len(c["logprobs"]["tokens"]) == 3 for c in choices)
+    assert len(health) >= 3 and max(health) < took / 2, (len(health), max(health), took)
+
+
+def test_metrics_are_prometheus_text_whatever_the_models_name(chain_server):
+    """The model is named after its file, here with a quote and a backslash, which end a
+    label's value unless escaped: Prometheus's own parser reads every sample back."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    server, _ = chain_server
+    health = server.health()
+    families = parser.text_string_to_metric_families(http_text(server, "/metrics"))
+    samples = {s.name: s for family in families for s in family.samples}
+    assert {s.labels["model_name"] for s in samples.values()} == {CHAIN_NAME}
+    assert len(samples) == len(METRICS)
+    assert samples["gptlab:generation_tokens_total"].value == health["tokens"]
+    assert samples["gptlab:num_requests_waiting"].value == health["waiting"]
+    # and a line feed, the third character the format escapes
+    name = 'a "b" \\c\nd'
+    text = prometheus(name, {key: 7 for key, _, _ in METRICS.values()})
+    samples = [s for family in parser.text_string_to_metric_families(text) for s in family.samples]
+    assert [(s.labels, s.value) for s in samples] == [({"model_name": name}, 7)] * len(METRICS)
+
+
+def test_the_key_guards_every_route_that_reads_a_body(chain_server):
+    """With --api-key, every route needs the key but the chat page, /health and /metrics,
+    as vLLM's: /tokenize and /detokenize compute on bodies of up to 1 MB."""
+    server, _ = chain_server
+    routes = [("POST", "/tokenize", '{"prompt": "hi"}'), ("POST", "/detokenize", '{"tokens": [5]}'),
+              ("GET", "/tokenizer_info", None), ("GET", "/v1/models", None),
+              ("POST", "/v1/completions", '{"prompt": "hi", "max_tokens": 1}')]
+    for method, path, body in routes:
+        for shown in ({}, {"Authorization": "Bearer wrong"}):
+            code, _, answer = server.request(method, path, body,
+                                             {"content-type": "application/json", **shown})
+            assert code == 401 and answer["error"]["code"] == "invalid_api_key", (path, answer)
+        code, _, answer = server.request(method, path, body, {
+            "content-type": "application/json", "Authorization": f"Bearer {CHAIN_KEY}"})
+        assert code == 200, (path, answer)
+    assert server.request("GET", "/health")[0] == 200
+    assert "gptlab:prompt_tokens_total" in http_text(server, "/metrics")
+    assert "<html" in http_text(server, "/").lower()
