@@ -29,8 +29,8 @@ from data.documents import read_records
 from data.sources import DataError
 from data.text import check_text
 from data.tokenizer import Tokenizer
-from logprobs import token_logprobs
 from machine.errors import InputError
+from measure.logprobs import token_logprobs
 from model import GPT
 
 DELIMITER = " "  # between the context and a choice, as lm-eval's target_delimiter

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from data.tokenizer import Tokenizer
 from generate import TextStream
-from logprobs import Scored
+from measure.logprobs import Scored
 from serving.api import (
     APIError,
     Logprob,

@@ -47,7 +47,7 @@ from torch.nn import functional as F
 
 from data.tokenizer import Tokenizer
 from generate import StopText, check_sampling, decode_step, sample_next
-from logprobs import Scored, token_logprobs
+from measure.logprobs import Scored, token_logprobs
 from model import GPT
 
 MODEL_CHUNK = 256  # prompt tokens per prefill call where the model's forward prefills

@@ -1,7 +1,7 @@
 """The project's shape: packages in layers, imports only downwards (commands -> training /
-weights / measure / generate / data -> model -> machine), no cycles, the model file the model
-alone, every file short enough to read, and a plain training run that imports only what it
-uses."""
+weights / measure / generate / data -> model -> machine), no cycles, a model file that holds
+only the model, every file short enough to read, and a plain training run that imports only
+what it uses."""
 
 import ast
 from pathlib import Path
@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def project_modules() -> dict[str, Path]:
-    # not tests/, and not hidden folders (.venv, .git, a user's own)
+    # skip tests/ and hidden folders (.venv, .git, a user's own)
     files = [p for p in REPO.rglob("*.py") if not any(
         part == "tests" or part.startswith(".") for part in p.relative_to(REPO).parts)]
     names = {}
@@ -58,8 +58,9 @@ def test_no_import_cycles():
 def test_the_model_file_imports_only_the_machine_of_the_project():
     modules = project_modules()
     assert {dep.split(".")[0] for dep in imports(modules["model"], modules)} <= {"machine"}
-    # GPT-2's layout, its switches (each with the help train.py's --help shows) and the KV
-    # cache, read in one sitting; the CPU's gradients written out live in machine/
+    # short enough to read in one sitting: GPT-2's layout, its switches (each with the help
+    # that train.py's --help shows) and the KV cache; the gradients written out for CPUs live
+    # in machine/
     assert len(modules["model"].read_text().splitlines()) <= 400
 
 
@@ -73,16 +74,17 @@ def test_every_source_file_says_what_it_is_for_and_how_to_use_it():
 
 # Each top-level package or root module, and its layer: a module imports only from lower
 # layers, or from its own package. The commands are the root's other modules, one layer
-# up; benchmarks/ stands above them but imports layers only, never a command.
+# up; benchmarks/ stands above them and imports the layers, and of the commands only train.
 LAYERS = {
     "machine": 0,
     "model": 1,
     "data": 2, "cdecode": 2, "viz": 2,
-    "weights": 3, "generate": 3, "logprobs": 3,
-    "training": 4, "measure": 4, "serving": 4, "cli": 4,
+    "weights": 3, "generate": 3,
+    "training": 4, "measure": 4, "cli": 4,
+    "serving": 5,  # scores as measure/ does: one owner of logprobs
 }
-COMMANDS = 5
-BENCHMARKS = 6
+COMMANDS = 6
+BENCHMARKS = 7
 OLD_NAMES = {("gpt2", "export")}  # gpt2.py is export.py's old name, and runs it
 
 
@@ -110,6 +112,13 @@ def test_imports_flow_down_the_layers():
                     f"flow down, commands -> training / weights / generate -> model -> machine")
 
 
+def test_the_root_holds_the_commands_the_model_and_generation():
+    # a helper of one command or package lives in that package; the root is what a user runs,
+    # and the two files a reader starts from
+    root = {name for name in project_modules() if (REPO / f"{name}.py").is_file()}
+    assert root == {"train", "sample", "evaluate", "export", "serve", "gpt2", "model", "generate"}
+
+
 def test_machine_imports_nothing_of_the_project():
     modules = project_modules()
     for name, path in modules.items():
@@ -129,7 +138,7 @@ def module_level_imports(path: Path, modules: dict[str, Path]) -> set[str]:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] + [f"{node.module}.{a.name}" for a in node.names]
                      if node.level == 0 and node.module else [])
-            for name in names:  # a package's __init__ comes with each of its modules
+            for name in names:  # importing a module also imports its package's __init__
                 parts = name.split(".")
                 found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & modules.keys()
     return found

@@ -158,7 +158,7 @@ def test_prompt_logprobs_equal_evaluate_and_transformers_whatever_the_batch(bpe_
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from logprobs import token_logprobs
+    from measure.logprobs import token_logprobs
     from weights.loading import load_model
     prompts = ["ROMEO: Nurse loves the moon.", "JULIET: Tybalt",
                "NURSE: Romeo sees a rose. JULIET: Nurse fears"]

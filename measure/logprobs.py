@@ -2,7 +2,7 @@
 evaluation sums (measure/choices.py) and what the server's `logprobs` and `echo` report.
 
 Usage:
-    from logprobs import token_logprobs
+    from measure.logprobs import token_logprobs
     scored = token_logprobs(model, [[464, 3290, 318], [464, 3797]], top=5)
     scored[0].logprobs[1]    # log p(token 2 | tokens 0..1); logprobs[0] is None
     scored[0].top[1]         # the 5 likeliest tokens there, as (id, logprob), likeliest first
