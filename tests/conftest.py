@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# One thread a process, set before torch is imported here and inherited by every command the
-# tests start: two xdist workers share two cores, and the OpenMP threads of two processes
-# that each took both cores spin against each other (the suite took a tenth longer). The C
+# One thread per process, set before torch is imported here and inherited by every command
+# the tests start. The xdist workers share the machine's cores, and the OpenMP threads of
+# processes that each take every core spin against each other and slow the suite down. The C
 # decode step's own threads are tested with torch.set_num_threads (tests/test_decode_step.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -39,8 +39,9 @@ def make_corpus(n_lines: int = 3000, seed: int = 0) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
-    """Fail the session if a process it started is still running at its end (after a
-    grace period: a worker sees its parent's death within a second), and end it."""
+    """Fail the session if a process it started is still running at its end, and end that
+    process. The check allows a grace period, because a worker takes up to a second to see
+    that its parent has died."""
     mark_session()
     yield
     stop_server()
@@ -50,8 +51,8 @@ def no_process_left_behind():
 
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory) -> Path:
-    """A folder that every xdist worker of this session sees (the session's own, without
-    xdist): what is built there once serves them all."""
+    """A folder that every xdist worker of this session sees (or the session's own folder,
+    without xdist), so that what is built there once serves them all."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
@@ -97,8 +98,9 @@ def tiny_model() -> GPT:
 
 @pytest.fixture
 def one_thread():
-    """For bit-for-bit comparisons: with several threads, math libraries may split the work
-    differently when the machine is busy, which changes the order of float additions."""
+    """One thread for bit-for-bit comparisons, because with several threads, math libraries
+    may split the work differently when the machine is busy, which changes the order of float
+    additions."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -122,7 +124,7 @@ def chat_data(shared_dir, char_data) -> Path:
 
 @pytest.fixture(scope="session")
 def sft_run(shared_dir, trained_run, chat_data) -> tuple[Path, str]:
-    """The tiny run fine-tuned on the chat data by the real train.py, and what it said."""
+    """The tiny run fine-tuned on the chat data by the real train.py, and what it printed."""
     def build(out: Path) -> None:
         result = subprocess.run(
             [sys.executable, "train.py", "--config", "config/chat_sft.toml", "--init-from",

@@ -1,19 +1,20 @@
-"""Commands as real processes without paying torch's import each time: a server process
-imports the heavy libraries once (no torch operation runs in it, so no thread exists to be
-lost in a fork), then forks a child per command, which runs the command's file or module as
-`python` would, with its own argv, cwd, environment, stdin, stdout, stderr and exit status.
-Our own modules are imported in the child, fresh, as a new interpreter imports them. What
-an interpreter reads only as it starts (PYTHONUNBUFFERED, PYTHONFAULTHANDLER, malloc's and
-OpenMP's variables) is the server's: a test that needs its own starts a `python`.
+"""Runs commands as real processes without paying for torch's import each time. A server
+process imports the heavy libraries once, then forks a child per command, which runs the
+command's file or module as `python` would, with its own argv, cwd, environment, stdin,
+stdout, stderr and exit status. No torch operation runs in the server, so it has no threads
+for a fork to lose. The child imports our own modules fresh, as a new interpreter does.
+Settings that an interpreter reads only as it starts (PYTHONUNBUFFERED, PYTHONFAULTHANDLER,
+malloc's and OpenMP's variables) come from the server, so a test that needs its own starts
+a `python`.
 
-Usage (a test's commands that run to their end; a test that signals a command, limits its
+Usage, for commands that run to their end (a test that signals a command, limits its
 resources or gives it bytes that are not UTF-8 starts a `python` of its own):
     result = python(["train.py", "--learning-rate", "nan"], env={**os.environ, "COLUMNS": "200"})
     result.returncode, result.stdout, result.stderr   # as subprocess.run(..., text=True)
 
 Each process of the test session (each xdist worker) starts one server, on its first command.
-Run as a script, this file is the server: a JSON request a line on stdin; the child's pid, then
-its exit status, a line each on stdout.
+Run as a script, this file is the server: it reads one JSON request per line on stdin and
+writes the child's pid, then its exit status, each on its own line of stdout.
 """
 
 import atexit
@@ -53,7 +54,7 @@ class CommandServer:
             self.process.stdin.flush()
             pid = int(self.reply(timeout=30))
             code = self.reply(timeout)
-            if code is None:  # as subprocess.run does: kill it, then say so
+            if code is None:  # kill it and raise, as subprocess.run does
                 os.kill(pid, signal.SIGKILL)
                 self.reply(timeout=30)
                 raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
@@ -61,9 +62,9 @@ class CommandServer:
                                                files["out"].read_text(), files["err"].read_text())
 
     def reply(self, timeout: float) -> str | None:
-        """The server's next line, or None if none came in time. Read a byte at a time from
-        the pipe itself: a buffered reader could hold the next line where select cannot see
-        it."""
+        """The server's next line, or None if none came in time. It is read a byte at a time
+        from the pipe itself, because a buffered reader could hold the next line where select
+        cannot see it."""
         fd, line = self.process.stdout.fileno(), b""
         deadline = time.monotonic() + timeout
         while not line.endswith(b"\n"):
@@ -99,8 +100,8 @@ def stop_server() -> None:
 
 
 def child(request: dict) -> None:
-    """In the forked process: become the command, run it, and exit with its status, after
-    the exit handlers that an interpreter runs as it ends."""
+    """In the forked process, become the command, run it, run the exit handlers that an
+    interpreter runs as it ends, and exit with the command's status."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -1,6 +1,7 @@
-"""The model layouts that the tests run over: each switch of model.py's GPTConfig alone,
-all of them (the modern layout), and nanochat's, whose own details (a norm after the
-embedding, capped logits, another MLP width, norm epsilon and rope base) come on together."""
+"""The model layouts that the tests run over: each switch of model.py's GPTConfig on its own,
+all of them together (the modern layout), and nanochat's layout, which adds its own details
+at once (a norm after the embedding, capped logits, a different MLP width, norm epsilon and
+rope base)."""
 
 MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2",
               tie_embeddings=False, n_kv_head=2)

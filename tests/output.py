@@ -1,6 +1,6 @@
-"""A command's output read as a person reads it: the line that reports an error, wherever it
-falls among the progress lines and notes that a command prints so that nothing is silent,
-and of which a slow or busy machine prints more.
+"""Finds the line of a command's output that reports an error, as a person reading it would,
+wherever it falls among the progress lines and notes the command prints (a slow or busy
+machine prints more of them).
 
 Usage:
     assert error_line(result.stderr) == "error: --json x is a folder; give a file"
@@ -10,9 +10,10 @@ Usage:
 
 
 def error_line(stderr: str | bytes, label: str = "error") -> str:
-    """The one line of `stderr` that starts with "LABEL: ", checked to be a whole report in
-    one line: exactly one line starts so, no traceback, and nothing follows it, because a
-    command stops where it reports. Lines before it (progress, notes) are the command's."""
+    """The one line of `stderr` that starts with "LABEL: ", after checking that it is a whole
+    report in one line: exactly one line starts that way, there is no traceback, and nothing
+    follows it, because a command stops once it reports. Lines before it (progress, notes)
+    are not checked."""
     text = stderr.decode() if isinstance(stderr, bytes) else stderr
     lines = [line for line in text.splitlines() if line.strip()]
     reports = [line for line in lines if line.startswith(f"{label}: ")]

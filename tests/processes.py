@@ -1,14 +1,14 @@
-"""The processes a test session starts, found again at its end: a process left running
-(a worker whose parent was killed, a server never stopped) would outlive the suite.
+"""At the end of a test session, finds the processes it started, because a process left
+running (a worker whose parent was killed, a server never stopped) would outlive the suite.
 
 Usage:
     mark_session()                          # before the first process starts
     left = left_behind(within=15)           # at the end: command lines still running
     still_running(processes, within=30)     # those of `processes` that do not end in time
 
-A process is the session's when its environment holds MARK with this session's value: every
-process the tests start inherits it, and so do the processes those start, whoever adopts
-them when their parent dies.
+A process belongs to the session when its environment holds MARK with this session's value.
+Every process the tests start inherits it, and so do the processes those start, even after
+another process adopts them because their parent died.
 """
 
 import os
@@ -18,8 +18,8 @@ from contextlib import suppress
 import psutil
 
 MARK = "GPTLAB_TEST_SESSION"
-# what this process's libraries keep running until it exits, each ending with it:
-# multiprocessing's resource tracker and forkserver, torch's compile workers
+# Helpers that this process's libraries keep running until it exits, and that end with it:
+# multiprocessing's resource tracker and forkserver, and torch's compile workers.
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
            "torch._inductor.compile_worker", "torch/_inductor/compile_worker")
 
@@ -29,8 +29,9 @@ def mark_session() -> None:
 
 
 def still_running(processes: list[psutil.Process], within: float) -> list[str]:
-    """The command lines of those of `processes` still running after `within` seconds, or
-    as soon as none is (a zombie has ended: only its exit status is left to read)."""
+    """The command lines of the `processes` still running after `within` seconds; returns
+    early once none is. A zombie counts as ended, because only its exit status is left to
+    read."""
     deadline = time.monotonic() + within
     while True:
         running = [p for p in processes if is_running(p)]
@@ -41,7 +42,7 @@ def still_running(processes: list[psutil.Process], within: float) -> list[str]:
 
 def left_behind(within: float) -> list[str]:
     """The command lines of the session's processes still running after `within` seconds,
-    this process and its libraries' helpers aside; each is then killed, so that the suite
+    apart from this process and its libraries' helpers. Each one is then killed, so the suite
     leaves nothing behind whatever it reports."""
     processes = [p for p in session_processes() if not is_helper(p)]
     left = still_running(processes, within)
@@ -60,7 +61,7 @@ def session_processes() -> list[psutil.Process]:
             if p.environ().get(MARK) == mark:
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue  # ended, or another user's: not one of ours
+            continue  # it has ended, or it belongs to another user, so it is not ours
     return found
 
 

@@ -1,6 +1,6 @@
-"""Fixtures' outputs built once for every xdist worker of a session: a trained run costs
-seconds, and each worker would otherwise build its own; and the conversations the chat
-fixtures are made of."""
+"""Helpers for the shared fixtures: building a fixture's output once for all the xdist
+workers of a session, because a trained run takes seconds and each worker would otherwise
+build its own; and the conversations that the chat fixtures are made of."""
 
 import random
 import shutil
@@ -11,8 +11,9 @@ from filelock import FileLock
 
 
 def built_once(folder: Path, build: Callable[[Path], None]) -> Path:
-    """`folder`, built by the first worker that asks while the others wait for it. A marker
-    written after the build says it is whole; a half-built folder is built again."""
+    """`folder`, built by the first worker that asks for it while the others wait. A marker
+    written after the build shows that the folder is complete; a half-built one is built
+    again."""
     done = folder.with_name(folder.name + ".done")
     with FileLock(str(folder) + ".lock"):
         if not done.exists():
@@ -26,8 +27,8 @@ NAMES = ["ROMEO", "JULIET", "NURSE", "TYBALT"]
 
 
 def conversation(rng: random.Random) -> dict:
-    """Two turns in the test corpus's characters, the second answer naming the first
-    question's name: the reply depends on an earlier turn."""
+    """Two turns using the test corpus's characters. The second answer repeats the name from
+    the first question, so the reply depends on an earlier turn."""
     name = rng.choice(NAMES)
     return {"messages": [{"role": "user", "content": name},
                          {"role": "assistant", "content": f"{name.title()} loves."},

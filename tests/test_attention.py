@@ -55,10 +55,11 @@ def test_the_maps_leave_no_hook_behind_and_the_model_in_its_mode(model):
 
 
 def test_without_positions_attention_is_blind_to_order():
-    # Self-attention is permutation-equivariant: only position embeddings tell it order.
-    # With the causal mask, the clean case is one layer's last position, which attends to
-    # every token: without position embeddings its output depends only on which tokens
-    # came before it, not in which order. (Deeper layers read keys shaped by each position's causal prefix.)
+    # Self-attention is permutation-equivariant, so only position embeddings tell it the
+    # order. With the causal mask, the clean case is the last position of a single layer,
+    # which attends to every token; without position embeddings, its output depends only on
+    # which tokens came before it, not on their order. (In deeper layers, each key is shaped
+    # by its position's causal prefix.)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=30, block_size=24, n_layer=1, n_head=3, n_embd=24)).eval()
     ids = torch.randint(0, 30, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -104,7 +105,7 @@ def test_sample_cli_writes_the_inspector_page_and_picture(tmp_path, char_data):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "att" / "romeo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "att" / "romeo.html").read_text()
-    assert '"T": 16' in page and "http" not in page  # 6 + 10 tokens; nothing fetched
+    assert '"T": 16' in page and "http" not in page  # 6 + 10 tokens; the page fetches nothing
 
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -127,7 +128,7 @@ def test_inspector_page_works_in_headless_chromium(tmp_path, model):
     driver = webdriver.Chrome(service=webdriver.ChromeService(CHROMEDRIVER), options=options)
     try:
         driver.get(page.resolve().as_uri())
-        # the heatmap is drawn: the canvas holds many different colours
+        # the heatmap is drawn, so the canvas holds many different colours
         colours = driver.execute_script("""
             const c = document.getElementById('heatmap');
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -148,7 +149,7 @@ def test_inspector_page_works_in_headless_chromium(tmp_path, model):
         after = highlighted()
         assert len(after) == 5 and max(after) <= 15
         top = maps[0].mean(0)[15, :16].topk(5).indices.sort().values.tolist()
-        assert after == top  # layer 1, mean over heads: the page's default view
+        assert after == top  # the page's default view: layer 1, averaged over heads
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == []
     finally:

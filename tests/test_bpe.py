@@ -1,6 +1,7 @@
-"""Your own tokenizer: a BPE trained on the corpus travels in the dataset and every
-checkpoint, so sampling and evaluation need neither the dataset nor the network; it is
-reused on another corpus; bad settings and damaged tokenizers are one line each."""
+"""Your own tokenizer: a BPE trained on the corpus travels in the dataset and in every
+checkpoint, so sampling and evaluation need neither the dataset nor the network; it can be
+reused on another corpus; and bad settings and damaged tokenizers each give a one-line
+error."""
 
 import json
 import os
@@ -47,7 +48,7 @@ def test_the_dataset_carries_its_bpe_and_its_ids_decode_to_the_corpus(bpe_datase
     meta = load_meta(bpe_dataset)
     tokenizer = load_tokenizer(meta["tokenizer"])
     assert isinstance(tokenizer, BPETokenizer) and tokenizer.vocab_size == meta["vocab_size"] == 300
-    assert tokenizer.eot_token == 299 and meta["max_token"] < 299  # one document: no separator
+    assert tokenizer.eot_token == 299 and meta["max_token"] < 299  # one document, so no separator
     ids = np.fromfile(bpe_dataset / meta["shards"][0]["file"], dtype=np.uint16)
     assert tokenizer.decode(ids.tolist()) == corpus_file.read_text()
     assert len(ids) < 0.6 * len(corpus_file.read_text())  # it learned merges
@@ -146,7 +147,7 @@ def test_ctrl_c_while_a_bpe_trains_is_answered_at_once(tmp_path):
     rng = random.Random(0)
     words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 12)))
              for _ in range(400_000)]
-    corpus = tmp_path / "words.txt"  # merges that take rustbpe seconds, in Rust
+    corpus = tmp_path / "words.txt"  # enough merges to keep rustbpe busy in Rust when Ctrl-C comes
     corpus.write_text(" ".join(rng.choice(words) for _ in range(1_000_000)))
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", "--input", str(corpus),
                              "--tokenizer", "bpe", "--vocab-size", "60000", "--out",
@@ -157,8 +158,8 @@ def test_ctrl_c_while_a_bpe_trains_is_answered_at_once(tmp_path):
         trainer = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"],
                                  capture_output=True, text=True).stdout.split()
         time.sleep(0.02)
-    time.sleep(1.0)  # into the training
-    os.kill(int(trainer[0]), 0)  # still training: raises if it has ended
+    time.sleep(1.0)  # let the training get going
+    os.kill(int(trainer[0]), 0)  # raises if the trainer has already ended
     asked = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)

@@ -49,8 +49,6 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-
-
 def chat_tokenizers() -> list:
     char = CharTokenizer(" <>_abcdeinorstu|", CHAT_SPECIALS)
     hf = HFTokenizer(tokenizer_files(char)["tokenizer.json"].decode())
@@ -77,7 +75,7 @@ def test_specials_are_added_after_the_vocabulary_and_keep_every_text_id():
     assert chat.vocab_size == base.vocab_size + 5
     assert sorted(special_ids(chat).values()) == list(range(50257, 50262))
     assert chat.encode("Hello <|bos|> world") == base.encode("Hello <|bos|> world")
-    assert with_specials(chat.to_meta(), CHAT_SPECIALS) == chat.to_meta()  # nothing twice
+    assert with_specials(chat.to_meta(), CHAT_SPECIALS) == chat.to_meta()  # adding them again changes nothing
 
 
 @pytest.mark.parametrize("messages, problem", [
@@ -119,8 +117,9 @@ def test_text_parts_join_and_the_developer_role_is_the_system():
 
 @pytest.mark.parametrize("tokenizer", chat_tokenizers(), ids=["char", "hf", "gpt2"])
 def test_text_that_is_not_text_is_refused_before_any_tokenizer_sees_it(tokenizer):
-    """A lone surrogate: GPT-2's tiktoken would encode it as U+FFFD, a character table
-    would call it a character it lacks; every door refuses it alike, naming the field."""
+    """A lone surrogate, which GPT-2's tiktoken would encode as U+FFFD and a character table
+    would call a character it lacks. Every entry point refuses it the same way, naming the
+    field."""
     half = "half \ud800 a character"
     with pytest.raises(InputError, match=r"^prompt holds half a character \(\\ud800 at character 5"):
         prompt_ids(tokenizer, half)
@@ -181,7 +180,7 @@ def test_batches_hold_whole_conversations_and_learn_the_replies_only(chat_data, 
     conversations = conversations_of(load_split(chat_data, "val", meta), tokenizer.specials, 64)
     x, y = conversations.batch(8, torch.Generator().manual_seed(0))
     bos = tokenizer.specials["<|bos|>"]
-    assert (x[:, 0] == bos).all() and x.size(1) < 64  # padded to the longest, not block_size
+    assert (x[:, 0] == bos).all() and x.size(1) < 64  # padded to the longest conversation, not to block_size
     for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
         length = row_x.index(bos, 1) if bos in row_x[1:] else len(row_x)
         assert set(row_x[length:]) <= {bos} and set(row_y[length:]) <= {-1}  # the padding
@@ -220,7 +219,7 @@ def test_an_sft_run_resumes_from_its_last_checkpoint(sft_run, trained_run, chat_
                      str(trained_run), "--data-dir", str(chat_data), "--out-dir", str(tmp_path),
                      "--max-iters", "160", "--batch-size", "16", "--dtype", "float32"])
     assert result.returncode == 0, result.stderr
-    assert "grows" not in result.stdout + result.stderr  # the checkpoint has the chat tokens
+    assert "grows" not in result.stdout + result.stderr  # the checkpoint already has the chat tokens
     assert load_checkpoint(copy / "last.pt")["iter_num"] == 160
 
 
@@ -267,13 +266,14 @@ def test_chat_answers_a_bad_line_and_goes_on(sft_run):
 
 def reply_matches_a_fresh_prefill(model: GPT, conversation: Chat, text: str) -> int:
     """Add a turn, let the cached chat reply greedily, and check the reply against an
-    uncached generation from the whole history; the number of turns dropped."""
+    uncached generation from the whole history. Returns the number of turns dropped."""
     dropped = conversation.add_user(text)
     history = list(conversation.ids)
     "".join(conversation.reply())
     reply = conversation.ids[len(history):]
     budget = min(conversation.max_new_tokens, model.config.block_size - len(history))
-    sampled = budget if len(reply) == budget + 1 else len(reply)  # else <|assistant_end|> was added
+    # a reply one token past the budget ends with an added <|assistant_end|>
+    sampled = budget if len(reply) == budget + 1 else len(reply)
     fresh = generate(model, torch.tensor([history]), sampled, temperature=0.0,
                      use_kv_cache=False)[0, len(history):].tolist()
     assert fresh == reply[:sampled]
@@ -289,7 +289,7 @@ def test_a_reply_without_a_user_turn_is_one_clear_error():
         next(conversation.reply())
     conversation.add_user("abc")
     assert isinstance("".join(conversation.reply()), str) and len(conversation.turns) == 1
-    with pytest.raises(InputError, match="add one with add_user first"):  # answered already
+    with pytest.raises(InputError, match="add one with add_user first"):  # the turn is answered already
         next(conversation.reply())
 
 
@@ -302,7 +302,7 @@ def test_replies_with_the_cache_kept_equal_a_fresh_prefill_of_the_history():
                         system="be fab")
     assert [reply_matches_a_fresh_prefill(model, conversation, turn)
             for turn in ("abc", "de fa", "h.")] == [0, 0, 0]
-    # the context fills: the oldest turns go, and the cache is refilled from what is left
+    # once the context fills, the oldest turns go, and the cache is refilled from what is left
     dropped = [reply_matches_a_fresh_prefill(model, conversation, "abcdefgh" * 2)
                for _ in range(4)]
     assert sum(dropped) > 0 and len(conversation.ids) <= 97
@@ -378,7 +378,7 @@ def test_sampling_text_prefers_the_newest_base_model_and_says_what_it_loaded(tmp
     for name, run in (("base", trained_run), ("chat", sft_run[0])):
         (runs / name).mkdir(parents=True)
         shutil.copy(run / "best.pt", runs / name / "best.pt")
-        time.sleep(0.01)  # the chat model is the newer
+        time.sleep(0.01)  # so that the chat model is the newer one
     text = python([str(REPO / "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "8"],
                   cwd=tmp_path)
     assert text.returncode == 0 and "<|" not in text.stdout, text.stderr

@@ -39,7 +39,7 @@ def edit_meta(**changes) -> Callable[[Path], None]:
 
 
 def edit_tokenizer(**changes) -> Callable[[Path], None]:
-    """meta.json's tokenizer record, changed (a value None drops the key)."""
+    """Change meta.json's tokenizer record (a value of None drops the key)."""
     def change(data: Path) -> None:
         meta = json.loads((data / "meta.json").read_text())
         record = {**meta["tokenizer"], **changes}
@@ -61,7 +61,7 @@ def drop_meta_key(data: Path) -> None:
 
 
 def edited_checkpoint(**model_args) -> Callable[[Path, dict], None]:
-    """The trained checkpoint at {tmp}/c.pt, with model_args changed: weights that no longer fit."""
+    """The trained checkpoint at {tmp}/c.pt with model_args changed, so its weights no longer fit."""
     def make(tmp: Path, ctx: dict) -> None:
         ckpt = torch.load(ctx["ckpt"], weights_only=True)
         ckpt["model_args"].update(model_args)
@@ -70,7 +70,7 @@ def edited_checkpoint(**model_args) -> Callable[[Path, dict], None]:
 
 
 def modern_checkpoint(tmp: Path, ctx: dict) -> None:
-    """{tmp}/c.pt: the trained checkpoint's shape in the modern layout, fresh weights."""
+    """{tmp}/c.pt: the trained checkpoint's shape in the modern layout, with fresh weights."""
     ckpt = torch.load(ctx["ckpt"], weights_only=True)
     ckpt["model_args"].update(MODERN)
     ckpt["model"] = GPT(GPTConfig(**ckpt["model_args"])).state_dict()
@@ -78,7 +78,7 @@ def modern_checkpoint(tmp: Path, ctx: dict) -> None:
 
 
 def nan_checkpoint(tmp: Path, ctx: dict) -> None:
-    """{tmp}/c.pt: the trained checkpoint with one NaN weight, as a diverged run's."""
+    """{tmp}/c.pt: the trained checkpoint with one NaN weight, as a diverged run's would have."""
     ckpt = torch.load(ctx["ckpt"], weights_only=True)
     ckpt["model"]["transformer.h.1.ln_1.weight"][0] = float("nan")
     torch.save(ckpt, tmp / "c.pt")
@@ -145,9 +145,9 @@ def hf_config(**changes) -> Callable[[Path, dict], None]:
 
 
 def hf_weight(tensor: str, value: float | torch.dtype) -> Callable[[Path, dict], None]:
-    """A small GPT-2 folder at {tmp}/hf whose `tensor` holds `value` in one place, as a
-    diverged run's export or a damaged copy would (or is of that dtype), and a task and a
-    text to score at {tmp}/task.jsonl and {tmp}/text.txt."""
+    """A small GPT-2 folder at {tmp}/hf whose `tensor` holds `value` in one place (or, if
+    `value` is a dtype, is of that dtype), as a diverged run's export or a damaged copy would,
+    and a task and a text to score at {tmp}/task.jsonl and {tmp}/text.txt."""
     def make(tmp: Path, ctx: dict) -> None:
         from safetensors.torch import load_file, save_file
         hf_folder()(tmp, ctx)
@@ -179,7 +179,7 @@ BPE_TRAIN = ["train.py", "--config", TINY, "--data-dir", "{bpe}", "--out-dir", "
 SAMPLE = ["sample.py", "--checkpoint", "{ckpt}", "--max-new-tokens", "5"]
 EVALUATE = ["evaluate.py", "--checkpoint", "{ckpt}", "--input", "{tmp}/text.txt"]
 TEXT = write("text.txt", b"ROMEO: Juliet sees the moon.\n")
-LONG = "x" * 300  # a path component past what file systems allow (255 bytes)
+LONG = "x" * 300  # a path component longer than file systems allow (255 bytes)
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a GPU")
 
 # (command, files to make first, exit code, what the one line must contain)
@@ -459,7 +459,7 @@ CASES = {
     "export into /proc": (["export.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),
     "export over a folder": (["export.py", "{ckpt}", "{tmp}/keep"], write("keep/notes.txt", b"mine"),
                              1, "--force"),
-    # layouts that cannot be
+    # layouts that cannot be built
     "n_head not divisible by n_kv_head": ([*TRAIN, "--n-kv-head", "3"], nothing, 1,
                                           "error: n_head (2) must be divisible by n_kv_head (3)"),
     "rope with an odd head size": ([*TRAIN, "--pos-embedding", "rope", "--n-embd", "36",
@@ -523,7 +523,7 @@ def test_bad_input_is_one_line_and_nothing_written(argv, make, code, message, tm
     result = python([a.format(**fill) for a in argv], env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
-    # 2 is the parser's usage error, in its own box of several lines
+    # exit code 2 is the parser's usage error, printed in its own box of several lines
     report = error_line(result.stderr) if code == 1 else result.stderr
     assert message.format(**fill) in report, result.stderr
     assert snapshot(tmp_path) == before  # nothing half-written, nothing overwritten
@@ -562,6 +562,6 @@ def test_torch_compile_without_a_working_compiler_is_one_line(argv, instead, tmp
 def test_the_benchmarks_check_their_input_before_the_work(tmp_path, args, code, error):
     result = python(["-m", *[a.format(tmp=tmp_path) for a in args]])
     assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
-    if code == 1:  # one line; 2 is the parser's own report of a value out of its range
+    if code == 1:  # 1 is a one-line report; 2 is the parser's own report of a value out of its range
         assert error_line(result.stderr).startswith(error.format(tmp=tmp_path)), result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written

@@ -1,7 +1,7 @@
-"""The GPU path, where a CUDA GPU is at hand; skipped everywhere else, CI included. Training
-in bf16 and in fp16 (with the gradient scaler) follows fp32, --compile follows eager,
-torchrun trains under NCCL (FSDP too), a checkpoint written on the GPU runs on the CPU, and cached
-decoding gives the uncached tokens past block_size."""
+"""The GPU path, tested where a CUDA GPU is available and skipped everywhere else, CI
+included: training in bf16 and in fp16 (with the gradient scaler) follows fp32, --compile
+follows eager, torchrun trains under NCCL (FSDP too), a checkpoint written on the GPU runs
+on the CPU, and cached decoding gives the uncached tokens past block_size."""
 
 import subprocess
 import sys
@@ -44,7 +44,7 @@ def test_half_precision_training_follows_fp32(tiny_config, optimizer):
         assert abs(half[-1] - fp32[-1]) < 0.1, (dtype, half, fp32)
         ckpt = load_checkpoint(result.run_dir / "last.pt")
         assert ckpt["dtype"] == dtype
-        # fp16 needs the gradient scaler, whose state a resume needs; bf16 has fp32's range
+        # fp16 needs the gradient scaler, and a resume needs its state; bf16 has fp32's range
         assert ("scale" in ckpt["scaler"]) == (dtype == "float16")
 
 
@@ -69,8 +69,8 @@ def test_torchrun_trains_one_process_under_nccl(tmp_path, char_data):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_fsdp_trains_under_nccl_in_bf16_compiled_or_not(tmp_path, char_data, compile):
-    # FSDP's mixed precision (bf16 weights, fp32 reductions); compiled, each block before
-    # it is sharded
+    # FSDP's mixed precision (bf16 weights, fp32 reductions); with --compile, each block is
+    # compiled before it is sharded
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
          "train.py", "--config", "config/tiny.toml", "--data-dir", str(char_data),
@@ -86,8 +86,8 @@ def test_fsdp_trains_under_nccl_in_bf16_compiled_or_not(tmp_path, char_data, com
 
 @contextmanager
 def full_fp32():
-    """fp32 matmuls in fp32, not TF32, which training turns on for the process (as nanoGPT
-    does)."""
+    """Run fp32 matmuls in full fp32 rather than TF32, which training turns on for the whole
+    process (as nanoGPT does)."""
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -120,11 +120,12 @@ def test_cached_decoding_gives_the_uncached_tokens_past_block_size(decode):
     model = model.cuda().eval()
     step = (compiled_step(model, cuda_graphs=False) if decode.endswith("graphs")
             else decode_step(model, decode))
-    # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
+    # 3 sequences of 4 + 40 tokens with block_size 16, so the window jumps and is prefilled again
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2)).cuda()
     with full_fp32():
         uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
-        # twice with one step: the second generation's new cache makes a CUDA graph re-record
+        # twice with the same step, because the second generation's new cache makes a CUDA graph
+        # record again
         for _ in range(2):
             cached = generate(model, prompts, 40, temperature=0.0, decode=step)
             assert cached.shape == (3, 44) and torch.equal(cached, uncached)

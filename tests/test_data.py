@@ -107,7 +107,7 @@ def test_too_short_text_cannot_be_split(tmp_path):
 
 
 def test_builtin_corpus_is_identical_everywhere():
-    # the 42 plays and poems in file-name order: every machine must build the same bins
+    # the 42 plays and poems in file-name order, because every machine must build the same bins
     text = shakespeare_text()
     assert len(text) == 5_057_321
     assert text.startswith("ALL'S WELL THAT ENDS WELL")

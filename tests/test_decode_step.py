@@ -41,9 +41,9 @@ MARCHES = [
 
 
 def decode_logits(model: GPT, prompt: torch.Tensor, n: int, step=None) -> list[torch.Tensor]:
-    """Greedy generation, recording the logits of every decode step (prefills of more than
-    one token, which the model's forward runs, excluded): step None runs the steps through
-    the eager model."""
+    """Greedy generation that records the logits of every decode step, leaving out prefills
+    of more than one token, which the model's forward runs. With step None, the eager model
+    runs the steps."""
     step = step or decode_step(model, "eager")
     seen = []
 
@@ -76,7 +76,7 @@ def test_a_step_of_the_models_forward_refuses_to_step_chosen_rows():
 def test_c_step_logits_equal_eager_at_every_step_past_block_size(bias, march):
     model = small_gpt(bias=bias)
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
-    eager = decode_logits(model, prompt, 40)  # 45 tokens, block_size 16: re-prefills
+    eager = decode_logits(model, prompt, 40)  # 45 tokens with block_size 16, so it re-prefills
     c = decode_logits(model, prompt, 40, CDecodeStep(model, march))
     assert len(c) == len(eager) == 35  # 40 steps less the first prefill and four re-prefills
     for step, (a, b) in enumerate(zip(c, eager, strict=True)):
@@ -122,10 +122,9 @@ def test_c_step_greedy_tokens_equal_eager_for_a_batch():
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_c_step_gives_a_sequence_the_same_bits_alone_and_in_any_batch(quantized):
-    """The server's promise: an answer does not depend on who else is served. Each
-    sequence's logits from batches of 1 to 7 (the kernel takes inputs in pairs, and weight
-    rows in fours: rows 76 wide, with a tail past the vector width) equal, bit for bit,
-    its logits alone."""
+    """The server's promise: an answer does not depend on who else is served. A sequence's
+    logits in a batch of 2 to 7 equal its logits alone, bit for bit. The kernel takes inputs
+    in pairs and weight rows in fours, and rows 76 wide leave a tail past the vector width."""
     model = small_gpt(n_embd=76, n_head=4)
     model = quantize_int8(model) if quantized else model
     step = CDecodeStep(model)
@@ -141,10 +140,11 @@ def test_c_step_gives_a_sequence_the_same_bits_alone_and_in_any_batch(quantized)
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_c_step_gives_the_same_bits_on_any_number_of_threads(quantized):
-    """The step's threads (as many as torch's) split each matrix's rows between them in groups
-    of four, and each row is one thread's: the bits do not depend on how many there are. The
-    suite runs a thread a process (tests/conftest.py); here 2 and 3 threads share 76 rows, which
-    do not split evenly, and a prefill's rows past the vector width, to eager's 1e-5."""
+    """The step's threads (as many as torch uses) split each matrix's rows between them in
+    groups of four, and one thread computes each row, so the bits do not depend on how many
+    threads there are. The suite runs one thread per process (tests/conftest.py), so this test
+    sets 2 and 3 threads itself. They share 76 rows, which do not split evenly, in a prefill
+    whose rows run past the vector width, and the logits also match eager's to 1e-5."""
     model = small_gpt(n_embd=76, n_head=4)
     model = quantize_int8(model) if quantized else model
     step = CDecodeStep(model)
@@ -167,13 +167,13 @@ def test_c_step_gives_the_same_bits_on_any_number_of_threads(quantized):
 @pytest.mark.parametrize("backend", ["eager", "c"])
 def test_sequences_at_their_own_positions_step_as_each_would_alone(backend, layout):
     """A server's batch: sequences of different lengths, each prefilled into its own row of
-    one cache, then stepped together, each at its own position; the C step steps only the
-    rows it is given (here rows 2 and 0 of 3), the model every row."""
+    one cache, then stepped together, each at its own position. The C step steps only the
+    rows it is given (here rows 2 and 0 of 3), while the model steps every row."""
     model = small_gpt(**LAYOUTS[layout])
     lengths, rows = [5, 9], torch.tensor([2, 0])
     prompts = [torch.randint(0, 40, (1, n), generator=torch.Generator().manual_seed(n))
                for n in lengths]
-    alone = [decode_logits(model, p, 5) for p in prompts]  # 4 steps each, a cache its own
+    alone = [decode_logits(model, p, 5) for p in prompts]  # 4 steps each, each with its own cache
     step = decode_step(model, backend)
     cache = model.new_kv_cache(3, 16)
     with torch.inference_mode():
@@ -184,7 +184,7 @@ def test_sequences_at_their_own_positions_step_as_each_would_alone(backend, layo
             positions = torch.tensor(lengths)[:, None] + i
             if backend == "c":
                 logits = step(idx, cache, positions, rows=rows)[:, -1]
-            else:  # every row of the cache steps; the idle row 1 at position 0
+            else:  # every row of the cache steps, so the idle row 1 steps at position 0
                 idx = torch.cat([idx[1:], torch.zeros(1, 1, dtype=idx.dtype), idx[:1]])
                 positions = torch.cat([positions[1:], torch.zeros(1, 1, dtype=torch.int64),
                                        positions[:1]])
@@ -204,7 +204,7 @@ def test_c_step_bf16_matches_eager_to_bf16_rounding(march, layout):
     c = decode_logits(model, prompt, 30, CDecodeStep(model, march))
     for step, (a, b) in enumerate(zip(c, eager, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2, msg=f"step {step}")
-        if a.argmax() != b.argmax():  # rounding may flip a near tie; the texts part there
+        if a.argmax() != b.argmax():  # rounding may flip a near tie, and the texts diverge from there
             top2 = b.topk(2).values[0]
             assert top2[0] - top2[1] < 6e-2, f"step {step}: a token that was no near tie"
             break

@@ -1,7 +1,8 @@
-"""Data-parallel training with torchrun on the CPU (gloo), DDP and FSDP: the same run as one
-process, one writer, no hang when a process dies; FSDP's sharded checkpoints, resumed on any
-number of processes, made plain, and whole after a kill; fine-tuning sharded; and a model
-that only FSDP fits under a memory limit."""
+"""Data-parallel training with torchrun on the CPU (gloo), under DDP and FSDP: it gives the
+same run as one process, with one writer, and does not hang when a process dies. FSDP's
+sharded checkpoints resume on any number of processes, can be made plain, and stay whole
+after a kill; fine-tuning works sharded; and a model that fits under a memory limit only
+when FSDP shards it trains."""
 
 import os
 import re
@@ -27,18 +28,19 @@ from weights.loading import model_from_checkpoint
 from weights.sharded import consolidate, read_shards, read_state, tensor_shapes
 
 REPO = Path(__file__).resolve().parent.parent
-# one thread a process; a process that aborts in C++ still says where Python was; and glibc's
-# malloc keeps the address space it maps small, as under ulimit -v it must
-# (docs/distributed.md): one arena, where each thread would map 64 MB of its own, and every
-# block of a megabyte or more mapped alone and returned when freed
+# One thread per process; a process that aborts in C++ still reports where Python was; and
+# glibc's malloc keeps the address space it maps small, as it must under ulimit -v
+# (docs/distributed.md): one arena, where each thread would otherwise map 64 MB of its own,
+# and every block of a megabyte or more mapped on its own and returned when freed.
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MALLOC_ARENA_MAX": "1",
        "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 def run(nproc: int | None, *args: str, timeout: int = 240, config: str = "tiny.toml",
         limit_kb: int | None = None) -> subprocess.CompletedProcess:
-    """train.py on a preset (the tiny one) under torchrun with nproc processes, or plain
-    (None); limit_kb: each process's address space, as `ulimit -v` sets it."""
+    """Run train.py on a preset (by default the tiny one) under torchrun with nproc
+    processes, or as a plain process when nproc is None. limit_kb caps each process's address
+    space, as `ulimit -v` does."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc_per_node={nproc}"] if nproc else [sys.executable])
     return subprocess.run([*launcher, str(REPO / "train.py"), "--config",
@@ -64,8 +66,9 @@ def losses(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-# under FSDP Muon orthogonalizes each matrix on one process, and eval_iters 3 does not
-# divide among 2 processes whose every forward is a collective (AdamW is FSDP's plain path)
+# FSDP's case takes the harder paths (AdamW is FSDP's plain one): under FSDP, Muon
+# orthogonalizes each matrix on one process, and eval_iters 3 does not divide among 2
+# processes whose every forward is a collective.
 CASES = {"ddp": ("adamw", "gpt2"), "fsdp": ("muon", "modern")}
 
 
@@ -77,7 +80,7 @@ def common_args(char_data: Path, parallel: str) -> tuple[str, ...]:
 
 
 def plain_checkpoint(run_dir: Path, tmp_path: Path) -> dict:
-    """A run's last checkpoint, made plain as export.py --plain makes it where it is sharded."""
+    """A run's last checkpoint, made plain as export.py --plain does if it is sharded."""
     if not (run_dir / "last.dcp").exists():
         return load_checkpoint(run_dir / "last.pt")
     out = tmp_path / f"{run_dir.parent.name}.pt"
@@ -86,8 +89,8 @@ def plain_checkpoint(run_dir: Path, tmp_path: Path) -> dict:
 
 
 def assert_same_run(a: Path, b: Path, tolerance: float, tmp_path: Path) -> None:
-    """b logged the losses a logged (and maybe more: a run resumed at a point a passed
-    evaluates there), equal to tolerance, and their final weights agree to 1e-4."""
+    """b logged the losses that a logged, equal to within `tolerance`, and maybe more (a run
+    resumed at a point that a passed evaluates there); their final weights agree to 1e-4."""
     for tag in ("train/loss_step", "loss/val"):
         logged_b = dict(losses(b, tag))
         steps, values = zip(*losses(a, tag), strict=True)
@@ -100,9 +103,9 @@ def assert_same_run(a: Path, b: Path, tolerance: float, tmp_path: Path) -> None:
 
 
 def straight(shared_dir: Path, char_data: Path, parallel: str) -> dict[str, Path]:
-    """12 iterations from scratch as one plain process and as two under `parallel`; under
-    FSDP the two save at 6 (kept as "half") and go on from that save, so that a run equal
-    to one process is a run resumed on as many processes too."""
+    """12 iterations from scratch as one plain process and as two under `parallel`. Under
+    FSDP, the two stop and save at 6 (kept as "half") and resume from that save, so the run
+    that must equal one process is also a run resumed on the same number of processes."""
     def build(out: Path) -> None:
         result = run(None, *common_args(char_data, parallel), "--max-iters", "12",
                      "--out-dir", str(out / "one"))
@@ -140,22 +143,23 @@ def test_two_processes_equal_one(tmp_path, request, parallel):
     kind = ".dcp" if parallel == "fsdp" else ".pt"
     assert [name for name in files if name.endswith((".pt", ".dcp"))] == [f"best{kind}",
                                                                           f"last{kind}"]
-    launches = 2 if parallel == "fsdp" else 1  # the FSDP run was resumed once; each writes
-    # its events and its hparams
+    # the FSDP run was resumed once, and each launch writes its own events and hparams
+    launches = 2 if parallel == "fsdp" else 1
     assert sum(name.startswith("events.out.tfevents") for name in files) == 2 * launches
     if parallel == "fsdp":
         assert (two / "last.dcp").resolve() == (two / "best.dcp").resolve()
         saves = list((two / "shards").iterdir())
-        assert saves == [(two / "last.dcp").resolve()]  # older saves tidied away
+        assert saves == [(two / "last.dcp").resolve()]  # older saves are tidied away
         assert sorted(p.name for p in saves[0].iterdir()) == [
             ".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
-    # the same losses and weights; an fp32 run's Muon orthogonalizes in fp32, each matrix on
-    # one of the two processes, and holds to AdamW's tolerance
+    # the same losses and weights; in an fp32 run, Muon orthogonalizes in fp32, each matrix
+    # on one of the two processes, so it holds to AdamW's tolerance
     assert_same_run(runs["one"], two, 1e-5, tmp_path)
 
 
 def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, fsdp_runs):
-    # (on 2, as it was saved: fsdp_runs["two"], equal to one process in the test above)
+    # (resuming on 2, as it was saved, gives fsdp_runs["two"], which the test above compares
+    # with one process)
     common, half = common_args(char_data, "fsdp"), fsdp_runs["half"].parent
     # 6 iterations on 2 processes, then 6 more on 4
     shutil.copytree(half, tmp_path / "on4", symlinks=True)
@@ -163,8 +167,8 @@ def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, f
                  "--parallel", "fsdp")
     assert result.returncode == 0, failure(result)
     assert_same_run(fsdp_runs["two"], tmp_path / "on4" / "tiny", 1e-4, tmp_path)
-    # or 3 more as one plain process, which saves a plain last.pt (the sharded one goes), and
-    # from that 3 more on 2 processes, each taking its shards of it
+    # or 3 more as one plain process, which saves a plain last.pt and removes the sharded one,
+    # and then 3 more on 2 processes, each taking its own shards of that plain checkpoint
     shutil.copytree(half, tmp_path / "chain", symlinks=True)
     chain = tmp_path / "chain" / "tiny"
     for nproc, iters in ((None, "9"), (2, "12")):
@@ -174,7 +178,8 @@ def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, f
         assert (chain / "last.pt").is_file() == (nproc is None)
         assert (chain / "last.dcp").exists() == (nproc is not None)
     assert_same_run(fsdp_runs["two"], chain, 1e-4, tmp_path)
-    # sample.py given a sharded run says what to run, and that command makes what it reads
+    # given a sharded run, sample.py says which command to run, and that command writes the
+    # checkpoints that sample.py reads
     sharded_run = tmp_path / "on4" / "tiny"
     sample = [sys.executable, str(REPO / "sample.py"), "--run", str(sharded_run),
               "--max-new-tokens", "8"]
@@ -187,7 +192,7 @@ def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, f
     assert made.returncode == 0, made.stderr
     assert made.stdout == f"wrote {sharded_run / 'last.pt'}, {sharded_run / 'best.pt'}\n"
     assert (sharded_run / "best.pt").stat().st_ino == (sharded_run / "last.pt").stat().st_ino
-    # a whole model, as sample.py builds it, with the weights of the run resumed on 2
+    # a whole model, built as sample.py builds it, has the weights of the run resumed on 2
     model = model_from_checkpoint(load_checkpoint(sharded_run / "last.pt"))
     torch.testing.assert_close(model.state_dict(),
                                plain_checkpoint(fsdp_runs["two"], tmp_path)["model"],
@@ -196,8 +201,8 @@ def test_a_sharded_run_resumes_on_any_number_of_processes(tmp_path, char_data, f
 
 def test_torchrun_with_one_process_trains_in_a_group_of_one_as_a_plain_run_does(tmp_path,
                                                                               char_data, ddp_runs):
-    # under torchrun even one process joins a process group and trains through DDP, so one
-    # GPU runs the code of eight (and NCCL's path is tested with one)
+    # under torchrun, even one process joins a process group and trains through DDP, so one
+    # GPU runs the same code as eight (and NCCL's path can be tested with one GPU)
     group = run(1, *common_args(char_data, "ddp"), "--max-iters", "12", "--out-dir", str(tmp_path))
     assert group.returncode == 0, failure(group)
     assert "device cpu x 1 process," in group.stdout
@@ -215,7 +220,7 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     for line in proc.stdout:
-        if line.startswith("iter "):  # the first log point: training has begun
+        if line.startswith("iter "):  # the first log line, so training has begun
             break
     time.sleep(1.0)
     workers = [int(p) for p in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"],
@@ -226,7 +231,7 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
     try:
         proc.wait(timeout=90)
     finally:
-        if proc.poll() is None:  # hung: clean up before failing
+        if proc.poll() is None:  # it hung, so clean up before failing
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert time.time() - started < 90
@@ -234,7 +239,8 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
 
 @pytest.mark.parametrize("args, error", [
     (("--learning-rate", "nan"), "error: learning_rate must be a finite number, got nan"),
-    # an error that rank 0 meets first, in a step it takes for all (distributed.from_main)
+    # an error that rank 0 meets first, in a step it takes for all processes
+    # (distributed.from_main)
     (("--data-dir", "{tmp}/none"), "error: no prepared dataset in {tmp}/none "),
 ])
 def test_a_bad_config_is_reported_once_not_once_per_process(tmp_path, char_data, args, error):
@@ -251,8 +257,8 @@ def test_a_bad_config_is_reported_once_not_once_per_process(tmp_path, char_data,
 
 
 def test_init_from_under_fsdp_equals_one_process(tmp_path, trained_run, chat_data):
-    # fine-tuning the tiny run on conversations: the vocabulary grows by the chat tokens, and
-    # each process reads its rows of the mapped base checkpoint, one tensor at a time
+    # fine-tuning the tiny run on conversations grows the vocabulary by the chat tokens, and
+    # each process reads its own rows of the mapped base checkpoint, one tensor at a time
     args = ("--init-from", str(trained_run), "--data-dir", str(chat_data), "--max-iters", "6",
             "--eval-interval", "3", "--eval-iters", "2", "--batch-size", "4", "--dtype",
             "float32", "--gradient-accumulation-steps", "2", "--log-interval", "3")
@@ -284,8 +290,8 @@ def test_init_from_a_hugging_face_folder_under_fsdp_equals_one_process(tmp_path)
 
 
 def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path, char_data):
-    # a save at every step of a 3.2M-parameter model, 38 MB with AdamW's moments, written
-    # by two processes: each kill waits for one that has begun and not ended
+    # a save at every step of a 3.2M-parameter model (38 MB with AdamW's moments), written
+    # by two processes; each kill waits for a save that has begun and not ended
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml"),
             "--data-dir", str(char_data), "--out-dir", str(tmp_path), "--parallel", "fsdp",
@@ -293,7 +299,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path,
             "--eval-iters", "2", "--sample-tokens", "0", "--gradient-accumulation-steps", "2"]
     run_dir = tmp_path / "tiny"
     caught, reached = 0, []
-    for kill in range(3):  # until one lands during a save (the first, nearly always)
+    for kill in range(3):  # until a kill lands during a save (nearly always the first)
         proc = subprocess.Popen([*args, "--max-iters", "100000", *(["--resume"] if kill else [])],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, **ENV})
@@ -301,7 +307,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path,
             partial = wait_for_a_save_in_progress(run_dir, seconds=90)
         finally:
             kill_all(proc)
-        # last.dcp leads to a whole save: its state and every tensor read back
+        # last.dcp leads to a whole save, whose state and every tensor read back
         last = run_dir / "last.dcp"
         state, shapes = read_state(last, resume=True), tensor_shapes(last)
         read_shards({key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()},
@@ -322,7 +328,8 @@ def test_a_kill_during_a_sharded_save_leaves_the_last_checkpoint_whole(tmp_path,
 
 def kill_all(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its processes (each in a session of its own) at once, as a
-    crash would, and wait until all are gone (the one holding the run folder's lock too)."""
+    crash would, and wait until all are gone, including the one that holds the run folder's
+    lock."""
     members = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                               text=True).stdout.split()] + [proc.pid]
     for pid in members:
@@ -344,8 +351,9 @@ def alive(pid: int) -> bool:
 
 
 def wait_for_a_save_in_progress(run_dir: Path, seconds: float) -> Path | None:
-    """A folder under shards/ that a save is writing (no state.pt yet: rank 0 writes it
-    last), once a whole save exists to fall back on; None if none is seen in time."""
+    """A folder under shards/ that a save is still writing (it has no state.pt yet, because
+    rank 0 writes that last), looked for once a whole save exists to fall back on; None if
+    none is seen in time."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if (run_dir / "last.dcp").exists():
@@ -358,9 +366,10 @@ def wait_for_a_save_in_progress(run_dir: Path, seconds: float) -> Path | None:
 
 
 def test_a_model_too_large_for_one_process_trains_saves_and_resumes_sharded(tmp_path, char_data):
-    # 76M parameters: 1.2 GB of weights, gradients and AdamW's moments, which DDP's processes
-    # each hold whole and FSDP's two hold half of, under a 1.7 GB address space each (torch
-    # and gloo map about 0.65 GB of it before the model, and FSDP's run peaks near 1.4)
+    # 76M parameters: 1.2 GB of weights, gradients and AdamW's moments, which each of DDP's
+    # processes holds whole and each of FSDP's two holds half of, under a 1.7 GB address
+    # space per process; torch and gloo map part of that before the model is built, which
+    # leaves room for half of the model but not for all of it
     limit = 1_650_000
     args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--n-layer", "6",
             "--n-embd", "1024", "--n-head", "8", "--batch-size", "2",

@@ -35,20 +35,20 @@ def test_every_token_after_the_first_is_scored_exactly_once():
 def test_the_default_stride_is_half_the_block_and_a_block_of_one_is_refused():
     assert [check_stride(None, block) for block in (2, 3, 64)] == [1, 1, 32]
     with pytest.raises(ValueError, match="block_size 2 or more"):
-        check_stride(None, 1)  # a bigram model: a window of one token predicts nothing
+        check_stride(None, 1)  # a bigram model, whose one-token window leaves nothing to score
 
 
 def test_a_batch_whose_logits_cannot_fit_in_memory_is_refused():
     cpu = torch.device("cpu")
-    check_batch_memory(2, 512, 50257, cpu)  # 206 MB: GPT-2's default batch
+    check_batch_memory(2, 512, 50257, cpu)  # GPT-2's default batch, which needs 206 MB
     with pytest.raises(ValueError, match=r"a batch of 1,000,000 windows needs 102,926\.3 GB "
                                          r"for its logits, but cpu has [\d,.]+ GB free"):
         check_batch_memory(10**6, 512, 50257, cpu)
 
 
 def transformers_loss(model, ids: list[int], block: int, stride: int) -> float:
-    """The sliding-window loop of transformers' perplexity guide: labels of tokens an
-    earlier window scored are -100, and the model shifts labels by one itself."""
+    """The sliding-window loop of transformers' perplexity guide: tokens that an earlier
+    window scored get the label -100, and the model shifts the labels by one itself."""
     nll, count, scored_to = 0.0, 0, 0
     for begin in range(0, len(ids), stride):
         end = min(begin + block, len(ids))
@@ -64,7 +64,7 @@ def transformers_loss(model, ids: list[int], block: int, stride: int) -> float:
     return nll / count
 
 
-@pytest.mark.parametrize("words", [12, 400])  # shorter than the window; several windows
+@pytest.mark.parametrize("words", [12, 400])  # shorter than one window, and several windows
 def test_loss_equals_transformers_with_the_same_windows(tmp_path, words):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -90,7 +90,7 @@ def run_evaluate(*args: str) -> subprocess.CompletedProcess:
 def test_cli_writes_the_scores_it_prints_and_int8_costs_little(trained_run, corpus_file,
                                                                 tmp_path):
     ckpt = load_checkpoint(trained_run / "best.pt")
-    text = corpus_file.read_text()[:5000].rstrip("\n")  # no final newline: scored as it is
+    text = corpus_file.read_text()[:5000].rstrip("\n")  # with no final newline, scored as it is
     (tmp_path / "part.txt").write_text(text)
     scores = {}
     for dtype in ("float32", "int8"):
@@ -104,17 +104,15 @@ def test_cli_writes_the_scores_it_prints_and_int8_costs_little(trained_run, corp
     assert fp32["tokens"] == fp32["chars"] == len(text) - 1  # characters are the tokens
     assert fp32["bits_per_char"] == pytest.approx(fp32["loss"] / math.log(2))
     assert fp32["perplexity"] == pytest.approx(math.exp(fp32["loss"]))
-    # the same numbers in-process, and int8 close behind
+    # the same numbers in-process, and int8 comes close
     model, _, _ = load_model(checkpoint=str(trained_run / "best.pt"))
     in_process = evaluate(model, load_tokenizer(ckpt["tokenizer"]), text)
     assert in_process.loss == pytest.approx(fp32["loss"], abs=1e-5)
     assert abs(scores["int8"]["loss"] - fp32["loss"]) < 0.02
 
 
-
-
 GOOD = {"ctx": "ROMEO: Nurse sees", "endings": ["the moon.", "moon the."], "label": "0"}
-LONG_CHOICE = "the moon " * 4  # 36 characters: with its space, 37 tokens of a char model
+LONG_CHOICE = "the moon " * 4  # 36 characters, so 37 tokens for a char model once its leading space is added
 
 
 @pytest.mark.parametrize("second, problem", [
@@ -168,8 +166,9 @@ def test_a_task_without_items_is_one_line(trained_run, tmp_path, contents):
 
 
 def test_a_task_from_windows_scores_as_the_same_task_from_linux(trained_run, tmp_path):
-    # a byte-order mark and CRLF line ends, as Windows editors write, and a choice exactly as
-    # long as the context: scored, as lm-eval scores one, with one token of context before it
+    # a byte-order mark and CRLF line ends, as Windows editors write them, and a choice that
+    # fills the model's whole context, which is scored as lm-eval scores it, with one token of
+    # context before it
     items = [GOOD, {**GOOD, "endings": ["the moon.", LONG_CHOICE[:31]], "label": 1}]
     text = "".join(json.dumps(item) + "\n" for item in items)
     scores = []

@@ -1,6 +1,7 @@
-"""export.py and --init-from end to end: a model trained here in nanochat's layout leaves as
-a Hugging Face folder with the same loss and tokens in transformers, and comes back in to
-sample and evaluate as its checkpoint does; every tokenizer of ours gives AutoTokenizer's ids."""
+"""export.py and --init-from end to end: a model trained here in nanochat's layout is
+exported as a Hugging Face folder with the same loss and tokens in transformers, and the
+folder read back in samples and evaluates as the checkpoint does; each of our tokenizers
+gives AutoTokenizer's ids."""
 
 import math
 import subprocess
@@ -34,7 +35,7 @@ TEXTS = ["Hello, world!  Runs   of spaces\n\n\nand newlines\tand tabs",
 
 @pytest.fixture(scope="module")
 def nanochat_run(tmp_path_factory, char_data) -> Path:
-    """A tiny model in nanochat's layout (no biases), trained 20 steps: runs/nano."""
+    """A tiny model in nanochat's layout (no biases), trained for 20 steps into runs/nano."""
     out = tmp_path_factory.mktemp("runs")
     layout = {k: v for k, v in LAYOUTS["nanochat"].items() if k != "n_inner"}
     cfg = load_config(REPO / "config" / "tiny.toml", {
@@ -64,13 +65,13 @@ def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanoch
     assert scored.returncode == 0, scored.stderr
     ours = float(scored.stdout.split("loss ")[1].split()[0])
     assert math.isclose(ours, theirs, abs_tol=1e-4)
-    # the folder read back scores the text's own tokens, no special token added
+    # the folder read back scores the text's own tokens, with no special token added
     folder = run("evaluate.py", "--input", str(tmp_path / "text.txt"), "--init-from",
                  str(tmp_path / "hf"))
     assert folder.returncode == 0, folder.stderr
     assert float(folder.stdout.split("loss ")[1].split()[0]) == ours
-    # greedy tokens: transformers' generate equals sample.py's, from the checkpoint and from
-    # the exported folder read back
+    # transformers' greedy tokens equal sample.py's, both from the checkpoint and from the
+    # exported folder read back
     prompt = "ROMEO: "
     greedy = model.generate(torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=20,
                             do_sample=False)
@@ -143,12 +144,14 @@ def test_a_nanochat_folder_is_fine_tuned_on_data_prepared_with_its_tokenizer(tmp
     ckpt = load_checkpoint(result.run_dir / "best.pt")
     base = load_checkpoint(nanochat_run / "best.pt")
     assert ckpt["model_args"]["block_size"] == 16 and ckpt["model_args"]["embed_norm"]
-    # the same text as the base model's data, the same ids: ten more steps go on learning
+    # the same text as the base model's data gives the same ids, so ten more steps keep
+    # lowering the loss
     assert ckpt["tokenizer"]["kind"] == "hf" and ckpt["val_loss"] < base["val_loss"]
     sampled = run("sample.py", "--run", str(result.run_dir), "--prompt", "ROMEO:",
                   "--max-new-tokens", "10")
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
-    # data tokenized otherwise (the char dataset's own table) is refused, and nothing written
+    # data tokenized another way (by the char dataset's own table) is refused, and nothing is
+    # written
     with pytest.raises(ConfigError, match=f"init_from needs data tokenized by {folder}'s "
                                           f"tokenizer, but {char_data} was prepared with another"):
         train(cfg.updated(data_dir=str(char_data), run_name="other"))

@@ -30,7 +30,7 @@ from weights.checkpoint import load_checkpoint, save_checkpoint
 from weights.loading import model_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
-TWO_CHARS = {"kind": "char", "vocab_size": 2, "chars": "ab"}  # a tokenizer, for checkpoints
+TWO_CHARS = {"kind": "char", "vocab_size": 2, "chars": "ab"}  # a tokenizer to put in checkpoints
 TRAIN = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "config" / "tiny.toml")]
 
 
@@ -47,13 +47,13 @@ def wait_for_line(proc: subprocess.Popen, text: str) -> None:
     raise AssertionError(f"training ended before printing {text!r}: {proc.stderr.read()}")
 
 
-# SIGHUP: the terminal or the SSH session that started the run was closed
+# SIGHUP comes when the terminal or the SSH session that started the run is closed
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, char_data, signum):
     args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--eval-interval", "100000",
             "--sample-tokens", "0")
     proc = start_training(*args, "--max-iters", "100000")
-    wait_for_line(proc, "iter ")  # the first log point: training has begun
+    wait_for_line(proc, "iter ")  # the first log line, so training has begun
     time.sleep(1.0)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=60)
@@ -79,7 +79,7 @@ def test_an_interrupted_second_run_resumes_itself_and_leaves_the_first_untouched
     train(cfg)
     before = {p.name: p.read_bytes() for p in (tmp_path / "dup").iterdir()}
     proc = start_training(*args, "--max-iters", "100000")
-    wait_for_line(proc, "iter ")  # the first log point: training has begun
+    wait_for_line(proc, "iter ")  # the first log line, so training has begun
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
@@ -92,7 +92,7 @@ def test_an_interrupted_second_run_resumes_itself_and_leaves_the_first_untouched
 
 
 def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_path, char_data):
-    # a checkpoint at every step of a 13 MB model: much of the time goes to writing them
+    # a checkpoint at every step of a 13 MB model, so much of the time goes to writing them
     args = ["--data-dir", str(char_data), "--out-dir", str(tmp_path), "--n-layer", "4",
             "--n-embd", "128", "--n-head", "4", "--eval-interval", "1", "--eval-iters", "1",
             "--sample-tokens", "0", "--max-iters", "100000"]
@@ -102,11 +102,12 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
     for kill in range(kills):
         resume = last.exists()
         proc = start_training(*args, *(["--resume"] if resume else []))
-        # the first run from after its first checkpoint (iter 1's is saved before "iter 2:"),
-        # for every kill to have one to check; a resumed run from just before its loop starts,
-        # but the last from after its first new checkpoint (a run resumed at iter n saves n
-        # again, and n + 1 before it prints "iter n + 2:"), so that the runs are seen to go
-        # on however busy the machine is
+        # Each kill comes at a random time after a line: for the first run, after its first
+        # checkpoint (iter 1's is saved before "iter 2:"), so that every kill has one to
+        # check; for a resumed run, just before its loop starts; but for the last run, after
+        # its first new checkpoint (a run resumed at iter n saves n again, and n + 1 before it
+        # prints "iter n + 2:"), so that the runs are seen to make progress however busy the
+        # machine is.
         resumed_at = load_checkpoint(last)["iter_num"] if resume else 0
         wait_for_line(proc, "iter 2:" if not resume else
                       f"iter {resumed_at + 2}:" if kill == kills - 1 else "parameters,")
@@ -125,9 +126,9 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
     assert len(iters) == kills and iters == sorted(iters) and iters[-1] > iters[0]
 
 
-# one process imports torch once and, for each line on stdin, forks a writer: a process that
-# does nothing but write 40 MB checkpoints (its tensor made after the fork, so that no torch
-# work has run in the parent), and says its pid once the first is written
+# One process imports torch once and, for each line on stdin, forks a writer: a process that
+# does nothing but write 40 MB checkpoints, and prints its pid once the first is written. The
+# writer makes its tensor after the fork, so that no torch work has run in the parent.
 WRITERS = """
 import os, sys, torch
 from weights.checkpoint import save_checkpoint
@@ -153,7 +154,7 @@ def test_sigkill_during_checkpoint_writes_leaves_old_or_new_whole(tmp_path):
         for _ in range(8):
             writers.stdin.write("write\n")
             writers.stdin.flush()
-            pid = int(writers.stdout.readline())  # past its first save: from here on it writes
+            pid = int(writers.stdout.readline())  # its first save is done, and from here on it only writes
             time.sleep(rng.uniform(0.0, 0.5))
             os.kill(pid, signal.SIGKILL)
             while Path(f"/proc/{pid}").exists():  # until its parent has reaped it
@@ -162,9 +163,10 @@ def test_sigkill_during_checkpoint_writes_leaves_old_or_new_whole(tmp_path):
             seen.append(load_checkpoint(path)["iter_num"])  # raises if not whole
         writers.stdin.close()
     print(f"\n8 SIGKILLs of a checkpoint writer, {mid_write} during a write, all loaded: {seen}")
-    # about half land mid-write; at least one must, or the test proved nothing
+    # many kills land mid-write; at least one must, or the test proves nothing
     assert mid_write >= 1 and len(seen) == 8
-    # each writer's first save removed what the killed ones left; the last kill's may stay
+    # each writer's first save removes what the killed ones left, so only the last kill's may
+    # stay
     assert len(list(tmp_path.glob(".last.pt.*.tmp"))) <= 1
 
 
@@ -175,7 +177,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_config, 
         logits, loss = forward(self, idx, targets, **kwargs)
         if self.training and targets is not None:
             calls["train"] += 1
-            if calls["train"] > 12:  # steps 13 on: a NaN, as an overflow would make
+            if calls["train"] > 12:  # from step 13 on, a NaN, as an overflow would make
                 loss = loss * float("nan")
         return logits, loss
 
@@ -194,7 +196,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path):
     save_checkpoint({"model_args": {}, "model": {}, "iter_num": 1, "config": {},
                      "tokenizer": TWO_CHARS}, path)
     before = path.read_bytes()
-    with pytest.raises((pickle.PicklingError, AttributeError)):  # a lambda does not pickle
+    with pytest.raises((pickle.PicklingError, AttributeError)):  # a lambda cannot be pickled
         save_checkpoint({"model_args": {}, "model": {}, "iter_num": 2, "config": {},
                          "tokenizer": TWO_CHARS, "unsaveable": lambda: None}, path)
     assert path.read_bytes() == before
@@ -266,8 +268,8 @@ def test_resuming_below_the_checkpoints_iteration_says_so(tiny_config):
 
 
 def test_a_signal_while_the_run_starts_still_saves_a_resumable_checkpoint(tmp_path, char_data):
-    # the handlers are set before the run folder exists: a SIGTERM during setup or the first
-    # evaluation is answered after the first step, with a checkpoint and the resume hint
+    # the handlers are set before the run folder exists, so a SIGTERM during setup or the
+    # first evaluation is answered after the first step, with a checkpoint and the resume hint
     proc = start_training("--data-dir", str(char_data), "--out-dir", str(tmp_path),
                           "--max-iters", "100000", "--sample-tokens", "0")
     wait_for_line(proc, "dtype ")  # printed after setup, before the first evaluation
@@ -280,7 +282,7 @@ def test_a_signal_while_the_run_starts_still_saves_a_resumable_checkpoint(tmp_pa
 
 def test_a_folder_where_a_run_saved_nothing_is_taken_over(tiny_config, tmp_path):
     # a run killed before its first checkpoint leaves only TensorBoard events; the next run
-    # takes that folder (its stale events go) instead of becoming NAME-2
+    # takes that folder over, removing the stale events, instead of becoming NAME-2
     from torch.utils.tensorboard import SummaryWriter
     dead = Path(tiny_config.out_dir) / "tiny"
     writer = SummaryWriter(dead)
@@ -294,7 +296,7 @@ def test_a_folder_where_a_run_saved_nothing_is_taken_over(tiny_config, tmp_path)
 
 
 def test_two_runs_of_one_name_started_together_never_share_a_folder(tmp_path, char_data):
-    # a checkpoint at every step: before the run folder's lock, the two wrote each other's
+    # a checkpoint at every step, so that two runs sharing a folder would write each other's
     # .last.pt.tmp, events and checkpoints
     args = ("--data-dir", str(char_data), "--out-dir", str(tmp_path), "--max-iters", "15",
             "--eval-interval", "1", "--eval-iters", "1", "--sample-tokens", "0")
@@ -307,7 +309,7 @@ def test_two_runs_of_one_name_started_together_never_share_a_folder(tmp_path, ch
     for folder in map(Path, folders):
         assert load_checkpoint(folder / "last.pt")["iter_num"] == 15
         events = [p for p in folder.iterdir() if p.name.startswith("events.out.tfevents.")]
-        assert len(events) == 2  # the run's scalars and its hparams: one run's, not two
+        assert len(events) == 2  # the run's scalars and its hparams, from one run, not two
 
 
 def test_resume_is_refused_while_the_run_is_still_going(tmp_path, char_data):
@@ -345,7 +347,8 @@ def test_ctrl_c_after_the_loss_turned_nan_writes_no_checkpoint(tmp_path, char_da
 
 
 def test_a_resumed_run_takes_the_new_learning_rate(tiny_config):
-    # the optimizer state is the run's, its settings the config's: lr 0 moves nothing
+    # the optimizer state comes from the run but its settings from the config, so lr 0 moves
+    # nothing
     first = train(dataclasses.replace(tiny_config, max_iters=10, eval_interval=10))
     before = load_checkpoint(first.run_dir / "last.pt")["model"]
     train(dataclasses.replace(tiny_config, max_iters=15, eval_interval=5, learning_rate=0.0,
@@ -356,8 +359,8 @@ def test_a_resumed_run_takes_the_new_learning_rate(tiny_config):
 
 
 def small_disk(limit: int) -> Callable[[], None]:
-    """A preexec_fn: files past `limit` bytes fail to grow, as on a full disk (EFBIG, not a
-    signal)."""
+    """A preexec_fn under which files fail to grow past `limit` bytes, as on a full disk
+    (with EFBIG, not a signal)."""
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -368,7 +371,8 @@ def small_disk(limit: int) -> Callable[[], None]:
     # a 0.4 MB checkpoint, cut at 100 KB inside torch's zip writer
     ("checkpoint", 100_000, (), "could not write a checkpoint in {run} (File too large) at "
                                 "iter 5; no checkpoint was written yet; free space and start again"),
-    # 53 KB checkpoints fit; the events file reaches 60 KB near iter 200, in TensorBoard's thread
+    # 53 KB checkpoints fit, and the events file reaches 60 KB near iter 200, in TensorBoard's
+    # thread
     ("events", 60_000, ("--n-layer", "1", "--n-embd", "8", "--n-head", "1"),
      "could not write to {run} (File too large) at iter "),
 ])
@@ -392,8 +396,8 @@ def test_a_disk_that_fills_mid_write_is_one_line_and_keeps_the_last_checkpoint(
 
 
 def test_attention_pictures_that_fill_the_disk_leave_no_half_file(tmp_path, trained_run):
-    # the page (written first) is its 4.5 KB template and every weight in base64, while the
-    # file that --attention writes to try the folder is tiny
+    # the page (written first) holds its 4.5 KB template and every weight in base64, so it
+    # passes the limit, while the small file that --attention writes to test the folder fits
     result = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(trained_run / "best.pt"),
                              "--max-new-tokens", "20", "--attention", str(tmp_path / "a")],
                             cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -441,8 +445,8 @@ def test_a_damaged_decode_step_in_the_cache_is_built_again(tmp_path, trained_run
 
 def test_output_to_a_full_disk_is_one_line_and_what_was_written_is_kept(tmp_path, trained_run,
                                                                       corpus_file):
-    """stdout on a full disk (`> /dev/full`): one line on stderr and exit 1, for every
-    command, and the files the command wrote (evaluate's --json, prepare's dataset) stay."""
+    """With stdout on a full disk (`> /dev/full`), every command prints one line on stderr and
+    exits with 1, and the files it wrote (evaluate's --json, prepare's dataset) stay."""
     best = str(trained_run / "best.pt")
     commands = {
         "sample": ["sample.py", "--checkpoint", best, "--prompt", "ROMEO:",
@@ -488,9 +492,9 @@ def test_a_process_memory_limit_is_one_line_naming_the_batch_and_the_limit(tmp_p
 
 
 def test_processes_that_write_one_file_at_once_leave_it_whole(tmp_path):
-    # the cache is shared: xdist's workers and torchrun's processes fetch into it at once, and
-    # with one temporary name for every writer, a rename found the file gone or put another
-    # writer's half in place
+    # the cache is shared, and xdist's workers and torchrun's processes fetch into it at once;
+    # if every writer used the same temporary name, a rename could find the file gone or put
+    # another writer's half in place
     code = ("import sys\nfrom machine.files import write_bytes_atomic\n"
             "for _ in range(40):\n    write_bytes_atomic(sys.argv[1], sys.argv[2].encode() * 200_000)")
     writers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "file"), str(n)],

@@ -1,4 +1,4 @@
-"""GPT-2 compatibility, proven against an independent implementation (transformers):
+"""GPT-2 compatibility, checked against an independent implementation (transformers):
 the same logits, the same greedy tokens, and exports that transformers loads."""
 
 import fractions
@@ -34,7 +34,7 @@ SHAPES = [
 
 
 def saved(obj: object) -> bytes:
-    """obj as torch.save writes it."""
+    """The bytes that torch.save writes for obj."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -188,11 +188,11 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, tra
     idx = torch.randint(0, ours.config.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
-    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the char table
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # it holds our char table
     text = "ROMEO: Juliet loves the moon.\n\nNURSE:  Tybalt"
     assert auto.encode(text) == load_tokenizer(load_checkpoint(best)["tokenizer"]).encode(text)
-    # a second export into the same folder is refused, and the first is left as it was; the
-    # command's old name, gpt2.py, is the same command
+    # a second export into the same folder is refused, and the first is left as it was;
+    # gpt2.py, the command's old name, runs the same command
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
     again = python(["gpt2.py", str(best), str(tmp_path / "hf")], timeout=120)
     assert again.returncode == 1

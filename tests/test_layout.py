@@ -72,7 +72,7 @@ def test_every_source_file_says_what_it_is_for_and_how_to_use_it():
         assert len(text.splitlines()) <= 500, f"{name} is over 500 lines: split it"
 
 
-# Each top-level package or root module, and its layer: a module imports only from lower
+# Each top-level package or root module, and its layer. A module imports only from lower
 # layers, or from its own package. The commands are the root's other modules, one layer
 # up; benchmarks/ stands above them and imports the layers, and of the commands only train.
 LAYERS = {

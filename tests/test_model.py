@@ -1,4 +1,5 @@
-"""The transformer computes what it claims: causal, fused qkv, two equal attention paths."""
+"""The transformer computes what it claims: it is causal, its fused qkv equals three
+projections, and its two attention paths agree."""
 
 import math
 
@@ -66,7 +67,7 @@ def test_the_explicit_paths_weights_pass_attn_dropout_sum_to_one_and_hide_the_fu
     for block in tiny_model.transformer.h:
         block.attn.attn_dropout.register_forward_hook(lambda module, args, out: weights.append(out))
     tiny_model(torch.randint(0, 50, (2, 12)), attention="explicit")
-    assert len(weights) == 2 and weights[0].shape == (2, 4, 12, 12)  # a layer each, (B, nh, T, T)
+    assert len(weights) == 2 and weights[0].shape == (2, 4, 12, 12)  # one per layer, each (B, nh, T, T)
     for att in weights:
         torch.testing.assert_close(att.sum(-1), torch.ones(att.shape[:-1]))
         future = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)
@@ -99,9 +100,9 @@ def test_attention_functions_agree_under_a_cache_mask():
 
 
 def test_short_bf16_attention_on_a_cpu_computes_in_fp32():
-    # torch's CPU kernel is slower in bf16 than in fp32 below 256 keys: there the fused path
-    # computes in fp32, also under autocast (which would cast back), and rounds the output;
-    # from 256 keys on it stays in bf16
+    # torch's CPU kernel is slower in bf16 than in fp32 below 256 keys, so there the fused
+    # path computes in fp32, under autocast too (which would otherwise cast back), and rounds
+    # the output; from 256 keys on, it stays in bf16
     g = torch.Generator().manual_seed(3)
     for T, fp32 in [(64, True), (256, False)]:
         q, k, v = (torch.randn(2, 4, T, 32, generator=g).bfloat16().requires_grad_()
@@ -115,7 +116,7 @@ def test_short_bf16_attention_on_a_cpu_computes_in_fp32():
 
 
 def rotated_as_complex_numbers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope's rotation another way: each pair as x1 + i x2, times e^(i angle)."""
+    """apply_rope's rotation computed another way: each pair as x1 + i x2, times e^(i angle)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     turned = torch.complex(x1, x2) * torch.complex(cos, sin)
     return torch.cat([turned.real, turned.imag], dim=-1).to(x.dtype)
@@ -123,13 +124,13 @@ def rotated_as_complex_numbers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gradients_written_out_equal_autograds(dtype):
-    # RMSNorm, ReLU^2 and the rotary rotation are written out for speed (in C for float32,
-    # machine/cpu_kernels.c): the same values and gradients as autograd through the composed
-    # operations, in fp32 and from bf16 activations
+    # RMSNorm, ReLU^2 and the rotary rotation are written out for speed (in C for float32, in
+    # machine/cpu_kernels.c); they must give the same values and gradients as autograd through
+    # the composed operations, in fp32 and from bf16 activations
     from machine.cpu_kernels import kernels
     assert kernels() is not None  # the C kernels are built here, so float32 runs them
     gen = torch.Generator().manual_seed(0)
-    angles = torch.rand(7, 1, 16, generator=gen) * 6  # (T, 1, hd / 2): one row a position
+    angles = torch.rand(7, 1, 16, generator=gen) * 6  # (T, 1, hd / 2): one row per position
     cos, sin = angles.cos(), angles.sin()
     for fast, composed in [
         (lambda x: RMSNormFunction.apply(x, 1e-6), lambda x: F.rms_norm(x, (x.size(-1),), eps=1e-6)),
@@ -155,7 +156,8 @@ def test_a_model_built_on_the_meta_device_gets_the_same_initial_values():
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = GPT(config)
-    values = {id(param): value for param, value in meta.initial_values()}  # the last value stays
+    # a tied table gets the last value given for it, lm_head's
+    values = {id(param): value for param, value in meta.initial_values()}
     state = whole.state_dict()
     for name, param in meta.named_parameters():
         assert torch.equal(values[id(param)], state[name]), name
@@ -198,7 +200,7 @@ def test_parameter_count_and_flops_follow_the_shape():
     assert model.num_params() == expected == 10_672_512
     assert model.num_params(non_embedding=False) == expected + 256 * d
     assert model.flops_per_token(256) == 6 * expected + 12 * 6 * d * 256
-    # untied, the table is only looked up, and the head does the compute the tied table did
+    # untied, the table is only looked up, and the head does the compute that the tied table did
     untied = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384,
                            tie_embeddings=False))
     assert untied.num_params() == expected
@@ -246,8 +248,8 @@ def last_position_output(model: GPT, idx: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["no_positions", "gpt2", "rope"])
 def test_without_positions_the_last_output_ignores_the_order_of_the_tokens_before_it(layout):
-    # attention is a weighted sum over keys: shuffle the keys and the sum is the same, so
-    # with nothing to mark positions the last token cannot tell the order of the others
+    # attention is a weighted sum over keys, and shuffling the keys leaves the sum unchanged,
+    # so with nothing to mark positions the last token cannot tell the order of the others
     model = layout_model(layout)
     with torch.no_grad():  # sharper attention than at initialisation, as after training
         model.transformer.h[0].attn.c_attn.weight.mul_(10)
@@ -261,7 +263,7 @@ def test_without_positions_the_last_output_ignores_the_order_of_the_tokens_befor
     if layout == "no_positions":
         assert change < 1e-6
         # the causal mask alone still breaks the symmetry for the positions before the
-        # last: each sees another set of tokens
+        # last, because each of them sees a different set of tokens
         assert (a[0, :-1] - b[0, :-1]).abs().max().item() > 1e-2
     else:  # learned or rotary positions tell the orders apart
         assert change > 1e-3

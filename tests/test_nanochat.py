@@ -1,5 +1,5 @@
-"""NanoChat compatibility, proven against transformers' NanoChatForCausalLM: folders read in
-give its logits, and our models exported give ours in it."""
+"""NanoChat compatibility, checked against transformers' NanoChatForCausalLM: a folder we
+read in gives its logits, and a model we export gives our logits in it."""
 
 from pathlib import Path
 
@@ -22,8 +22,8 @@ VARIANTS = {"gqa, softcap": dict(num_key_value_heads=2, final_logit_softcapping=
 
 
 def nanochat_folder(path: Path, **changes) -> transformers.NanoChatForCausalLM:
-    """A random NanoChat model saved by transformers itself, its weights large enough that a
-    wrong sign or order shows in the logits."""
+    """A random NanoChat model saved by transformers itself, with its weights scaled up so
+    that a wrong sign or order shows in the logits."""
     torch.manual_seed(0)
     model = transformers.NanoChatForCausalLM(transformers.NanoChatConfig(**{**SHAPE, **changes}))
     with torch.no_grad():

@@ -50,7 +50,8 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tiny_config):
     assert decay["transformer.h.0.ln_1.weight"] == decay["transformer.h.0.attn.c_attn.bias"] == 0
     assert decay["transformer.wte.weight"] == decay["transformer.h.0.mlp.c_fc.weight"] == 0.1
     assert muon.param_groups[0]["peak_lr"] == muon_cfg.muon_lr
-    # Newton-Schulz in bf16 only for a bf16 run: elsewhere bf16 may be emulated, and slow
+    # Newton-Schulz runs in bf16 only for a bf16 run, because elsewhere bf16 may be emulated
+    # and slow
     assert muon.ns_dtype == torch.float32
     for dtype, ns_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]:
         assert configure_optimizers(model, muon_cfg, torch.device("cpu"), dtype)[1].ns_dtype \
@@ -113,8 +114,8 @@ def test_orthogonalize_in_fp32_flattens_the_spectrum_as_bf16_does():
     singular = torch.linalg.svdvals(fp32)
     assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 10
     assert 0.5 < singular.min() and singular.max() < 1.5
-    # bf16's roundings move the singular values within that band, and so the matrix by a few
-    # percent (an unrelated matrix of the same norm is 140% away)
+    # bf16's rounding moves the singular values within that band, and so moves the matrix by
+    # a few percent (an unrelated matrix of the same norm is about 140% away)
     assert (fp32 - bf16.float()).norm() / fp32.norm() < 0.1
 
 
@@ -166,7 +167,7 @@ def test_muon_parameters_of_a_model_without_biases(tiny_config):
     ({"avx2", "fma"}, torch.float32, "no native bf16"),
     ({"avx512f", "avx512_bf16"}, torch.bfloat16, "natively (avx512_bf16)"),
     ({"amx_bf16", "amx_tile"}, torch.bfloat16, "natively (amx_bf16)"),
-    (set(), torch.float32, "no native bf16"),  # no /proc/cpuinfo: macOS, Windows
+    (set(), torch.float32, "no native bf16"),  # no /proc/cpuinfo, as on macOS and Windows
 ])
 def test_auto_dtype_on_a_cpu_is_bf16_where_the_cpu_multiplies_it_natively(flags, expected, reason):
     dtype, why = choose_cpu_dtype(flags)

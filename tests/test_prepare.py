@@ -1,6 +1,6 @@
 """The streaming preparation: every input format gives the same token stream, workers do not
 change a byte, a killed or disk-full run resumes to the bytes of an uninterrupted one,
-validation holds whole documents, old datasets load, and bad input is one line."""
+validation holds whole documents, old datasets load, and bad input is reported in one line."""
 
 import gzip
 import json
@@ -42,7 +42,7 @@ def make_documents(n: int = 120, seed: int = 0) -> list[str]:
 
 
 def write_corpus(folder: Path, docs: list[str], fmt: str) -> Path:
-    """The documents in one of the input formats; the path to give --input."""
+    """Write the documents in one of the input formats; return the path to give --input."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = b"".join(json.dumps({"id": i, "text": d}).encode() + b"\n" for i, d in enumerate(docs))
     if fmt == "txt":
@@ -169,7 +169,8 @@ def test_windows_cross_shard_boundaries_and_are_windows_of_the_stream(tmp_path):
 
 
 def run_prepare(args: str, **popen) -> subprocess.Popen:
-    """data.prepare's prepare() in a real subprocess, with small batches and shards."""
+    """Run data.prepare's prepare() in a real subprocess; `args` sets its small batches and
+    shards."""
     code = ("import sys; from data.documents import list_inputs; from data.prepare import prepare; "
             f"prepare(list_inputs([sys.argv[1]]), 'gpt2', sys.argv[2], 'c', {args})")
     return subprocess.Popen([sys.executable, "-c", code, *popen.pop("argv")], cwd=REPO,
@@ -181,7 +182,7 @@ def test_a_killed_preparation_resumes_to_the_same_bytes(tmp_path):
     options = "shard_tokens=400, batch_bytes=3000"
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert run_prepare(options, argv=[str(path), str(whole)]).wait(timeout=300) == 0
-    for kill_at in (3, 40):  # whole shards on disk when the kill comes
+    for kill_at in (3, 40):  # the whole shards on disk when the kill comes
         proc = run_prepare(options, argv=[str(path), str(cut)])
         while len(list(cut.glob("tokens_*.bin"))) < kill_at and proc.poll() is None:
             time.sleep(0.005)
@@ -194,8 +195,8 @@ def test_a_killed_preparation_resumes_to_the_same_bytes(tmp_path):
 
 @pytest.mark.parametrize("kill_when", ["a worker starts", "shards are written"])
 def test_a_killed_preparation_leaves_no_process_behind(tmp_path, kill_when):
-    # the first moment is when a worker used to outlive its parent: started before the
-    # kill, it looked for its parent after it, and watched the process that adopted it
+    # the first moment is the risky one, because a worker started just before the kill looks
+    # for its parent after it, and could end up watching the process that adopted it
     path = write_corpus(tmp_path / "in", make_documents(3000), "jsonl")
     proc = run_prepare("shard_tokens=400, batch_bytes=3000, workers=2",
                        argv=[str(path), str(tmp_path / "out")])
@@ -269,7 +270,7 @@ def test_a_disk_that_fills_mid_write_stops_cleanly_and_resumes(tmp_path):
 def test_another_command_into_a_dataset_folder_is_refused_and_force_replaces(tmp_path):
     path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
     first = prepare(list_inputs([path]), "char", tmp_path / "out", "c")
-    assert prepare(list_inputs([path]), "char", tmp_path / "out", "c") == first  # done already
+    assert prepare(list_inputs([path]), "char", tmp_path / "out", "c") == first  # already done
     with pytest.raises(DataError, match="holds another dataset; choose another --out, or add "
                                          "--force to replace it"):
         prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c")
@@ -322,7 +323,7 @@ def test_bad_input_is_one_line_naming_the_file_and_nothing_is_left(tmp_path, nam
         pq.write_table(pa.table({"body": ["a document"] * 10}), path)
     else:
         path.write_bytes(content)
-    # hiding a module as an uninstalled one does: its import raises ImportError
+    # hide a module as if it were not installed, so that importing it raises ImportError
     code = (f"import sys; sys.modules[{hide!r}] = None; " if hide else "import sys; ") + \
         "import runpy; sys.argv[0] = 'prepare'; runpy.run_module('data.prepare', run_name='__main__')"
     result = subprocess.run([sys.executable, "-c", code, "--input", str(path), "--out",
@@ -358,7 +359,8 @@ def test_a_compressed_file_cut_short_is_refused_not_read_as_whole(tmp_path, fmt)
 
 
 def test_the_corpus_as_an_argument_is_the_same_as_input(tmp_path):
-    # the first thing a newcomer types, as train.py takes its config file first
+    # what a newcomer types first, by analogy with train.py, which takes its config file
+    # as its first argument
     path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
     for out, argv in (("given", [str(path)]), ("named", ["--input", str(path)])):
         made = python(["-m", "data.prepare", *argv, "--tokenizer", "gpt2", "--out",
@@ -369,7 +371,7 @@ def test_the_corpus_as_an_argument_is_the_same_as_input(tmp_path):
 
 def test_a_folder_of_another_tool_is_refused_and_kept(tmp_path):
     path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
-    theirs = tmp_path / "nanogpt"  # nanoGPT's prepare.py writes these, and no meta.json
+    theirs = tmp_path / "nanogpt"  # nanoGPT's prepare.py writes these files, and no meta.json
     theirs.mkdir()
     for name in ("train.bin", "val.bin", "notes.txt"):
         (theirs / name).write_bytes(b"their bytes")
@@ -398,13 +400,13 @@ def test_a_second_preparation_into_a_folder_in_use_is_refused(tmp_path):
     assert first.wait(timeout=300) == 0
     whole = tmp_path / "whole"
     assert run_prepare("shard_tokens=400, batch_bytes=3000", argv=[str(path), str(whole)]).wait() == 0
-    assert files(out) == files(whole)  # the first was not disturbed: no orphan shard
+    assert files(out) == files(whole)  # the first was not disturbed, and no orphan shard is left
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
 def test_windows_text_tokenizes_as_the_whole_file_in_any_pieces(tmp_path, tokenizer):
     # CRLF line ends, a byte-order mark, non-ASCII letters before line ends, and lines with
-    # no letter at all: the pieces are cut where the split pattern always splits
+    # no letter at all; the pieces must be cut only where the split pattern always splits
     docs = make_documents(60, seed=3)
     text = "\r\n".join(d.replace("\n", "\r\n") for d in docs) + "\r\n12 34\r\n... !\r\n"
     path = tmp_path / "windows.txt"
@@ -438,7 +440,7 @@ def test_a_damaged_parquet_page_is_named_as_such_and_nothing_is_written(tmp_path
 
 
 def test_a_killed_worker_is_one_line_and_the_same_command_resumes_whole(tmp_path):
-    path = tmp_path / "big.jsonl"  # 16 batches of a megabyte: work left when one dies
+    path = tmp_path / "big.jsonl"  # 16 batches of a megabyte, so work is left when a worker dies
     docs = make_documents(400)
     with path.open("w") as f:
         for i in range(160_000):

@@ -71,7 +71,7 @@ def test_config_parser_gives_a_config_or_a_config_error(overrides):
         assert isinstance(cfg, TrainConfig)
         settings = cfg.to_dict()
         assert all(settings[k] == v for k, v in overrides.items() if k != "n_kv_head")
-        assert settings["n_kv_head"] in (overrides.get("n_kv_head", 0), 0)  # 0: n_head's
+        assert settings["n_kv_head"] in (overrides.get("n_kv_head", 0), 0)  # 0 means as many as n_head
         assert load_config(None, settings) == cfg
 
 
@@ -89,17 +89,17 @@ top_ps = st.one_of(st.none(), st.floats(5e-324, 1.0), st.sampled_from([5e-324, 1
 @settings(max_examples=400, deadline=None)
 @given(logit_rows, temperatures, top_ks, top_ps, st.integers(0, 2**32))
 def test_every_sampling_filter_keeps_the_likeliest_token(row, temperature, top_k, top_p, seed):
-    check_sampling(temperature, top_k, top_p)  # each value is one its range allows
+    check_sampling(temperature, top_k, top_p)  # each value is inside its allowed range
     logits = torch.tensor([row])
-    best = logits.max()  # a tie may keep another of the likeliest tokens than argmax's
+    best = logits.max()  # compare values, because in a tie a filter may keep another token than argmax
     assert filter_top_k(logits, top_k or 1).max() == best
     assert filter_top_p(logits, top_p or 1.0).max() == best
     picked = sample_next(logits, temperature, top_k, top_p, torch.Generator().manual_seed(seed))
     assert torch.isfinite(logits[0, picked.item()])
     if temperature == 0 or top_k == 1:
-        assert logits[0, picked.item()] == best  # narrowed to the likeliest
+        assert logits[0, picked.item()] == best  # narrowed to the likeliest token
     elif top_p is not None and top_p < 0.5 / len(row):
-        # the likeliest after the temperature, which may round distinct logits to one value
+        # the likeliest after temperature scaling, which may round distinct logits to one value
         finfo = torch.finfo(torch.float32)
         scaled = (logits - best) / min(max(temperature, finfo.tiny), finfo.max)
         assert scaled[0, picked.item()] == 0

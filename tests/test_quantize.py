@@ -1,5 +1,5 @@
-"""int8 weight-only quantization: close to the float model, cheaper to read, and run by
-every path that loads weights (sample.py, evaluate.py, the C step)."""
+"""int8 weight-only quantization: the model stays close to the float one, takes fewer bytes
+to read, and runs on every path that loads weights (sample.py, evaluate.py, the C step)."""
 
 import subprocess
 from pathlib import Path
@@ -22,7 +22,7 @@ def test_rows_round_trip_within_half_a_step_of_their_own_scale():
     w[5] = 0.0
     q, scales = quantize_rows(w)
     assert q.dtype == torch.int8 and scales.shape == (64,)
-    assert q.abs().amax(dim=1)[torch.arange(64) != 5].eq(127).all()  # each row uses the range
+    assert q.abs().amax(dim=1)[torch.arange(64) != 5].eq(127).all()  # each row uses the full int8 range
     error = (q.float() * scales[:, None] - w).abs()
     assert (error <= scales[:, None] / 2 + 1e-7).all()
     assert error[5].eq(0).all()  # an all-zero row stays zero
@@ -44,7 +44,7 @@ def test_int8_model_is_a_quarter_of_the_bytes_and_keeps_the_token_table_tied():
     model = quantize_int8(model)
     assert model.transformer.wte.weight is model.lm_head.weight
     assert model.lm_head.weight.dtype == torch.int8
-    assert weight_bytes(model) < 0.3 * fp32  # int8 matrices; float vectors and row scales
+    assert weight_bytes(model) < 0.3 * fp32  # the matrices are int8; vectors and row scales stay float
     assert model.new_kv_cache(1, 8).k[0].dtype == torch.float32  # activations stay float
 
 
@@ -55,7 +55,7 @@ def test_int8_greedy_picks_the_fp32_token_at_nine_in_ten_teacher_forced_position
     int8 = quantize_int8(model_from_checkpoint(ckpt))
     block = fp32.config.block_size
     ids = torch.from_numpy(load_split(char_data, "val")[:200 + block].astype("int64"))
-    contexts = ids.unfold(0, block, 1)[:200]  # teacher forcing: the true text as context
+    contexts = ids.unfold(0, block, 1)[:200]  # teacher forcing: every context is the true text
     with torch.inference_mode():
         a = fp32(contexts)[0][:, -1].argmax(-1)
         b = int8(contexts)[0][:, -1].argmax(-1)

@@ -102,8 +102,8 @@ def test_the_window_keeps_the_newest_half_block_when_the_next_token_would_not_fi
 
 @pytest.mark.parametrize("new_tokens, slots", [(5, 8), (6, 16)])
 def test_the_cache_is_as_long_as_the_generation_fills(model, new_tokens, slots):
-    # the prompt's 4 and every new token but the last, which is never fed back: 8 or 9
-    # positions, rounded up to a power of two; the cached tokens are still the uncached ones
+    # the prompt's 4 tokens and every new token but the last, which is never fed back: 8 or 9
+    # positions, rounded up to a power of two; the cached tokens still equal the uncached ones
     assert cache_length(4, new_tokens, 1024) == slots
     prompt = torch.randint(0, 40, (1, 4), generator=torch.Generator().manual_seed(5))
     cached = generate(model, prompt, new_tokens, temperature=0.0, decode="eager")
@@ -117,7 +117,8 @@ def test_a_negative_number_of_new_tokens_is_refused(model):
 
 
 def test_a_bigram_model_with_block_size_1_generates_past_its_window():
-    # the window keeps block_size // 2 tokens when it jumps: none, unless at least one
+    # the window keeps block_size // 2 tokens when it jumps, which for block_size 1 would be
+    # none unless it keeps at least one
     torch.manual_seed(0)
     bigram = GPT(GPTConfig(vocab_size=10, block_size=1, n_layer=1, n_head=1, n_embd=8)).eval()
     prompt = torch.tensor([[1, 2, 3]])
@@ -128,8 +129,8 @@ def test_a_bigram_model_with_block_size_1_generates_past_its_window():
         assert uncached[0, n] == logits[0, -1].argmax()
 
 
-# torch.compile on gpt2's layout and nanochat's, which hold every switch between them: a cold
-# compile costs seconds, and the switches' own code is the eager model's
+# torch.compile runs only on gpt2's layout and nanochat's, which hold every switch between
+# them, because a cold compile is slow and the switches' own code is the eager model's
 @pytest.mark.parametrize("decode, layout", [
     pytest.param(decode, layout, id=f"{decode}-{layout}") for decode in DECODE_BACKENDS
     for layout in LAYOUTS if decode != "compile" or layout in ("gpt2", "nanochat")])
@@ -137,7 +138,8 @@ def test_every_decode_backend_gives_the_uncached_tokens_past_block_size(decode, 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32,
                           **LAYOUTS[layout])).eval()
-    # 3 sequences, 4 + 40 tokens with block_size 16: the window jumps and re-prefills
+    # 3 sequences of 4 + 40 tokens with block_size 16, so the window jumps and is prefilled
+    # again
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
     uncached = generate(model, prompts, 40, temperature=0.0, use_kv_cache=False)
     torch._dynamo.reset()  # graphs of the other layouts' models are not recompiles of this one
@@ -216,13 +218,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 @pytest.mark.parametrize("p", [1e-300, 5e-324, 1e-46, 1e-45, 1e-8, 0.5])
 def test_top_p_keeps_the_likeliest_token_however_small_p(p):
-    # a p under float32's smallest number is 0 there, and "mass before >= 0" held for all
+    # a p below float32's smallest number is 0 in float32, where "mass before >= 0" would
+    # hold for every token
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [0.0, 0.0, 9.0, 0.0]])
     kept = torch.isfinite(filter_top_p(logits, p))
     assert kept.tolist() == [[False, True, False, False], [False, False, True, False]]
 
 
-# every filter at the edges of its range: each keeps at least the likeliest token
+# every filter at the narrow edge of its range still keeps the likeliest token
 @pytest.mark.parametrize("settings", [
     {"top_p": 1e-300}, {"top_p": 5e-324}, {"top_p": 1e-46}, {"top_k": 1},
     {"temperature": 5e-324}, {"temperature": 1e-38}, {"temperature": 1e-300, "top_k": 1,
@@ -241,7 +244,7 @@ def test_every_filter_at_its_narrowest_samples_the_likeliest_token(settings):
     {"temperature": 1e30, "top_k": 4, "top_p": 1.0}, {"temperature": 1e30, "top_p": 1 - 1e-16},
 ])
 def test_every_filter_at_its_widest_samples_every_token(settings):
-    # a temperature past float32's largest number divides as by inf: -inf / inf was nan
+    # a temperature past float32's largest number divides as inf would, and -inf / inf is nan
     logits = torch.tensor([[3.0, 9.5, -2.0, -float("inf")]]).expand(4000, 4)
     picked = sample_next(logits, **settings, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(picked.flatten(), minlength=4).tolist()
@@ -281,7 +284,7 @@ def test_stop_string_split_across_tokens_is_found(model):
     tok = CharTokenizer("".join(chr(ord("a") + i) for i in range(26)) + " .,:;!?\n'-()[]")
     assert tok.vocab_size == 40
     full = "".join(generate_text(model, tok, [0], 30, temperature=0.0))
-    stop = full[10:13]  # three characters: three separate tokens
+    stop = full[10:13]  # three characters, so three separate tokens
     cut = "".join(generate_text(model, tok, [0], 30, temperature=0.0, stop=(stop,)))
     assert cut == full[:full.index(stop)]
 
@@ -327,7 +330,7 @@ def test_cli_samples_differ_and_a_seed_repeats_them(trained_run):
     assert once.returncode == 0, once.stderr
     first, second = once.stdout.split("\n---------------\n")
     assert first.startswith("ROMEO:") and second.startswith("ROMEO:")
-    assert first != second  # the second sample draws on, it does not start over
+    assert first != second  # the second sample continues the random stream, not starting over
     assert again.stdout == once.stdout
 
 
@@ -339,15 +342,9 @@ def test_cli_stop_string_understands_backslash_n(trained_run):
     assert cut.returncode == 0 and cut.stdout == full.stdout[:full.stdout.index("\n")] + "\n"
 
 
-
-
-
-
-
-
 def test_cli_sampling_filters_at_their_edges_print_the_greedy_text(trained_run):
-    """--top-p 1e-300 died with "probability tensor contains inf/nan"; every filter at its
-    narrowest keeps the likeliest token, so each prints what --temperature 0 prints."""
+    """Every filter at its narrowest keeps the likeliest token (rather than failing with
+    "probability tensor contains inf/nan"), so each prints what --temperature 0 prints."""
     args = ("--run", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "30")
     greedy = run_sample(*args, "--temperature", "0")
     assert greedy.returncode == 0, greedy.stderr
@@ -360,8 +357,9 @@ def test_cli_sampling_filters_at_their_edges_print_the_greedy_text(trained_run):
 
 
 def test_cli_leaves_special_tokens_out_of_text_unless_asked(sft_run):
-    """A chat model continuing a plain prompt ends replies with <|assistant_end|>: text
-    without it by default (as vLLM and llama.cpp give), with --no-skip-special-tokens."""
+    """A chat model continuing a plain prompt ends its replies with <|assistant_end|>. The
+    text leaves it out by default (as vLLM and llama.cpp do) and keeps it with
+    --no-skip-special-tokens."""
     args = ("--run", str(sft_run[0]), "--prompt", "Romeo loves.", "--temperature", "0",
             "--max-new-tokens", "20")
     kept, left_out = run_sample(*args, "--no-skip-special-tokens"), run_sample(*args)
@@ -376,8 +374,6 @@ def test_cli_help_states_the_context_window_policy():
     text = " ".join(proc.stdout.split())  # the help is wrapped to the terminal's width
     assert "keep the most recent block_size // 2 tokens" in text
     assert "--no-kv-cache uses the same window" in text
-
-
 
 
 def test_cli_names_the_runs_when_run_has_no_checkpoint(trained_run):
@@ -421,7 +417,7 @@ def test_cli_benchmark_writes_figures(tmp_path):
     assert [(r["new_tokens"], r["path"]) for r in rows] == [
         (8, "default (C step)"), (8, "eager"), (8, "uncached"), (8, "transformers")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert all(r["identical"] for r in rows[:3])  # transformers' kernels may break ties apart
+    assert all(r["identical"] for r in rows[:3])  # transformers' kernels may break ties differently
 
 
 def test_attention_pictures_go_inside_a_folder_and_beside_a_name(tmp_path):
@@ -430,7 +426,6 @@ def test_attention_pictures_go_inside_a_folder_and_beside_a_name(tmp_path):
     assert attention_target(f"{tmp_path}/new/") == tmp_path / "new" / "attention"
     assert (tmp_path / "new").is_dir() and list((tmp_path / "new").iterdir()) == []
     assert attention_target(str(tmp_path / "out" / "romeo")) == tmp_path / "out" / "romeo"
-
 
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-300, 5e-324])

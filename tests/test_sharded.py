@@ -1,6 +1,6 @@
-"""The sharded checkpoint format's reader refuses what DCP's own would run: its metadata is a
-pickle, and a crafted one must not execute on load (the saves themselves:
-tests/test_distributed.py)."""
+"""The sharded checkpoint reader refuses what DCP's own reader would run, because the format's
+metadata is a pickle and a crafted one must not execute on load. The saves themselves are
+tested in tests/test_distributed.py."""
 
 import os
 import pickle
@@ -27,7 +27,7 @@ def test_a_crafted_shard_metadata_is_refused_before_anything_runs(tmp_path):
     checkpoint, marker = tmp_path / "last.dcp", tmp_path / "ran"
     checkpoint.mkdir()
     (checkpoint / ".metadata").write_bytes(pickle.dumps(Crafted(marker)))
-    # every read starts from tensor_shapes: read_shards takes what it returned
+    # every read starts with tensor_shapes, whose result read_shards takes
     with pytest.raises(CheckpointError, match=r"names posix\.system, which shard metadata "
                                               r"never does"):
         read_shards({"model.w": torch.empty(2)}, checkpoint, tensor_shapes(checkpoint))

@@ -35,9 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """Every value of tag, file by file in the order written. TensorBoard reads a folder's
-    files in name order, and in one process within one second writer 10's file sorts
-    before writer 9's: so a run resumed in the same test process would read out of order."""
+    """Every value of `tag`, file by file in the order the files were written. TensorBoard
+    reads a folder's files in name order, and within one process and one second, writer 10's
+    file sorts before writer 9's, so a run resumed in the same test process would otherwise
+    be read out of order."""
     def written(f: Path) -> tuple[int, int]:  # events.out.tfevents.<seconds>.<host>.<pid>.<n>
         return int(f.name.split(".")[3]), int(f.name.rsplit(".", 1)[1])
 
@@ -59,7 +60,8 @@ def test_tiny_model_loss_falls_and_lands_in_tensorboard(tiny_config):
     train_loss = scalars(result.run_dir, "train/loss_step")
     assert [step for step, _ in train_loss] == list(range(5, 151, 5))
     vocab_size = load_meta(cfg.data_dir)["vocab_size"]
-    # the first 5 steps' mean: an untrained model guesses about uniformly, and learns fast
+    # the mean of the first 5 steps, in which an untrained model guesses about uniformly and
+    # learns fast
     assert math.log(vocab_size) - 1 < train_loss[0][1] < math.log(vocab_size) + 0.1
     for tag in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu"):
         assert len(scalars(result.run_dir, tag)) == 30, tag
@@ -69,8 +71,9 @@ def test_tiny_model_loss_falls_and_lands_in_tensorboard(tiny_config):
 
 
 def test_bf16_autocast_run_trains_and_samples(tiny_config):
-    # the default on a GPU with bf16; on the CPU the same autocast path runs, sampling included
-    # ten steps: a CPU without native bf16 emulates it, several times slower than fp32
+    # bf16 is the default on a GPU that has it, and on the CPU the same autocast path runs,
+    # sampling included; only ten steps, because a CPU without native bf16 emulates it, which
+    # is much slower than fp32
     cfg = dataclasses.replace(tiny_config, dtype="bfloat16", max_iters=10, eval_interval=5,
                               sample_tokens=8)
     result = train(cfg)
@@ -117,7 +120,7 @@ def test_best_is_linked_not_rewritten_and_survives_the_next_save(tmp_path):
                 "config": {}, "tokenizer": {"kind": "char", "vocab_size": 2, "chars": "ab"}}
     save_checkpoint(state(1), tmp_path / "last.pt")
     link_checkpoint(tmp_path / "last.pt", tmp_path / "best.pt")
-    save_checkpoint(state(2), tmp_path / "last.pt")  # a rename: best.pt keeps the old file
+    save_checkpoint(state(2), tmp_path / "last.pt")  # a rename, so best.pt keeps the old file
     assert load_checkpoint(tmp_path / "best.pt")["iter_num"] == 1
     assert load_checkpoint(tmp_path / "last.pt")["iter_num"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
@@ -157,7 +160,7 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_threa
         assert scalars(straight.run_dir, tag) == scalars(resumed.run_dir, tag)
 
 
-# last.pt of a run by the code before the packages (commit ed2947f, when train.py held the
+# last.pt of a run made by the code before the packages (commit ed2947f, when train.py held the
 # loop and checkpoint.py sat at the root): 10 Muon steps of the modern layout, one layer of
 # width 16, on conftest's corpus, with these settings (and the schedule pinned to 20 steps,
 # so that stopping at 15 does not change it)
@@ -184,7 +187,7 @@ def test_a_checkpoint_from_before_the_packages_samples_and_resumes_exactly(tiny_
         finals[run_name] = load_checkpoint(folder / "last.pt")
     a, b = finals["straight"], finals["in-two"]
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert a["val_loss"] == b["val_loss"] < old["val_loss"]  # and it went on learning
+    assert a["val_loss"] == b["val_loss"] < old["val_loss"]  # and it kept learning
 
 
 def test_a_new_run_never_overwrites_an_old_one(tiny_config):
@@ -204,14 +207,14 @@ def test_mfu_yardstick_is_the_datasheet_peak_on_known_gpus_else_measured():
 
 
 def test_the_cpu_peak_is_measured_once_and_reused(tmp_path, monkeypatch):
-    # a busy moment at a run's start must not move MFU's yardstick: later runs reuse it
+    # a busy moment at a run's start must not move MFU's yardstick, so later runs reuse it
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
     first, source = peak_flops(torch.device("cpu"), torch.float32)
     assert str(tmp_path / "peak_flops.json") in source
     cached = json.loads((tmp_path / "peak_flops.json").read_text())
     (key,) = cached
     assert "float32" in key and f"{torch.get_num_threads()} threads" in key
-    cached[key] = 1.5e9  # as if measured while the machine was busy: it stays the yardstick
+    cached[key] = 1.5e9  # as if measured while the machine was busy; it still stays the yardstick
     (tmp_path / "peak_flops.json").write_text(json.dumps(cached))
     assert peak_flops(torch.device("cpu"), torch.float32)[0] == 1.5e9
 
@@ -243,7 +246,7 @@ def test_a_damaged_peak_in_the_cache_is_measured_again_and_rewritten(tmp_path, m
 def test_mfu_is_a_percentage_after_a_damaged_peak_in_the_cache(char_data, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "peak_flops.json").write_text("[1.5e9]")  # of another shape: a list
+    (cache / "peak_flops.json").write_text("[1.5e9]")  # the wrong shape: a list
     args = ["train.py", "--config", "config/tiny.toml", "--data-dir", str(char_data),
             "--max-iters", "10", "--sample-tokens", "0"]
     env = {**os.environ, "GPTLAB_CACHE": str(cache)}
@@ -297,7 +300,7 @@ def test_block_size_larger_than_the_data_is_rejected(tiny_config):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}  # help lines unwrapped
+    env = {**os.environ, "COLUMNS": "200"}  # so that help lines are not wrapped
     return python(["train.py", *args], env=env)
 
 
@@ -322,8 +325,9 @@ def test_training_benchmark_reads_its_figures_back(tmp_path, corpus_file):
     uniform_guess = math.log(len(set(corpus_file.read_text())))
     assert figures["val_loss"] < uniform_guess and figures["peak_memory_mb"] > 0
     assert "median_ms_per_iter" in proc.stdout
-    assert figures["optimizer"] == "muon"  # --set's TOML string, over the config's "adamw"
-    # the profile's table, by CPU time: the matmuls are there, run 20 x 3 x 2 x 2 times at least
+    assert figures["optimizer"] == "muon"  # --set's TOML string overrides the config's "adamw"
+    # the profile's table, sorted by CPU time, lists the matmuls, run at least 20 x 3 x 2 x 2
+    # times
     calls = re.search(r"^ +aten::mm +.* (\d+) *$", proc.stdout, re.MULTILINE)
     assert calls and int(calls.group(1)) >= 240, proc.stdout
 
@@ -334,8 +338,8 @@ def test_wallclock_times_a_trainer_between_its_log_lines(char_data, tmp_path):
                    str(char_data), "--out-dir", str(tmp_path), "--max-iters", "40",
                    "--eval-interval", "20"])
     assert proc.returncode == 0, proc.stderr
-    # log points at 5, 10, ..., 40 and evaluations at 20 and 40: the spans 5-10, 10-15,
-    # 15-20 and 20-25, ..., 35-40, the first left out as warm-up
+    # log points at 5, 10, ..., 40 and evaluations at 20 and 40 give the spans 5-10, 10-15,
+    # 15-20, 20-25, ..., 35-40, and the first is left out as warm-up
     [summary] = [line for line in proc.stdout.splitlines() if line.startswith("wall clock:")]
     assert re.fullmatch(r"wall clock: median [\d.]+ ms/iter over 6 spans between log "
                         r"points, [\d,]+ tokens/s", summary), proc.stdout
@@ -384,13 +388,14 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     rows = time_to_loss(recipes, char_data, target=2.6, repeats=1)
     assert [row["recipe"] for row in rows] == ["slow", "fast", "stopped"]
     slow, fast, stopped = rows
-    assert slow["iters_to_target"] is None and slow["speedup"] is None  # never got there
+    assert slow["iters_to_target"] is None and slow["speedup"] is None  # it never reached the target
     assert fast["iters_to_target"] in (10, 20, 30, 40)
     assert 1 < fast["seconds_to_target"] < fast["wall_s"]  # the process start counts
     assert fast["final_val_loss"] < 2.6 < slow["final_val_loss"]
     assert slow["ms_per_iter"] > 0 and fast["ms_per_iter"] > 0
-    assert slow["dtype"] == fast["dtype"] == "float32"  # what each run computed in (tiny's)
-    # a baseline stops at the target: the same iterations to it, no final loss of its own
+    assert slow["dtype"] == fast["dtype"] == "float32"  # the dtype each run computed in (tiny's)
+    # a baseline stops at the target, so it takes the same iterations to reach it and has no
+    # final loss of its own
     assert stopped["iters_to_target"] == fast["iters_to_target"]
     assert stopped["final_val_loss"] is None
 
@@ -409,8 +414,8 @@ def test_a_checkpoint_from_before_the_layout_switches_loads_as_gpt2(trained_run,
 
 
 def test_the_same_run_on_a_busy_machine_computes_the_same_numbers(tmp_path, char_data):
-    # dtype auto is decided by the hardware, never by a race at start; MFU's CPU yardstick
-    # is measured once: another process spinning on a core changes neither
+    # dtype auto is decided by the hardware, never by a race at start, and MFU's CPU
+    # yardstick is measured once, so another process spinning on a core changes neither
     common = ("--config", str(REPO / "config" / "tiny.toml"), "--data-dir", str(char_data),
               "--max-iters", "10", "--eval-interval", "5", "--log-interval", "2",
               "--dtype", "auto", "--sample-tokens", "16")
