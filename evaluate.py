@@ -8,9 +8,9 @@ Usage:
     python evaluate.py --task hellaswag.jsonl --init-from path/to/gpt2 --json hs.json
     python evaluate.py --run runs/chat_sft --answers demo        # a chat model's right answers
 
-The rules of each score are measure/'s: a text's loss (a sliding window over long texts,
-nats per token, bits per character that compare tokenizers) is scores.py's, a task's
-accuracy lm-eval's (choices.py), a chat model's answers answers.py's.
+measure/ defines each score: a text's loss in scores.py (a sliding window over long texts,
+in nats per token and in bits per character, which compare across tokenizers), a task's
+accuracy in choices.py (as lm-eval scores it), and a chat model's answers in answers.py.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(
             raise UserError("give one of --input TEXT to score a text, --task FILE to score a "
                             "multiple-choice task, or --answers (a file or demo) to score a "
                             "chat model's replies")
-        if json_path is not None:  # checked now, not after the evaluation
+        if json_path is not None:  # check it before the evaluation, not after
             check_output_file(json_path, "--json")
         device = str(resolve_device(device))
         if answers is not None:
@@ -110,8 +110,8 @@ def main(
 
 
 def say(lines: list[str]) -> None:
-    """What load_model said it loaded, on stderr once the scores are in: stdout holds the
-    scores alone, and a failure before them is its one line alone."""
+    """Print what load_model said it loaded to stderr once the scores are in, so that stdout
+    holds only the scores and a failure before them prints only its own error line."""
     for line in lines:
         print(line, file=sys.stderr)
 

@@ -3,7 +3,7 @@
 Usage:
     from data.bpe import train_bpe, train_bpe_apart
     tokenizer = train_bpe(texts, vocab_size=4096)   # texts: an iterable of str; a BPETokenizer
-    meta = train_bpe_apart(make_texts, 4096)        # in a process of its own: Ctrl-C stops it
+    meta = train_bpe_apart(make_texts, 4096)        # in a process of its own, so Ctrl-C stops it
     python -m data.prepare --input corpus/ --tokenizer bpe --vocab-size 4096
 
 The vocabulary is the 256 bytes, vocab_size - 257 merges, and <|endoftext|>, which separates
@@ -11,9 +11,9 @@ documents. Text is first split by GPT-4's pattern (SPLIT_PATTERN: contractions, 
 with one leading non-letter, numbers of up to three digits, punctuation runs, whitespace), and
 merges never cross those pieces, as in GPT-2 and nanochat.
 
-rustbpe (nanochat's trainer) was chosen over Hugging Face tokenizers: it trains faster
-(docs/quality.md has the figures), and it gives tiktoken's ranks directly, so the encoder is
-tiktoken, the same fast path as GPT-2's.
+rustbpe (nanochat's trainer) trains faster than Hugging Face tokenizers (docs/quality.md
+has the figures) and gives tiktoken's ranks directly, so the encoder is tiktoken, the same
+fast path as GPT-2's.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
 
 def train_bpe_apart(texts: Callable[[], Iterable[str]], vocab_size: int) -> dict:
     """train_bpe's tokenizer description, trained in a process of its own. rustbpe's merges
-    run in Rust and hold the interpreter for minutes on a large corpus, so in this process
-    Ctrl-C or SIGTERM would wait for the training to end; here the process waits on a pipe,
-    answers a signal within a tenth of a second, and ends the trainer. texts must pickle (a
-    module's function, or a functools.partial of one): the child reads the corpus itself."""
+    run in Rust and hold the interpreter for long on a large corpus, so in this process
+    Ctrl-C or SIGTERM would wait for the training to end; instead this process waits on a
+    pipe, answers a signal promptly, and ends the trainer. texts must pickle (a module's
+    function, or a functools.partial of one), because the child reads the corpus itself."""
     context = get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     trainer = context.Process(target=train_in_child, args=(texts, vocab_size, send, os.getpid()),
@@ -73,7 +73,7 @@ def train_bpe_apart(texts: Callable[[], Iterable[str]], vocab_size: int) -> dict
             if not trainer.is_alive():
                 break
         kind, value = receive.recv()
-    except EOFError:  # it ended without sending anything: it was killed
+    except EOFError:  # it ended without sending anything, so it was killed
         raise WorkerDied("the BPE trainer process died (killed; the out-of-memory killer is "
                          "the usual cause); run the same command again, with a smaller "
                          "--tokenizer-train-chars if memory is short") from None

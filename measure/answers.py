@@ -1,13 +1,13 @@
-"""Does a chat model answer? The last assistant turn of each conversation, generated greedily
-after the turns before it, compared with the expected text, exactly.
+"""Does a chat model answer right? Each conversation's last assistant turn is generated
+greedily after the turns before it, and it counts only if it equals the expected text.
 
 Usage:
     from measure.answers import answer_score, demo_conversations
     right, total = answer_score(model, tokenizer, demo_conversations())
 
-A base model has no chat tokens; it is scored as SFT starts from it, with their rows added at
-the mean of the others (weights.loading.grow_vocabulary), so that the same command measures
-a model before and after fine-tuning.
+A base model has no chat tokens, so it is scored the way SFT starts from it, with rows for
+them added at the mean of the other rows (weights.loading.grow_vocabulary); the same command
+then measures a model before and after fine-tuning.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def demo_conversations() -> list[dict]:
 
 
 def read_conversations(path: Path) -> list[dict]:
-    """The records of a JSON Lines file of conversations, one {"messages": [...]} per line,
-    each checked before a model is loaded; DataError naming the line otherwise."""
+    """Read a JSON Lines file of conversations, one {"messages": [...]} per line, checking
+    each before a model is loaded; a bad line raises a DataError that names it."""
     records = []
     for where, record in read_records(path):
         try:
@@ -50,7 +50,7 @@ def read_conversations(path: Path) -> list[dict]:
 
 
 def with_chat_tokens(model: GPT, tokenizer: Tokenizer) -> tuple[GPT, Tokenizer]:
-    """A base model and tokenizer as SFT would start: the chat tokens added."""
+    """Add the chat tokens to a base model and its tokenizer, as SFT does when it starts."""
     if all(t in tokenizer.specials for t in CHAT_SPECIALS):
         return model, tokenizer
     chat_tokenizer = load_tokenizer(with_specials(tokenizer.to_meta(), CHAT_SPECIALS))
@@ -62,7 +62,7 @@ def with_chat_tokens(model: GPT, tokenizer: Tokenizer) -> tuple[GPT, Tokenizer]:
 @torch.no_grad()
 def answer_score(model: GPT, tokenizer: Tokenizer, records: list[dict],
                  decode: str = "auto") -> tuple[int, int]:
-    """(right, total): how many last replies the model gives exactly, greedily."""
+    """Return (right, total): how many last replies the model, decoding greedily, gives exactly."""
     model, tokenizer = with_chat_tokens(model, tokenizer)
     end = special_ids(tokenizer)[ASSISTANT_END]
     right = 0
@@ -73,10 +73,10 @@ def answer_score(model: GPT, tokenizer: Tokenizer, records: list[dict],
             expected = tokenizer.encode(turns[-1][1])
         except ValueError as e:
             raise DataError(f"conversation {n}: {e}") from None
-        # room for the end token, and for the answer spelled in other tokens than the
-        # expected text's
+        # leave room for the end token, and for a right answer that is tokenized differently
+        # from the expected text
         budget = min(len(expected) + 8, model.config.block_size - len(prompt))
-        if budget < 1:  # the question alone fills the context: a miss
+        if budget < 1:  # the question alone fills the context, so it is a miss
             continue
         idx = torch.tensor([prompt], device=model.lm_head.weight.device)
         got = []

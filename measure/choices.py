@@ -12,9 +12,9 @@ Each choice is scored by the log-likelihood of " " + the choice after the contex
 default target delimiter), tokenized as lm-eval tokenizes a pair: the context's trailing
 spaces move to the continuation, and the continuation's tokens are those of the whole text
 past the context's. `acc` counts the items whose answer has the highest summed
-log-likelihood; `acc_norm` divides each by the choice's length in characters first, which
-keeps long choices from losing for their length. `centered` is nanochat's CORE measure: the
-accuracy above chance, as a fraction of the room above it.
+log-likelihood; `acc_norm` first divides each by the choice's length in characters, so that
+long choices do not lose for being long. `centered` is nanochat's CORE measure: the accuracy
+above chance, as a fraction of the room above chance.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ class Item:
     context: str
     choices: list[str]
     answer: int
-    where: str = "an item"  # its file and line, for a message about it
+    where: str = "an item"  # its file and line, for error messages
 
 
 def read_items(path: str | Path) -> list[Item]:
-    """The items of a JSON Lines task: each line {"ctx", "endings", "label"} (HellaSwag's
-    own fields) or {"context", "choices", "answer"}; DataError naming the line otherwise."""
+    """Read a JSON Lines task with {"ctx", "endings", "label"} (HellaSwag's own fields) or
+    {"context", "choices", "answer"} on each line; a bad line raises a DataError naming it."""
     items = [item_of(record, where) for where, record in read_records(path)]
     if not items:
         raise DataError(f"{path} holds no items; write one JSON object per line")
@@ -62,7 +62,7 @@ def item_of(record: object, where: str) -> Item:
     context, choices, answer = (record[f] for f in fields)
     for text in (context, *choices) if isinstance(choices, list) else (context,):
         if isinstance(text, str):
-            check_text(text, where)  # a lone surrogate is no text: refused, not replaced
+            check_text(text, where)  # a lone surrogate is not text, so refuse it
     # HellaSwag's labels are strings of ASCII digits ("²" is a digit that int() refuses)
     if isinstance(answer, str) and answer.isascii() and answer.isdigit():
         answer = int(answer)
@@ -75,9 +75,9 @@ def item_of(record: object, where: str) -> Item:
 
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """The context's ids and the continuation's, as lm-eval splits a pair: trailing spaces
-    of the context go to the continuation, whose ids are the whole text's past the
-    context's. An empty context is the tokenizer's start of text."""
+    """Return the context's ids and the continuation's, split as lm-eval splits a pair: the
+    context's trailing spaces move to the continuation, whose ids are those of the whole text
+    past the context's. An empty context becomes the tokenizer's start token."""
     if not context:
         return [start_id(tokenizer)], tokenizer.encode(continuation)
     spaces = len(context) - len(context.rstrip())
@@ -89,10 +89,10 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
 
 def encode_item(tokenizer: Tokenizer, item: Item, block_size: int,
                 ) -> list[tuple[list[int], list[int]]]:
-    """An item's pairs of context and continuation ids, one for each choice; InputError
-    naming the item for text the tokenizer cannot encode, and for a continuation longer
-    than the model's context, which lm-eval refuses too: each of its tokens is scored, and
-    the first would have no token of the context left before it."""
+    """Return an item's context and continuation ids, one pair per choice. Raise an InputError
+    naming the item for text the tokenizer cannot encode, and for a continuation longer than
+    the model's context, which lm-eval refuses too, because every continuation token is scored
+    and the first would have no context token left before it."""
     try:
         pairs = [encode_pair(tokenizer, item.context, DELIMITER + choice)
                  for choice in item.choices]
@@ -109,7 +109,7 @@ def encode_item(tokenizer: Tokenizer, item: Item, block_size: int,
 
 
 def start_id(tokenizer: Tokenizer) -> int:
-    """What an empty context stands for: the end-of-text (or <|bos|>) token."""
+    """The token that stands for an empty context: <|bos|> if there is one, else end-of-text."""
     start = tokenizer.specials.get("<|bos|>", tokenizer.eot_token)
     if start is None:
         raise DataError("the context is empty, and this tokenizer has no start token to "
@@ -123,19 +123,19 @@ class Scores:
     acc_norm: float
     acc_stderr: float
     acc_norm_stderr: float
-    centered: float  # (acc - chance) / (1 - chance), chance the mean of 1 / choices
+    centered: float  # (acc - chance) / (1 - chance), where chance is the mean of 1 / choices
     centered_stderr: float
     items: int
 
 
 def score_items(model: GPT, tokenizer: Tokenizer, items: list[Item], batch_size: int = 64,
                 progress: bool = False) -> Scores:
-    """Every item's choices scored, batch_size sequences to a forward pass at most; the
-    items' accuracies and their standard errors (lm-eval's: the sample standard deviation
-    over the square root of the count)."""
+    """Score every item's choices, at most batch_size sequences per forward pass, and return
+    the accuracies and their standard errors (lm-eval's: the sample standard deviation over
+    the square root of the count)."""
     block_size = model.config.block_size
     pairs = [pair for item in items for pair in encode_item(tokenizer, item, block_size)]
-    # as lm-eval: the last block_size + 1 tokens, of which the continuation's are scored
+    # as lm-eval does, keep the last block_size + 1 tokens and score the continuation's
     sequences = [(ctx + cont)[-(block_size + 1):] for ctx, cont in pairs]
     sums = []
     for start in tqdm(range(0, len(sequences), batch_size), desc="scoring", unit="batch",

@@ -9,7 +9,7 @@ Usage:
 Decoding is greedy from an 8-token prompt, at batch 1 unless --batch says otherwise;
 tokens/s counts the tokens of every sequence. With a longer prompt (--prompt-len, in
 `python -m benchmarks.decode`), tokens/s is that of decoding alone from a context that long:
-each timed run is the time of n_new tokens less that of one token, which holds the prefill.
+each timed run is the time of n_new tokens minus that of one token, which includes the prefill.
 
 The rows: the default path (decode="auto", labelled with what it chose), the eager cached
 step, the compiled or C step when --decode names it (on a GPU, compiled with and without
@@ -18,7 +18,7 @@ transformers is installed (up to block_size tokens, where its position table end
 int8, which it cannot load). For every length and path: one warm-up, then the median of
 `repeats` timed runs. Every row says whether its greedy tokens are identical to the
 uncached path's. Memory is the peak while a path runs (allocated tensors on CUDA; on the
-CPU, the resident size of the whole process, weights included), with its growth during
+CPU, the resident size of the whole process, weights included), and how much it grew during
 that path.
 """
 
@@ -62,7 +62,7 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def ours(model: GPT, step: DecodeStep | None) -> Tokens:
-    """Greedy generation through `stream` with this decode step; None is uncached."""
+    """Greedy generation through `stream` with this decode step, or uncached if it is None."""
     def run(prompt: torch.Tensor, n_new: int) -> list[list[int]]:
         tokens = stream(model, prompt, n_new, temperature=0.0, use_kv_cache=step is not None,
                         decode=step or "eager")
@@ -73,7 +73,7 @@ def ours(model: GPT, step: DecodeStep | None) -> Tokens:
 
 def transformers_generate(model: GPT) -> Tokens | None:
     """transformers' greedy generate on the same weights (exported to GPT-2's format or
-    NanoChat's, as the layout allows), or None if it is not installed or neither holds it."""
+    NanoChat's, as the layout allows), or None if it is not installed or neither format fits."""
     try:
         import transformers
     except ImportError:
@@ -88,7 +88,7 @@ def transformers_generate(model: GPT) -> Tokens | None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
-        export(copy.deepcopy(model).float(), folder, force=True)  # a copy: .float() casts in place
+        export(copy.deepcopy(model).float(), folder, force=True)  # .float() casts in place
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     p = model.lm_head.weight
     theirs = theirs.to(device=p.device, dtype=p.dtype)
@@ -110,9 +110,9 @@ def timed(run: Tokens, prompt: torch.Tensor, n_new: int) -> tuple[float, list[li
 
 
 def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict:
-    """Median speed of `repeats` runs after one warm-up, and the memory they took. After a
-    prompt longer than PROMPT_LEN, the speed of decoding alone: each run's time less that
-    of a run of one token (the prefill and the first token)."""
+    """The median speed of `repeats` runs after one warm-up, and the memory they took. After
+    a prompt longer than PROMPT_LEN, time decoding alone by subtracting from each run the time
+    of a one-token run (the prefill and the first token)."""
     device = prompt.device
     decode_only = prompt.size(1) > PROMPT_LEN
     run(prompt, n_new)  # warm-up
@@ -134,9 +134,9 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
 
 def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
                     n_kv_head: int, init_from: str | None = None) -> tuple[GPT, str]:
-    """The model to time, and a line saying what it is: a Hugging Face folder's, a
-    checkpoint's, or a preset's shape in `layout` (model.LAYOUTS) with n_kv_head key/value
-    heads (0: n_head), random weights."""
+    """The model to time and a line saying what it is: a Hugging Face folder's model, a
+    checkpoint's, or a preset's shape with random weights, in `layout` (model.LAYOUTS) and
+    with n_kv_head key/value heads (0 means n_head)."""
     if init_from:
         return load_folder(init_from)[0], init_from
     if preset is None:
@@ -154,15 +154,15 @@ def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
 
 
 def cache_bytes_per_token(model: GPT) -> int:
-    """Keys and values of every layer for one token: GQA keeps n_kv_head heads, not n_head;
-    an int8 model keeps its cache in float32."""
+    """The bytes of keys and values that all layers keep for one token. GQA keeps n_kv_head
+    heads, not n_head, and an int8 model keeps its cache in float32."""
     cfg, cache = model.config, model.new_kv_cache(1, 1)
     return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
 
 
 def check_cache_memory(kv_bytes: int, batch: int, prompt_len: int, lengths: list[int],
                        block_size: int, device: str) -> None:
-    """Refuse a batch whose KV cache cannot fit: it would swap a CPU to a standstill."""
+    """Refuse a batch whose KV cache cannot fit, because it would swap a CPU to a standstill."""
     need = batch * cache_length(prompt_len, max(lengths), block_size) * kv_bytes
     room = memory_room(torch.device(device))
     available = room[0] if room else None
@@ -182,14 +182,14 @@ def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
     if decode == "compile":
         step = decode_step(model, "compile")
         # the step is built for one cache size, and a generation's cache size follows its
-        # length: compile for the first length measured (other sizes compile in their warm-up)
+        # length, so compile for the first length measured (others compile in their warm-up)
         t0 = time.perf_counter()
         ours(model, step)(prompt, first_length)
         compile_s = time.perf_counter() - t0
         print(f"compiled the decode step in {compile_s:.1f} s (the first generation of "
               f"{first_length} tokens, compile included)")
         paths["compiled"] = ours(model, step)
-        if torch.device(device).type == "cuda":  # what the CUDA graphs add
+        if torch.device(device).type == "cuda":  # to show what the CUDA graphs add
             paths["compiled, no graphs"] = ours(model, compiled_step(model, cuda_graphs=False))
     if decode == "c" and default.name != "C step":
         paths["C step"] = ours(model, decode_step(model, "c"))
@@ -200,8 +200,8 @@ def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
 
 def measure_rows(paths: dict[str, Tokens], theirs: Tokens | None, prompt: torch.Tensor,
                  lengths: list[int], repeats: int, block_size: int) -> list[dict]:
-    """Every path at every length, printed as a table as it goes; each row compared with
-    the uncached path's speed and tokens where that path ran."""
+    """Time every path at every length and print the table as it goes, comparing each row's
+    speed and tokens with the uncached path's where that path ran."""
     print(f"{'new tokens':>10} {'path':>18} {'tokens/s':>9} {'vs uncached':>11} "
           f"{'peak MB':>8} {'growth MB':>10} {'identical':>9}")
     rows = []
@@ -232,8 +232,8 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
                   n_kv_head: int = 0, baselines: bool = True,
                   prompt_len: int = PROMPT_LEN, init_from: str | None = None) -> list[dict]:
     """Measure every path at every length, print a table, and write JSON if asked. Without
-    baselines only the default path runs: no eager, uncached or transformers rows, which at
-    GPT-2's shape take minutes."""
+    baselines, only the default path runs, with no eager, uncached or transformers rows,
+    which are slow at GPT-2's shape."""
     model, source = benchmark_model(checkpoint, preset, layout, n_kv_head, init_from)
     n_params = model.num_params()  # before int8 turns the matrices into buffers
     model = cast_weights(model.to(device), dtype)

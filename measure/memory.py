@@ -26,8 +26,8 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def memory_mb(device: torch.device) -> tuple[float, float] | None:
-    """(now, peak since reset_peak_memory) in MB: allocated tensors on CUDA, the resident
-    size of the whole process (weights included) on a Linux CPU; None where unknown."""
+    """(now, peak since reset_peak_memory) in MB: allocated tensors on CUDA, or the resident
+    size of the whole process (weights included) on a Linux CPU; None elsewhere."""
     if device.type == "cuda":
         return (torch.cuda.memory_allocated(device) / 2**20,
                 torch.cuda.max_memory_allocated(device) / 2**20)

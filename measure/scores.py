@@ -41,13 +41,13 @@ class Scores:
     tokens: int  # predicted (scored) tokens
     chars: int  # characters of the predicted tokens
     windows: int
-    forward_tokens: int  # tokens the model ran: about block_size / stride per scored token
+    forward_tokens: int  # tokens the model ran, about block_size / stride per scored token
     seconds: float
 
 
 def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, int, int]]:
-    """(begin, end, first) for each window ids[begin:end]: it predicts tokens first..end-1,
-    those no earlier window predicted."""
+    """Yield (begin, end, first) for each window ids[begin:end], which predicts the tokens
+    first..end-1 that no earlier window predicted."""
     scored_to = 1  # token 0 has no context, so no window predicts it
     for begin in range(0, max(n_tokens - 1, 1), stride):
         end = min(begin + block_size, n_tokens)
@@ -59,11 +59,11 @@ def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, 
 
 def check_stride(stride: int | None, block_size: int) -> int:
     """The stride to use: block_size // 2 by default; refuse one that leaves tokens unscored."""
-    if block_size < 2:  # a window predicts its own tokens after the first: here, none
+    if block_size < 2:  # a window predicts each token after its first, so here none
         raise InputError(f"this model's block_size is {block_size}, and a window must hold a "
                          f"token and the one it predicts; evaluate.py scores models with "
                          f"block_size 2 or more")
-    if stride is None:  # not given; 0 is given, and refused below
+    if stride is None:  # not given (0 is given, and refused below)
         stride = block_size // 2
     if not 1 <= stride < block_size:
         raise InputError(f"stride must be at least 1 and below block_size ({block_size}), so "
@@ -111,7 +111,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
     tokens = torch.tensor(ids, device=device)
     spans = list(windows(len(ids), block_size, stride))
     check_batch_memory(min(batch_size, len(spans)), stride, model.config.vocab_size, device)
-    # windows with the same length batch together: all but the last one or two are full
+    # batch windows of the same length together; all but the last one or two are full
     by_length: dict[int, list[tuple[int, int, int]]] = {}
     for span in spans:
         by_length.setdefault(span[1] - span[0], []).append(span)
@@ -119,17 +119,17 @@ def evaluate(model: GPT, tokenizer: Tokenizer, text: str, stride: int | None = N
                for i in range(0, len(group), batch_size)]
     nll = torch.zeros((), dtype=torch.float64, device=device)
     t0 = time.perf_counter()
-    # disable=None: a bar only on a terminal, as in training, so logs get no carriage returns
+    # disable=None shows a bar only on a terminal, as in training, so logs get no carriage returns
     for batch in tqdm(batches, desc="evaluating", unit="batch",
                       disable=None if progress else True, dynamic_ncols=True, leave=False):
-        # The whole window goes in, as in transformers' guide, though the last position's
-        # prediction has no target: the model then runs at its block size, the shape it was
-        # trained at (and that kernels favour), and causal attention keeps the extra token
+        # The whole window goes in, as in transformers' guide, although the last position's
+        # prediction has no target, because the model then runs at its block size, the shape
+        # it was trained at (and that kernels favour); causal attention keeps the extra token
         # out of earlier positions.
         x = torch.stack([tokens[begin:end] for begin, end, _ in batch])
         y = torch.stack([tokens[begin + 1:end] for begin, end, _ in batch])
         # y[:, j] is token begin + 1 + j. Targets before `first` were scored by an earlier
-        # window: their logits are not computed where no window of the batch needs them,
+        # window, so their logits are not computed where no window of the batch needs them,
         # and they are masked out (-1 is ignored) where another window of the batch does.
         unscored = torch.tensor([first - begin - 1 for begin, _, first in batch], device=device)
         start = int(unscored.min())

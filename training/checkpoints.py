@@ -1,14 +1,14 @@
 """A run's checkpoints: what one holds (weights/checkpoint.py's TrainState), writing it,
-and putting a run back as it left off. Two formats: last.pt, one file from rank 0, and
-under FSDP last.dcp, each process writing its own shards (training/fsdp.py, imported only
-then). Either resumes on any number of processes, sharded or not.
+and putting a run back as it left off. There are two formats: last.pt, one file from rank
+0, and, under FSDP, last.dcp, in which each process writes its own shards (training/fsdp.py,
+imported only then). Either resumes on any number of processes, sharded or not.
 
 Usage:
     from training.checkpoints import snapshot, save
     state = snapshot(model, optimizers, scaler, batches, iter_num, ...)   # a TrainState
     save(run, state, model, optimizers, dist, is_best)     # every process calls it
 
-Reading a checkpoint back is training/resume.py's, imported only by a resumed run.
+training/resume.py, imported only by a resumed run, reads a checkpoint back.
 
 A run folder's checkpoint is last.dcp if it has one (only a run under FSDP writes it, and it
 removes an older last.pt), else last.pt; best.* likewise.
@@ -58,7 +58,7 @@ def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.
 def save(run: Run, state: TrainState, model: GPT, optimizers: list[torch.optim.Optimizer],
          dist: distributed.Dist, is_best: bool) -> None:
     """Write last.pt from rank 0, or under FSDP last.dcp from every process, and best too
-    (the same checkpoint, a second name) when is_best; then record it as the run's. Nothing
+    (the same checkpoint under a second name) when is_best; then record it as the run's. Nothing
     is written of a state that holds NaN or inf, and every process hears of it, so that all
     of them stop together; a failed write (a full disk) leaves the previous checkpoint."""
     sharded = distributed.is_sharded(model)
@@ -99,7 +99,7 @@ def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_bes
 
 
 def unlink_sharded(run_dir: Path, name: str) -> None:
-    """A plain save of NAME.pt makes an older sharded NAME.dcp stale: it goes."""
+    """A plain save of NAME.pt makes an older sharded NAME.dcp stale, so delete it."""
     if (run_dir / f"{name}{SHARDED}").is_symlink():
         from weights import sharded
         sharded.unlink_sharded_twin(run_dir, name)

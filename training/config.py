@@ -97,7 +97,7 @@ class TrainConfig:
     parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
                                "fsdp (each holds 1/N of it; see docs/distributed.md)")
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")
-    # the keys that a TOML file or the command line set, as opposed to defaults: a
+    # the keys that a TOML file or the command line set, not defaults, because a
     # fine-tuned model keeps its base's context unless block_size is among them
     given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
@@ -136,7 +136,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting by its key, flat, as a TOML file writes them (checkpoints keep this).
-        n_kv_head is 0 where it equals n_head, as written: then a new n_head keeps it so."""
+        n_kv_head is 0 where it equals n_head, so that a new n_head keeps the two equal."""
         settings = {f.name: getattr(self, f.name) for f in fields(self)
                     if f.name not in ("model", "given")}
         shape = {name: getattr(self.model, name) for name in MODEL_FIELDS}
@@ -152,8 +152,8 @@ class TrainConfig:
 
 
 def check_seed(seed: int) -> None:
-    """A seed every random generator here takes: torch's take 64 bits, and the evaluation
-    batches use seed + 1, so 63 bits keep every use in range."""
+    """Refuse a seed that some random generator here would not take. torch's take 64 bits
+    and the evaluation batches use seed + 1, so 63 bits keep every use in range."""
     if not 0 <= seed < 2**63:
         raise ConfigError(f"seed must be in [0, 2^63), got {seed}")
 
@@ -178,7 +178,7 @@ def check_value(key: str, value: Any) -> Any:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown config key {key!r}{hint}")
     expected = type(field_default(key))
-    # TOML has distinct int, float and bool types; an int is a fine float, nothing else mixes
+    # TOML has distinct int, float and bool types; an int is a fine float, and nothing else mixes
     if expected is float and type(value) is int:
         return float(value)
     if type(value) is not expected:
@@ -246,10 +246,10 @@ class SectionedCommand(click.Command):
 
 def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None],
                  ) -> click.Command:
-    """A command that calls main(config file, overrides, resume, debug) with the config file
-    (first, or as --config), --resume, --debug and one option per field (--n-layer for n_layer, --compile and
-    --no-compile for a switch). Each option defaults to None, so that only what is given on
-    the command line overrides the config file; its help shows the field's own default."""
+    """A command that calls main(config file, overrides, resume, debug), with the config file
+    (first, or as --config), --resume, --debug and one option per field (--n-layer for
+    n_layer; --compile and --no-compile for a switch). Each option defaults to None, so only
+    what the command line gives overrides the config file; its help shows the field's default."""
     params: list[click.Parameter] = [
         # nanoGPT's habit, `train.py config/x.py`, works here with a TOML file
         click.Argument(["preset"], required=False, type=click.Path(path_type=Path),

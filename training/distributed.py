@@ -1,5 +1,5 @@
 """Several processes under torchrun: which process this is, and the few collectives that
-training needs. Sharding a model across them (parallel = "fsdp") is training/fsdp.py's.
+training needs. training/fsdp.py shards a model across them (parallel = "fsdp").
 
 Usage:
     torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
@@ -11,7 +11,7 @@ Usage:
 
 Without torchrun's RANK, LOCAL_RANK and WORLD_SIZE this is one process, and every helper
 here does nothing. Under torchrun the processes form a group, even a group of one (as in
-nanoGPT): NCCL on CUDA, gloo on the CPU; if one dies, torchrun ends the others. DDP, the
+nanoGPT), over NCCL on CUDA and gloo on the CPU; if one dies, torchrun ends the others. DDP, the
 default, keeps the whole model on every process and averages the gradients in backward.
 """
 
@@ -107,15 +107,15 @@ def all_sum(values: torch.Tensor, info: Dist) -> torch.Tensor:
 
 
 def any_true(flag: bool, info: Dist, device: torch.device) -> bool:
-    """True on every process if it is true on any: keeps all processes leaving together."""
+    """True on every process if it is true on any, so that all processes leave together."""
     if not info.enabled:
         return flag
     return bool(all_sum(torch.tensor([float(flag)], device=device), info).item() > 0)
 
 
 class FailedOnMain(UserError):
-    """What the other processes raise when rank 0's part of the work failed: rank 0
-    reports the error; they leave with its exit code, saying nothing."""
+    """What the other processes raise when rank 0's part of the work failed. Rank 0
+    reports the error, and the others leave with its exit code, saying nothing."""
     everywhere = True
 
     def __init__(self, error: BaseException) -> None:
@@ -125,8 +125,8 @@ class FailedOnMain(UserError):
 
 
 def from_main(make: Callable[[], Any], info: Dist) -> Any:
-    """Rank 0 calls make(); every process returns its value, or raises: rank 0 its error,
-    the others FailedOnMain. Without the error in the broadcast, a failure on rank 0 alone
+    """Rank 0 calls make(), and every process returns its value or raises (rank 0 its
+    error, the others FailedOnMain). Without the error in the broadcast, a failure on rank 0 alone
     (a run folder it cannot take, data it cannot prepare) would leave the others in the
     next collective until gloo gives up with a traceback."""
     if not info.enabled:
@@ -162,7 +162,7 @@ def sync_gradients(model: torch.nn.Module, now: bool) -> None:
         model.require_backward_grad_sync = now
 
 
-# FSDP's modules take most of a second to import, which every command would pay at its
+# FSDP's modules are slow to import, and every command would pay for that at its
 # start. Nothing can be sharded before they are imported, so these checks look them up.
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -1,19 +1,19 @@
 """A model sharded across torchrun's processes (parallel = "fsdp"), and the sharded
 tensors that come with it: torch's fully_shard keeps 1/N of the weights, gradients and
 optimizer state on each process, gathers a block's weights for its forward and backward,
-and reduce-scatters its gradients. The memory per process falls with N, for more
-communication (docs/distributed.md). Imported only by a run that shards.
+and reduce-scatters its gradients. The memory per process falls with N, at the cost
+of more communication (docs/distributed.md). Imported only by a run that shards.
 
 Usage:
     torchrun --standalone --nproc_per_node=2 train.py --config ... --parallel fsdp
 
     from training.fsdp import shard_model, sharded_like
-    model = shard_model(config, device, param_dtype, compile, base)  # each process its shards
+    model = shard_model(config, device, param_dtype, compile, base)  # each process its own shards
     param.copy_(sharded_like(full_value, param))                     # this process's part
 
-Each process saves and reads its own shards of a checkpoint (write_sharded,
-fill_from_shards: weights/sharded.py's format); `sharded_like` hands each process its part
-of a whole tensor (the initial weights, a plain checkpoint's).
+Each process saves and reads its own shards of a checkpoint (write_sharded and
+fill_from_shards, in weights/sharded.py's format); `sharded_like` hands each process its
+part of a whole tensor (the initial weights, or a plain checkpoint's).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     """The model built on the meta device, each block sharded with fully_shard and the rest
     (the embeddings, the final norm, the head) as the root's group; then each process makes
     its shards and fills them from the full initial values, or the base model's weights
-    (weights.lazy.Lazy: read one at a time), one parameter at a time, so no process ever
-    holds the whole model. param_dtype (a GPU's bf16) is FSDP's mixed precision: weights
-    gathered in it, gradients reduced in fp32. compile compiles each block before it is
+    (weights.lazy.Lazy, read one at a time), one parameter at a time, so no process ever
+    holds the whole model. param_dtype (a GPU's bf16) is FSDP's mixed precision: the weights
+    are gathered in it, the gradients reduced in fp32. compile compiles each block before it is
     sharded, as torchtitan does."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
@@ -64,7 +64,7 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
             cos, sin = rope_tables(config)
             model.rope_cos.copy_(cos)
             model.rope_sin.copy_(sin)
-        if base is not None:  # the base's values replace the drawn ones, each process its rows
+        if base is not None:  # the base's values replace the drawn ones, row by row
             for name, param in model.named_parameters():
                 param.copy_(sharded_like(base[name].load().to(param.dtype), param))
     return model
@@ -72,7 +72,7 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
 
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A full tensor laid out as `like`: this process's shard if `like` is sharded (every
-    process has the full value and takes its part; no communication), else as it is. A
+    process has the full value and takes its part, with no communication), else as it is. A
     value that is sharded already (read from a sharded checkpoint) stays as it is."""
     if not is_dtensor(like) or is_dtensor(value):
         return value
@@ -87,7 +87,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def first_of_any(value: Any, info: Dist) -> Any:
     """The first value that is not None among the processes' (rank order), on every
-    process: what one process found (a NaN in its shard), all of them act on."""
+    process, so that all of them act on what one found (a NaN in its shard)."""
     values: list[Any] = [None] * info.world_size
     dist.all_gather_object(values, value)
     return next((v for v in values if v is not None), None)
@@ -96,7 +96,7 @@ def first_of_any(value: Any, info: Dist) -> Any:
 def laid_out_like(saved: TrainState, model: GPT,
                   optimizers: list[torch.optim.Optimizer]) -> TrainState:
     """A state of whole tensors (a plain checkpoint's) laid out as this process holds the
-    model and its optimizers: each tensor its shard."""
+    model and its optimizers: each tensor becomes its shard."""
     current = model.state_dict()
     return replace(saved, model={k: sharded_like(v, current[k]) for k, v in saved.model.items()},
                    optimizer=[sharded_optimizer_state(state, opt)
@@ -117,7 +117,7 @@ def sharded_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> di
 
 def each_on_one_process(tensors: list[torch.Tensor],
                         fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """fn of each whole tensor, laid out as the tensor (sharded by rows: FSDP's Shard(0)):
+    """fn of each whole tensor, laid out as the tensor (sharded by rows, FSDP's Shard(0)):
     tensor i is gathered whole on process i % N alone, which computes fn of it, and each
     process gets its rows of the result back. Each process does 1/N of the work and holds
     one whole tensor at most, where gathering every tensor on every process would do all the
@@ -153,8 +153,8 @@ def each_on_one_process(tensors: list[torch.Tensor],
 
 def padded_shard(t: torch.Tensor, world: int) -> torch.Tensor:
     """This process's rows of a tensor sharded by rows, padded with zeros to the largest
-    shard's count (ceil(rows / N): torch.chunk's, which FSDP uses), as gather and scatter
-    need equal pieces."""
+    shard's count (ceil(rows / N), as torch.chunk splits and FSDP with it), because
+    gather and scatter need equal pieces."""
     rows = -(-t.shape[0] // world)
     part = t.to_local()
     return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
@@ -163,8 +163,8 @@ def padded_shard(t: torch.Tensor, world: int) -> torch.Tensor:
 # --- sharded checkpoints: each process writes and reads its own shards (weights/sharded.py)
 
 def parameter_names(model: GPT, optimizers: list[torch.optim.Optimizer]) -> list[list[str]]:
-    """Each optimizer's parameters by name, in its order: what a state saved by name maps
-    back to positions with (the tied head is the token table's parameter, named once)."""
+    """Each optimizer's parameters by name, in its order, which map a state saved by name
+    back to positions (the tied head is the token table's parameter, named once)."""
     names = {id(p): name for name, p in model.named_parameters()}
     return [[names[id(p)] for group in opt.param_groups for p in group["params"]]
             for opt in optimizers]
@@ -213,7 +213,7 @@ def fill_from_shards(saved: TrainState, path: Path, model: GPT,
                      optimizers: list[torch.optim.Optimizer]) -> None:
     """Read a sharded checkpoint's weights and optimizer state into saved, laid out as this
     process holds them (its shards of each, or the whole where the model is not sharded),
-    reading nothing else: the state last.pt would have given."""
+    reading nothing else, so that it holds what last.pt would have given."""
     shapes = sharded.tensor_shapes(path)
     current = model.state_dict()
     params = dict(model.named_parameters())
@@ -234,7 +234,7 @@ def fill_from_shards(saved: TrainState, path: Path, model: GPT,
     sharded.read_shards(targets, path, shapes)
     saved.model = {key.removeprefix("model."): value for key, value in targets.items()
                    if key.startswith("model.")}
-    if model.config.tie_embeddings:  # one table, as unsharded
+    if model.config.tie_embeddings:  # one table, as in last.pt
         saved.model["lm_head.weight"] = saved.model["transformer.wte.weight"]
     names = parameter_names(model, optimizers)
     saved.optimizer = [

@@ -8,8 +8,8 @@ Usage:
     from training.init_from import base_model
     config, weights = base_model(cfg, meta, dist)   # weights read lazily (weights/lazy.py)
 
-The base sets the model's shape and layout; the data must be tokenized as the base's was,
-or (a chat dataset) with the chat tokens added, which get new rows.
+The base sets the model's shape and layout; the data must be tokenized as the base's was
+or, for a chat dataset, with the chat tokens added, which get new rows.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def base_model(cfg: TrainConfig, meta: dict,
         config, state, tokenizer, source = base_weights(folder, None, cfg.model.dropout)
     except (FolderError, LoadError, CheckpointError, HubError) as e:
         raise ConfigError(f"init_from: {e}") from None
-    # the base's context, unless block_size is set, in which case it is cropped and says so
+    # keep the base's context unless block_size is set, in which case crop it and say so
     if "block_size" in cfg.given and cfg.model.block_size != config.block_size:
         if cfg.model.block_size > config.block_size:
             raise ConfigError(f"block_size {cfg.model.block_size} exceeds {source}'s context of "

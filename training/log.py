@@ -48,14 +48,14 @@ class RunLog:
         self.quiet = quiet_writer_threads()
 
     def start(self, iter_num: int, model: GPTConfig) -> None:
-        """Open the run's TensorBoard events and its progress bar, at iter_num: a resumed
-        run drops the events its predecessor logged after its last checkpoint. model: the
+        """Open the run's TensorBoard events and its progress bar at iter_num; a resumed
+        run drops the events its predecessor logged after its last checkpoint. model is the
         model's shape (a fine-tuned base's may differ from the config's)."""
         self.probe_ids = self.probe_ids[-model.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if not self.is_main:
             return
-        from torch.utils.tensorboard import SummaryWriter  # slow to import, so rank 0's alone
+        from torch.utils.tensorboard import SummaryWriter  # slow to import, so only rank 0 does
         self.writer = SummaryWriter(self.run.path, purge_step=iter_num + 1 if iter_num else None)
         if not iter_num:
             settings = "\n".join(f"{k} = {v!r}" for k, v in self.cfg.to_dict().items())
@@ -93,7 +93,7 @@ class RunLog:
 
     def point(self, it: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
               mfu: float) -> None:
-        """The figures of the steps since the last point."""
+        """Log the figures of the steps since the last point."""
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), ("train/lr", lr),

@@ -1,4 +1,4 @@
-"""Whether a run fits in memory: refused before its first step, not swapped to a standstill.
+"""Whether a run fits in memory, so that one that does not fails before its first step.
 
 Usage:
     from training.memory import check_memory, out_of_memory
@@ -23,7 +23,7 @@ def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
     """A lower bound on what one forward over `tokens` tokens keeps for its backward: 16
     bytes per layer and unit of width (a block keeps about ten tensors of the width, and
     four-wide ones, even in bf16 and compiled), and the logits in bf16. Measured steps take
-    several times as much (docs/reliability.md), so a step this bound does not fit cannot fit."""
+    several times as much (docs/reliability.md), so a step that exceeds this bound cannot fit."""
     return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
 
 
@@ -31,8 +31,8 @@ def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
     """The parameters of one block, of one block's matrices (the 2-D weights that Muon
     trains), and of the rest (the embeddings, the final norm and the head), counted from
     the shape as model.py builds the model. Building it, even on the meta device, would
-    initialize its weights through torch's compiler, which takes a second to import;
-    tests/test_model.py holds these counts equal to a built model's."""
+    initialize its weights through torch's compiler, which is slow to import;
+    tests/test_model.py checks that these counts equal a built model's."""
     C, hidden, kv = config.n_embd, config.mlp_hidden, 2 * config.n_kv_head * config.head_dim
     matrices = C * (C + kv) + C * C + 2 * C * hidden  # c_attn, c_proj, c_fc, mlp.c_proj
     biases = (C + kv) + C + hidden + C if config.bias else 0
@@ -50,7 +50,7 @@ def state_bytes(config: GPTConfig, cfg: TrainConfig, world_size: int) -> int:
     block, matrices, root = parameter_counts(config)
     params = config.n_layer * block + root
     muon = config.n_layer * matrices if cfg.optimizer == "muon" else 0
-    total = 16 * params - 4 * muon  # weights, gradients, two moments; Muon's one
+    total = 16 * params - 4 * muon  # weights, gradients and two moments, or one for Muon
     if cfg.parallel != "fsdp":
         return total
     return total // world_size + 8 * max(root, block)
@@ -58,11 +58,11 @@ def state_bytes(config: GPTConfig, cfg: TrainConfig, world_size: int) -> int:
 
 def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
                  dist: distributed.Dist) -> None:
-    """Refuse a run whose weights and one micro-batch cannot fit in memory, before any step:
-    on a CPU it would swap the machine to a standstill rather than fail. A fine-tuned
+    """Refuse a run whose weights and one micro-batch cannot fit in memory, before any step,
+    because on a CPU it would swap the machine to a standstill rather than fail. A fine-tuned
     model's shape is its folder's, known only once loaded, so init_from is not checked.
-    Rank 0's verdict holds for all: processes that start apart would see different free
-    memory, and one refusing alone would leave the others waiting in a collective."""
+    Rank 0's verdict holds for all, because processes that start apart would see different
+    free memory, and one refusing alone would leave the others waiting in a collective."""
     distributed.from_main(lambda: check_fits(cfg, vocab_size, device, dist), dist)
 
 
@@ -105,7 +105,7 @@ def out_of_memory(cfg: TrainConfig, device: torch.device, dist: distributed.Dist
     line naming the batch, what bounds the memory, and the fix, not the allocator's trace."""
     try:
         yield
-    except RuntimeError as e:  # torch.OutOfMemoryError is one; a CPU's is a plain one
+    except RuntimeError as e:  # torch.OutOfMemoryError is one, and a CPU raises a plain one
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
         room = memory_room(device)

@@ -39,10 +39,10 @@ def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
 def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
                          dtype: torch.dtype = torch.float32) -> list[torch.optim.Optimizer]:
     """The recipe's optimizers, each param group tagged with its peak lr ("peak_lr"). dtype
-    is the run's compute dtype: Muon orthogonalizes in bf16 only when the run is in bf16."""
+    is the run's compute dtype; Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # an untied token table is a lookup: a row moves only where its token appears, so it
+    # an untied token table is a lookup whose rows move only where their tokens appear, so it
     # learns faster with a much larger lr than the head's (as in nanochat), and without
     # weight decay, which grows with the lr and would pull its rows to zero; the head, whose
     # every row the softmax reaches at every position, keeps learning_rate like the other
@@ -58,15 +58,15 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     if table is not None and table.requires_grad:
         adamw_groups.append({"params": [table], "weight_decay": 0.0,
                              "peak_lr": cfg.embedding_lr or cfg.learning_rate})
-    # the fused kernel does the whole update in one pass over the parameters (of plain
-    # tensors: FSDP's sharded ones take the default path)
+    # the fused kernel does the whole update in one pass over the parameters (for plain
+    # tensors only; FSDP's sharded ones take the default path)
     sharded = any(is_dtensor(p) for p in trained)
     optimizers: list[torch.optim.Optimizer] = [AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
         fused=device.type in ("cuda", "cpu") and not sharded)]
     if hidden:
-        # the model's order, not the set's: a checkpoint's optimizer state is matched to
-        # parameters by position
+        # the model's order, not the set's, because a checkpoint's optimizer state is matched
+        # to parameters by position
         matrices = [p for p in trained if p in hidden]
         optimizers.append(Muon(
             [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr,
@@ -77,9 +77,9 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
 
 class Uncompiled:
     """torch.optim's methods as torch writes them, without the wrapper that keeps
-    torch.compile out of them. That wrapper imports the compiler (torch._dynamo, about a
-    second) the first time it runs, and this trainer never compiles its optimizers, so
-    without it a run reaches its first step a second sooner."""
+    torch.compile out of them. That wrapper imports the compiler (torch._dynamo, which is
+    slow to import) the first time it runs, and this trainer never compiles its optimizers,
+    so without it a run reaches its first step sooner."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
@@ -95,8 +95,8 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of one
-    shape together. torch's iteration is always in bf16, which most x86 CPUs emulate several
-    times slower than fp32, and takes one matrix at a time, where a batched product takes
+    shape together. torch's iteration is always in bf16, which most x86 CPUs emulate, far
+    slower than fp32, and takes one matrix at a time, where a batched product takes
     all of one shape in fewer, larger steps. The rest is torch's (the settings, the state and
     the update), so a step equals torch.optim.Muon's to rounding."""
 
@@ -119,8 +119,8 @@ class Muon(Uncompiled, torch.optim.Muon):
             def newton_schulz(g: torch.Tensor, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
                                      group["eps"], self.ns_dtype)
-            # Newton-Schulz needs each whole matrix: sharded ones (FSDP) are shared out, each
-            # orthogonalized on one process and its rows handed back
+            # Newton-Schulz needs each whole matrix, so sharded ones (FSDP) are shared out,
+            # each orthogonalized on one process, with its rows handed back
             if any(is_dtensor(p) for p in params):
                 from training.fsdp import each_on_one_process
                 orthogonal = each_on_one_process(updates, newton_schulz)
@@ -162,15 +162,15 @@ def by_shape(matrices: list[torch.Tensor],
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """About U V^T of g = U S V^T: Muon's quintic Newton-Schulz iteration, in dtype, on one
-    matrix or on each matrix of a stack (..., rows, cols). It pushes every singular value
-    towards 1 (to somewhere in 0.5-1.5, which trains as well)."""
+    """Approximately U V^T for g = U S V^T, by Muon's quintic Newton-Schulz iteration, in
+    dtype, on one matrix or on each matrix of a stack (..., rows, cols). It pushes every
+    singular value towards 1 (to somewhere in 0.5-1.5, which trains as well)."""
     a, b, c = coefficients
     x = g.to(dtype).reshape(-1, *g.shape[-2:])  # a stack, (n, rows, cols)
     tall = g.size(-2) > g.size(-1)
     if tall:  # iterate on the wide side, where the Gram matrix is the smaller
         x = x.mT
-    # each matrix divided by its norm, so that its singular values are at most 1, where the
+    # divide each matrix by its norm, so that its singular values are at most 1, where the
     # iteration converges
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):

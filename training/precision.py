@@ -8,7 +8,7 @@ The rule, in one sentence: auto is bfloat16 where the hardware multiplies bf16 n
 GPU that supports it, a CPU with avx512_bf16 or amx_bf16) and float32 everywhere else.
 It depends on the machine alone, never on how busy it is, so the same command on the same
 machine computes the same numbers. docs/performance.md has the measurements behind it: on
-CPUs without those instructions bf16 is emulated and several times slower than fp32.
+CPUs without those instructions, bf16 is emulated and much slower than fp32.
 """
 
 from __future__ import annotations

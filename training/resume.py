@@ -36,9 +36,9 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 def read_saved(run_dir: Path, device: torch.device, mmap: bool) -> tuple[TrainState, Path]:
     """The state a resumed run starts from, and its checkpoint. A sharded checkpoint's
-    weights and optimizer state are not read yet: restore() reads each process's part of
-    them. mmap: map a plain last.pt rather than read it, so that each of several processes
-    touches only the parts it keeps (its shards)."""
+    weights and optimizer state are not read yet, because restore() reads each process's part
+    of them. With mmap, a plain last.pt is mapped rather than read, so that each of several
+    processes touches only the parts it keeps (its shards)."""
     path = last_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"nothing to resume in {run_dir}")

@@ -72,8 +72,8 @@ class Run:
 @contextmanager
 def run_folder(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Iterator[Run]:
     """runs/<run_name>, chosen by choose_run_dir and locked by rank 0 until the run ends;
-    every process gets the Run. A run that fails before it writes a file takes away what
-    taking the folder made."""
+    every process gets the Run. A run that fails before it writes a file removes what
+    taking the folder created."""
     lock: FolderLock | None = None
 
     def take() -> Path:
@@ -96,8 +96,8 @@ def run_folder(cfg: TrainConfig, resume: bool, dist: distributed.Dist) -> Iterat
 
 def saved_nothing(run_dir: Path) -> bool:
     """Whether run_dir holds only its lock and the TensorBoard events of a run that died
-    before its first checkpoint (killed, or a second Ctrl-C while it started): nothing worth
-    keeping. Ask only while holding the folder's lock, or a live run's start looks so too."""
+    before its first checkpoint (killed, or a second Ctrl-C while it started), which are not
+    worth keeping. Ask only while holding the lock, because a live run's start looks the same."""
     files = list(run_dir.iterdir())
     return bool(files) and all(f.is_file() and (f.name == LOCK or
                                                 f.name.startswith("events.out.tfevents."))
@@ -106,8 +106,8 @@ def saved_nothing(run_dir: Path) -> bool:
 
 def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     """runs/<run_name>, its lock held. A new run never writes into another run's folder, old
-    or live: it takes the next free -2, -3, ... name instead. A resumed run must find its
-    last.pt there and no live run. A folder where a run saved nothing is taken over, its
+    or live; it takes the next free -2, -3, ... name instead. A resumed run must find its
+    last.pt there and no live run. A folder where a run saved nothing is taken over and its
     stale events deleted, so that a run killed in its first seconds does not push the next
     one to -2."""
     base = run_dir_of(cfg)
@@ -129,7 +129,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
             folder = lock_folder(run_dir, LOCK)
             if folder is None:
                 continue  # a live run's folder
-            if saved_nothing(run_dir):  # new, or a run's that died before saving
+            if saved_nothing(run_dir):  # new, or left by a run that died before saving
                 for f in run_dir.iterdir():
                     if f.name != LOCK:
                         f.unlink()
@@ -155,7 +155,7 @@ def check_resumable_folder(run_dir: Path) -> None:
 
 
 def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
-    """The folder takes a file now, and the disk has room for checkpoint_bytes."""
+    """Check that the folder takes a file now and the disk has room for checkpoint_bytes."""
     try:
         probe_writable(run_dir)
     except OSError as e:

@@ -7,7 +7,7 @@ Usage:
                                                           # the model (model_from_checkpoint)
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so it loads with
-torch.load(weights_only=True): no pickled code runs. It holds the model shape, the weights,
+torch.load(weights_only=True), which runs no pickled code. It holds the model shape, the weights,
 the optimizer state, the iteration, the training config and the tokenizer, so sampling
 needs nothing else.
 """
@@ -32,31 +32,31 @@ from machine.files import atomic_write, fsync_dir, record_problem
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1
-# what sampling, evaluating and exporting need: every checkpoint holds these
+# what sampling, evaluating and exporting need, so every checkpoint holds these
 REQUIRED = {"model_args": dict, "model": dict, "iter_num": int, "config": dict,
             "tokenizer": dict}
 # what --resume needs beyond that (TrainState holds it all)
 RESUME = {"optimizer": (list, dict), "scaler": dict, "best_val_loss": (int, float), "rng": dict}
 RESUME_RNG = {"torch": torch.Tensor, "batches": torch.Tensor}
-# a sharded checkpoint's state.pt (weights/sharded.py): its tensors are in the shards, and it
-# names each optimizer's parameters in order
+# a sharded checkpoint's state.pt (weights/sharded.py), whose tensors are in the shards and
+# which names each optimizer's parameters in order
 SHARDED = {**{k: v for k, v in REQUIRED.items() if k != "model"}, "shards": dict}
 SHARDED_RESUME = {k: v for k, v in RESUME.items() if k != "optimizer"}
 
 
 @dataclass
 class TrainState:
-    """Every key of last.pt and best.pt, besides the format and version: all that a resumed
-    run needs to go on exactly. train.py writes it (training/loop.py), --resume reads it
-    back (training/session.py), and nothing else names these keys."""
+    """Every key of last.pt and best.pt besides the format and version, which is all that a
+    resumed run needs to go on exactly. train.py writes it (training/checkpoints.py), --resume
+    reads it back (training/resume.py), and nothing else names these keys."""
     model_args: dict[str, Any]  # GPTConfig's fields: the model's shape and layout
     model: dict[str, torch.Tensor]  # the weights, by GPT-2's names
     optimizer: list[dict]  # each optimizer's state_dict (AdamW; Muon and AdamW under muon)
     scaler: dict  # float16's loss scaler (empty otherwise)
     iter_num: int  # optimizer steps taken
-    dtype: str | None  # what the run computes in ("auto" chose it once); None: older files
+    dtype: str | None  # what the run computes in ("auto" chose it once); None if absent
     best_val_loss: float
-    val_loss: float  # at this step; NaN when not measured here (a save on a signal)
+    val_loss: float  # at this step, or NaN if not measured here (a save on a signal)
     config: dict[str, Any]  # the TrainConfig, as training/config.py's to_dict writes it
     tokenizer: dict  # the dataset's tokenizer, as data/tokenizer.py describes one
     # the random streams: torch's, the batch stream's (its state before the pending
@@ -64,12 +64,12 @@ class TrainState:
     rng: dict[str, torch.Tensor]
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))  # shallow: the tensors are not copied
+        return dict(vars(self))  # shallow, so the tensors are not copied
 
     @classmethod
     def from_checkpoint(cls, ckpt: dict[str, Any]) -> TrainState:
-        """The state in a checkpoint that load_checkpoint(resume=True) accepted, older
-        layouts read as today's: one optimizer's dict before optimizer = muon came."""
+        """The state in a checkpoint that load_checkpoint(resume=True) accepted, with a lone
+        optimizer state_dict (not in a list) read as a list of one."""
         optimizer = ckpt["optimizer"]
         return cls(model_args=ckpt["model_args"], model=unwrap_state_dict(ckpt["model"]),
                    optimizer=optimizer if isinstance(optimizer, list) else [optimizer],
@@ -86,7 +86,7 @@ class CheckpointError(UserError):
 def save_checkpoint(state: TrainState | dict[str, Any], path: str | Path) -> None:
     """Write atomically: a temporary file in the same folder, fsynced, then renamed over the
     old one, so a crash at any moment leaves either the old or the new checkpoint whole."""
-    # a full disk, an interrupt: the old checkpoint stays, and no debris
+    # a full disk or an interrupt leaves the old checkpoint and no half-written file
     with atomic_write(path) as f:
         contents = state.to_dict() if isinstance(state, TrainState) else state
         torch.save({"format": FORMAT, "version": VERSION, **contents}, f)
@@ -94,8 +94,8 @@ def save_checkpoint(state: TrainState | dict[str, Any], path: str | Path) -> Non
 
 def non_finite(state: Any, name: str = "") -> str | None:
     """The name of the first floating-point tensor in a nested state (dicts, lists) that
-    holds a NaN or an inf, or None: a checkpoint of such a state would be resumed, sampled
-    and trusted, and it is worth nothing."""
+    holds a NaN or an inf, or None. A checkpoint of such a state is worth nothing, yet it
+    would be resumed, sampled and trusted."""
     if isinstance(state, torch.Tensor):
         return name if state.is_floating_point() and not torch.isfinite(state).all() else None
     items = (state.items() if isinstance(state, dict)
@@ -132,7 +132,7 @@ class UnreadableFile(Exception):
 def safe_load(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
     """torch.load(weights_only=True), which runs no pickled code. A damaged or foreign file
     fails in many ways inside torch; each becomes one UnreadableFile. mmap maps the file's
-    tensors rather than reading them: only what is used is read."""
+    tensors rather than reading them, so only what is used is read."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -157,8 +157,8 @@ def sharded_hint(run_dir: Path) -> str:
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
                     resume: bool = False, mmap: bool = False) -> dict[str, Any]:
-    """Load and check a checkpoint, and with resume that it holds all a resumed run needs;
-    CheckpointError if it is missing, truncated, damaged or foreign. mmap: see safe_load."""
+    """Load and check a checkpoint and, with resume, that it holds all a resumed run needs;
+    raise CheckpointError if it is missing, truncated, damaged or foreign (mmap: safe_load's)."""
     path = Path(path)
     if path.suffix == ".dcp" and path.is_dir():
         raise CheckpointError(sharded_hint(path.parent))
@@ -172,9 +172,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
 
 
 def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -> dict[str, Any]:
-    """ckpt, if it is a checkpoint of this format holding what sampling needs (and with
-    resume, what a resumed run needs); else CheckpointError naming the problem. A sharded
-    checkpoint's state.pt holds the rest of a TrainState, its tensors aside."""
+    """Return ckpt if it is a checkpoint of this format with what sampling needs (and, with
+    resume, what a resumed run needs); otherwise raise a CheckpointError naming the problem.
+    A sharded checkpoint's state.pt holds the rest of a TrainState, without its tensors."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project's train.py")
     if ckpt.get("version") != VERSION:
@@ -193,7 +193,7 @@ def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -
     if problem:  # every use of a checkpoint builds its model, or compares its shape
         raise CheckpointError(f"{path} is damaged: its model_args are not a model shape "
                               f"({problem}); use another checkpoint")
-    # what a resumed run needs besides (a file damaged, or written by other code)
+    # what a resumed run also needs (missing if the file is damaged or written by other code)
     problem = resume and (record_problem(ckpt, SHARDED_RESUME if sharded else RESUME)
                           or record_problem(ckpt["rng"], RESUME_RNG)
                           or resume_problem(ckpt, sharded))

@@ -1,7 +1,7 @@
 """A checkpoint's fields besides its weights, checked beyond their types (which
 machine.files.record_problem checks): the model's shape, which every use of a checkpoint
-builds, and the values a resumed run puts back. Imported where a checkpoint is read, which
-a plain training run never does.
+builds, and the values a resumed run puts back. It is imported only where a checkpoint is
+read, which a plain training run never does.
 
 Usage:
     from weights.fields import resume_problem, shape_problem
@@ -33,14 +33,14 @@ def shape_problem(model_args: dict[str, Any]) -> str | None:
 
 
 def resume_problem(ckpt: dict[str, Any], sharded: bool) -> str | None:
-    """What a resumed run could not put back from a checkpoint whose fields have their
-    types: a value that no run writes, naming the field; None if there is none."""
+    """In a checkpoint whose fields have the right types, name a field whose value no run
+    writes, which a resumed run could not put back; None if there is none."""
     dtype, val_loss = ckpt.get("dtype"), ckpt.get("val_loss", math.nan)
-    if dtype is not None and dtype not in DTYPES:  # None: written before the field was
+    if dtype is not None and dtype not in DTYPES:  # a file may have no dtype
         return f"its dtype is {dtype!r:.40}, not one of {', '.join(DTYPES)}"
     if ckpt["iter_num"] < 0:
         return f"its iter_num is {ckpt['iter_num']}, below 0"
-    if math.isnan(ckpt["best_val_loss"]):  # inf is a run not evaluated yet
+    if math.isnan(ckpt["best_val_loss"]):  # inf means no evaluation yet
         return "its best_val_loss is NaN"
     if not isinstance(val_loss, int | float) or isinstance(val_loss, bool):
         return f"its val_loss is {val_loss!r:.40}, not a number"
@@ -48,7 +48,7 @@ def resume_problem(ckpt: dict[str, Any], sharded: bool) -> str | None:
         problem = generator_problem(ckpt["rng"][stream], f"rng.{stream}")
         if problem:
             return problem
-    cuda = ckpt["rng"].get("cuda")  # a GPU's stream, put back on a GPU alone
+    cuda = ckpt["rng"].get("cuda")  # a GPU's stream, put back only on a GPU
     if cuda is not None and not isinstance(cuda, torch.Tensor):
         return f"its rng.cuda is {cuda!r:.40}, not a random generator's state"
     return None if sharded else optimizer_problem(ckpt["optimizer"])
@@ -65,8 +65,8 @@ def generator_problem(state: torch.Tensor, name: str) -> str | None:
 
 
 def optimizer_problem(optimizer: list | dict) -> str | None:
-    """Why `optimizer` cannot be the optimizers' state_dicts (one, in older files), naming
-    the first that is not; None if each has its state and groups of parameters."""
+    """Why `optimizer` cannot be the optimizers' state_dicts (a list, or one alone), naming
+    the first bad one; None if each has its state and groups of parameters."""
     for n, state in enumerate(optimizer if isinstance(optimizer, list) else [optimizer]):
         problem = record_problem(state, {"state": dict, "param_groups": list})
         if problem:

@@ -23,13 +23,13 @@ from weights.checkpoint import state_dict_mismatch
 from weights.hf import FolderError, read_config, read_weights, write_folder
 from weights.lazy import Lazy, build, cropped, expected
 
-# Conv1D weights in GPT-2 are (in_features, out_features): transpose to and from nn.Linear
+# Conv1D weights in GPT-2 are (in_features, out_features), so they are transposed for nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 CONFIG_KEYS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 
 
 def read_hf_config(folder: Path) -> dict:
-    """config.json of a GPT-2 folder, refused where it computes something model.py does not."""
+    """Read a GPT-2 folder's config.json, refusing a model that computes what model.py does not."""
     hf = read_config(folder)
     path = folder / "config.json"
     missing = [key for key in CONFIG_KEYS if key not in hf]
@@ -49,8 +49,8 @@ def read_hf_config(folder: Path) -> dict:
 
 def hf_gpt2_weights(folder: str | Path, dropout: float = 0.0,
                     ) -> tuple[GPTConfig, dict[str, Lazy]]:
-    """The shape of a Hugging Face GPT-2 folder's model (any size: from config.json) and its
-    weights by model.py's names, not read yet (weights/lazy.py)."""
+    """The shape of a Hugging Face GPT-2 folder's model (of any size, read from config.json)
+    and its weights by model.py's names, not read yet (weights/lazy.py)."""
     folder = Path(folder)
     hf = read_hf_config(folder)
     try:
@@ -78,8 +78,8 @@ def hf_gpt2_weights(folder: str | Path, dropout: float = 0.0,
 
 def load_hf_gpt2(folder: str | Path, block_size: int | None = None,
                  dropout: float = 0.0) -> GPT:
-    """A GPT holding the weights of a Hugging Face GPT-2 folder (any size: the shape comes
-    from config.json). block_size below n_positions crops the position table."""
+    """A GPT holding the weights of a Hugging Face GPT-2 folder (of any size, because the shape
+    comes from config.json). block_size below n_positions crops the position table."""
     config, state = hf_gpt2_weights(folder, dropout)
     if block_size is not None and block_size > config.block_size:
         raise FolderError(f"block_size {block_size} exceeds the checkpoint's n_positions "
@@ -111,7 +111,7 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
     cfg = model.config
     state = {}
     for key, tensor in model.state_dict().items():
-        if key == "lm_head.weight":  # tied to wte: GPT-2 folders store it once
+        if key == "lm_head.weight":  # tied to wte, which GPT-2 folders store once
             continue
         if key.endswith(CONV1D):
             tensor = tensor.t()
@@ -124,7 +124,7 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
         "initializer_range": 0.02, "tie_word_embeddings": True,
     }
-    if cfg.vocab_size == 50257:  # GPT-2's own vocabulary: its end-of-text token
+    if cfg.vocab_size == 50257:  # GPT-2's own vocabulary, so name its end-of-text token
         hf.update(bos_token_id=50256, eos_token_id=50256)
     files = {"model.safetensors": save(state, metadata={"format": "pt"}), **(extra or {}),
              "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # the config last

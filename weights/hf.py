@@ -1,5 +1,5 @@
 """Hugging Face model folders: reading config.json and the weights, and writing a folder
-whole. The formats themselves (GPT-2's, NanoChat's) are gpt2.py and nanochat.py.
+whole. gpt2.py and nanochat.py handle the formats themselves (GPT-2's and NanoChat's).
 
 Usage:
     from weights.hf import model_type, read_config, read_weights, write_folder
@@ -62,14 +62,14 @@ def model_type(folder: str | Path) -> str:
 
 def read_weights(folder: str | Path) -> dict[str, Lazy]:
     """The named tensors of model.safetensors, else of pytorch_model.bin (loaded safely), as
-    Lazy ones: each is read when asked for, one at a time (the .bin file mapped)."""
+    Lazy tensors, each read when asked for, one at a time (the .bin file is mapped)."""
     for name in WEIGHT_FILES:
         path = Path(folder) / name
         if path.is_file():
             try:
                 if name.endswith(".safetensors"):
                     return safetensors_weights(path)
-                # mapped where it can be: a zip file (what torch.save has written since 1.6)
+                # map it if it is a zip file, which is torch.save's default format
                 weights = safe_load(path, mmap=zipfile.is_zipfile(path))
             except (SafetensorError, OSError, UnreadableFile) as e:
                 reason = (str(e).splitlines() or [type(e).__name__])[0]

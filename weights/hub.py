@@ -5,7 +5,7 @@ cache (~/.cache/huggingface, or $HF_HUB_CACHE), and reads it from there afterwar
 Usage:
     from weights.hub import local_folder
     folder = local_folder("openai-community/gpt2")   # a Path: the cached snapshot
-    folder = local_folder("models/gpt2")             # a folder you have: as it is
+    folder = local_folder("models/gpt2")             # a folder you have, as it is
 
 huggingface_hub owns the cache: its layout, its locks, resumed downloads, and offline use
 (HF_HUB_OFFLINE=1 reads only what is cached).
@@ -29,9 +29,9 @@ class HubError(UserError):
 
 
 def local_folder(name: str | Path) -> Path:
-    """The folder `name` names: a path here, as it is (one that does not exist, too, where
-    its first part does: runs/nosuch is a mistyped run, not a Hub model); else a Hub
-    repository id, downloaded into the Hub's cache (or found there) with a progress bar."""
+    """The folder that `name` names: a local path, as it is (even one that does not exist if
+    its first part does, because runs/nosuch is a mistyped run, not a Hub model), or else a
+    Hub repository id, downloaded into the Hub's cache (or found there) with a progress bar."""
     path = Path(name)
     if path.exists() or Path(path.parts[0]).exists() or not HUB_ID.fullmatch(str(name)) \
             or str(name).startswith("."):

@@ -1,4 +1,4 @@
-"""Weights not read yet: a base model's tensors as shapes and the means to read each one,
+"""Weights not read yet: a base model's tensors as their shapes and a way to read each one
 from a memory-mapped file, one at a time.
 
 Usage:
@@ -32,7 +32,7 @@ class Lazy(NamedTuple):
 
     def then(self, fn: Callable[[torch.Tensor], torch.Tensor],
              shape: torch.Size | None = None) -> Lazy:
-        """This tensor with fn applied as it is read (shape: fn's result's, if it changes)."""
+        """This tensor with fn applied as it is read (shape is the result's, if fn changes it)."""
         return Lazy(self.shape if shape is None else shape, lambda: fn(self.load()))
 
 
@@ -42,7 +42,7 @@ def mapped(tensors: dict[str, torch.Tensor]) -> dict[str, Lazy]:
 
 
 def expected(config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state_dict of a model of this shape, on the meta device: shapes, no memory.
+    """The state_dict of a model of this shape on the meta device, which takes no memory.
     ValueError for a shape with a tensor larger than torch can describe (a damaged size)."""
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -61,8 +61,8 @@ def build(config: GPTConfig, state: dict[str, Lazy]) -> GPT:
 
 def cropped(config: GPTConfig, state: dict[str, Lazy],
             block_size: int | None) -> tuple[GPTConfig, dict[str, Lazy]]:
-    """A shorter context, where block_size is below the model's: the position table's first
-    rows (rotary positions are computed for the new length)."""
+    """Shorten the context where block_size is below the model's, keeping the position
+    table's first rows (rotary positions are computed for the new length)."""
     if block_size is None or block_size >= config.block_size:
         return config, state
     state = dict(state)
@@ -76,8 +76,8 @@ def cropped(config: GPTConfig, state: dict[str, Lazy],
 def grown(config: GPTConfig, state: dict[str, Lazy],
           vocab_size: int) -> tuple[GPTConfig, dict[str, Lazy]]:
     """Rows added to the token table (and an untied head) for the ids from the vocabulary's
-    size up to vocab_size. Each new row starts at the mean of the old ones: an embedding
-    like an average token's, and a logit like an average token's, so the new tokens neither
+    size up to vocab_size. Each new row starts at the mean of the old ones, which gives
+    an embedding and a logit like an average token's, so that the new tokens neither
     dominate the first steps nor start unreachable."""
     def grow(rows: torch.Tensor) -> torch.Tensor:
         extra = rows.float().mean(dim=0, keepdim=True).to(rows.dtype)

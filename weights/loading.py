@@ -46,9 +46,9 @@ DIVERGED = "its run diverged; use an earlier checkpoint"  # the fix for a checkp
 
 
 def run_checkpoint(folder: Path) -> Path | None:
-    """best.pt of a run folder; else last.pt (a run stopped before its first evaluation has
-    only that), saying so on stderr; else None. Where the best or last checkpoint is sharded
-    (best.dcp, last.dcp: FSDP's), a CheckpointError that says how to make a plain one."""
+    """A run folder's best.pt; else its last.pt (all that a run stopped before its first
+    evaluation has), with a note on stderr; else None. A sharded best or last checkpoint
+    (FSDP's best.dcp or last.dcp) raises a CheckpointError saying how to make a plain one."""
     for name in ("best", "last"):
         if (folder / f"{name}.pt").is_file():
             if name == "last":
@@ -69,10 +69,10 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "
 
 def choose_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "runs",
                       prefer: str | None = None) -> tuple[Path, str]:
-    """resolve_checkpoint's checkpoint, and why it was chosen where nobody named it: the
-    newest run's (the run whose checkpoint was written last), or with prefer "base" or
-    "chat" the newest run of that kind where there is one: a base model continues text, a
-    chat model (trained on conversations) answers turns."""
+    """resolve_checkpoint's checkpoint, and why it was chosen if nobody named it: the newest
+    run's (the run whose checkpoint was written last) or, with prefer "base" or "chat", the
+    newest run of that kind if there is one. A base model continues text; a chat model
+    (trained on conversations) answers turns."""
     if checkpoint:
         return Path(checkpoint), ""
     if run:
@@ -80,7 +80,7 @@ def choose_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "r
         if not folder.exists() and len(folder.parts) == 1:
             folder = Path(out_dir) / run  # a bare run name, e.g. --run quickstart
         path = run_checkpoint(folder)
-        if path is None:  # most likely a mistyped run name: offer its neighbours
+        if path is None:  # most likely a mistyped run name, so list the runs beside it
             runs = sorted({str(p.parent) for name in ("best.pt", "last.pt")
                            for p in folder.parent.glob(f"*/{name}")})
             raise LoadError(f"no checkpoint (best.pt or last.pt) in {folder}; runs in "
@@ -108,7 +108,7 @@ def choose_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "r
 
 def is_chat_run(folder: Path) -> bool:
     """Whether a run folder's model was trained on conversations: its tokenizer has the
-    chat tokens (data/chat.py). Its checkpoint is mapped, not read: only its small part is."""
+    chat tokens (data/chat.py). Its checkpoint is mapped, not read, so only a small part is."""
     path = next((folder / f"{name}.pt" for name in ("best", "last")
                  if (folder / f"{name}.pt").is_file()), None)
     if path is None:
@@ -156,7 +156,7 @@ def folder_weights(folder: str | Path, block_size: int | None = None, dropout: f
     return (*cropped(config, state, block_size), tokenizer)
 
 
-# a few of GPT-2's tokens and their ids: a tokenizer.json that has them is GPT-2's own
+# a few of GPT-2's tokens and their ids, which mark a tokenizer.json as GPT-2's own
 GPT2_FINGERPRINT = {"!": 0, "\u0120the": 262, "<|endoftext|>": 50256}
 
 
@@ -190,8 +190,8 @@ def load_model(run: str | None = None, checkpoint: str | None = None,
                say: Callable[[str], None] | None = None) -> tuple[GPT, Tokenizer, str]:
     """The model on `device` with weights in `dtype` (see quantize.WEIGHT_DTYPES), in eval
     mode, its tokenizer, and where it came from. init_from wins over run and checkpoint;
-    without either, the newest run (see choose_checkpoint for `prefer`). `say` is told, in
-    one line, what was loaded, and why where nobody named it."""
+    without any of them, the newest run is loaded (see choose_checkpoint for `prefer`). `say`
+    gets one line saying what was loaded and, if nobody named it, why."""
     check_weight_dtype(dtype)  # before a checkpoint is read
     why = ""
     if init_from:
@@ -246,7 +246,7 @@ def base_weights(path: str | Path, block_size: int | None = None, dropout: float
 
 
 def grow_vocabulary(model: GPT, vocab_size: int) -> GPT:
-    """The model with rows added to its token table (and untied head) for the ids from its
+    """The model with rows added to its token table (and to an untied head) for the ids from its
     vocabulary size up to vocab_size, each the mean of the old rows (weights.lazy.grown)."""
     grown_model = build(*grown(model.config, mapped(model.state_dict()), vocab_size))
     return grown_model.train(model.training)
@@ -261,21 +261,21 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     if problem:
         raise CheckpointError(f"the checkpoint's weights do not match its model_args: {problem}; "
                               f"the file is damaged, use another checkpoint")
-    # train.py refuses to save a diverged run, but a checkpoint of an older version may hold one
+    # train.py refuses to save a diverged run, but a file written by other code may hold one
     return build(config, finite(mapped(state), "the checkpoint", DIVERGED)).eval()
 
 
 def finite(state: dict[str, Lazy], source: str, fix: str) -> dict[str, Lazy]:
-    """The weights, each checked as it is read, at every door that loads a model: one that
-    holds NaN or inf is refused in one line naming it and `fix`, because such a model
-    samples from NaN probabilities and scores every choice alike, without an error; one
-    that is not floating point (a damaged file) is refused too, where it would be cast."""
+    """The weights, each checked as it is read, wherever a model is loaded. A tensor holding
+    NaN or inf is refused in one line naming it and `fix`, because such a model samples from
+    NaN probabilities and scores every choice alike without an error. One that is not
+    floating point (a damaged file) is refused too, rather than cast."""
     def check(tensor: torch.Tensor, name: str) -> torch.Tensor:
         if not tensor.is_floating_point():
             raise LoadError(f"{source}'s {name} holds {str(tensor.dtype).removeprefix('torch.')} "
                             f"values, where weights are floating point; the file is damaged, "
                             f"use another copy")
-        # float8's isfinite is not implemented: its values are checked in float32
+        # float8 has no isfinite, so its values are checked in float32
         if not torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float()).all():
             raise LoadError(f"{source}'s {name} holds NaN or inf: {fix}")
         return tensor

@@ -21,8 +21,8 @@ fuses the query, key and value projections into one c_attn:
 Both rotate the pairs (x_i, x_{i + head_dim/2}) of a head, but in opposite directions:
 nanochat turns by -angle where model.py turns by +angle. Negating the second half of every
 query and key head, which is what flip_rope does to their projection rows, turns one into
-the other: the rotated queries and keys then differ only in those signs, which cancel in
-every query-key dot product. QK-norm comes before the rotation here and after it in
+the other, because the rotated queries and keys then differ only in those signs, which
+cancel in every query-key dot product. QK-norm comes before the rotation here and after it in
 transformers; a norm without a gain has the same length before and after a rotation, so
 the order changes nothing.
 """
@@ -49,7 +49,7 @@ CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 def flip_rope(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Projection rows of query or key heads, (heads * head_dim, n_embd), with the second
-    half of each head negated: nanochat's rotation into model.py's and back."""
+    half of each head negated, which turns nanochat's rotation into model.py's and back."""
     rows = w.reshape(-1, 2, head_dim // 2, w.size(-1)).clone()
     rows[:, 1] = -rows[:, 1]
     return rows.reshape(w.shape)
@@ -84,7 +84,7 @@ def config_from_hf(hf: dict, path: Path, dropout: float = 0.0) -> GPTConfig:
 def hf_nanochat_weights(folder: str | Path, dropout: float = 0.0,
                         ) -> tuple[GPTConfig, dict[str, Lazy]]:
     """The shape of a NanoChat folder's model and its weights by model.py's names, not read
-    yet (weights/lazy.py): separate q, k, v projections become one fused c_attn."""
+    yet (weights/lazy.py); the separate q, k and v projections become one fused c_attn."""
     folder = Path(folder)
     config = config_from_hf(read_config(folder), folder / "config.json", dropout)
     try:
@@ -161,7 +161,7 @@ def hf_config(cfg: GPTConfig, special: dict[str, int]) -> dict:
 def export_hf_nanochat(model: GPT, folder: str | Path, force: bool = False,
                        extra: dict[str, bytes] | None = None,
                        special: dict[str, int] | None = None) -> Path:
-    """Write config.json and model.safetensors (and `extra` files: the tokenizer's) that
+    """Write config.json and model.safetensors (and the `extra` files, the tokenizer's) that
     transformers' NanoChatForCausalLM loads, as weights.hf.write_folder writes a folder."""
     cfg = model.config
     problem = nanochat_problem(cfg)

@@ -8,17 +8,17 @@ Usage:
 
 Decoding one token reads every weight once, so on a CPU it is bound by memory traffic, and
 int8 weights are a quarter of fp32's bytes and half of bf16's. Each row keeps its own
-scale (max |w| / 127): one outlier then costs precision in its own row only.
+scale (max |w| / 127), so that an outlier costs precision in its own row only.
 
 The token table is quantized too, and stays tied: the output layer (lm_head) reads the int8
 matrix and its row scales, and the embedding looks up an int8 row and multiplies it by that
-row's scale. For GPT-2 it is 31% of the weights, so leaving it in float would cost most of
-the speed; docs/quality.md gives the loss this costs. An untied head is an int8 matrix of
-its own, and so is the table.
+row's scale. It is a large share of GPT-2's weights, so leaving it in float would cost
+most of the speed; docs/quality.md gives the loss that quantizing it costs. An untied head
+is an int8 matrix of its own, and so is the table.
 
-The Int8Linear forward here dequantizes its weight to the activations' dtype on each call:
-the plain reference, exact in float32. The fast path on a CPU is cdecode's C step, which
-reads the int8 rows directly.
+The Int8Linear forward here dequantizes its weight to the activations' dtype on each call,
+which makes it the plain reference (exact in float32). The fast path on a CPU is cdecode's
+C step, which reads the int8 rows directly.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T * scales + bias, W int8 (out, in). Buffers, not parameters: nothing trains."""
+    """y = x W^T * scales + bias, with W int8 (out, in), in buffers because nothing trains."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -66,8 +66,8 @@ class Int8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Rows of an int8 table times their scales: the token table, which with tied embeddings
-    is the output layer's Int8Linear's tensors themselves, not copies."""
+    """The token table: rows of an int8 table times their scales. With tied embeddings its
+    tensors are the output layer's Int8Linear's own, not copies."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()

@@ -2,7 +2,8 @@
 
 Usage:
     from weights.sharded import write_shards, read_shards, consolidate
-    folder = write_shards(tensors, rest, run_dir, "last", is_main)   # every process calls
+    write_shards(tensors, rest, folder, is_main)   # every process, into new_folder(run_dir, iter)
+    link(run_dir, "last", folder)                  # rank 0, once every process has written
     rest = read_state(run_dir / "last.dcp"); shapes = tensor_shapes(run_dir / "last.dcp")
     read_shards(targets, run_dir / "last.dcp", shapes)
     consolidate(run_dir / "last.dcp", run_dir / "last.pt")           # a plain checkpoint
@@ -65,15 +66,15 @@ def new_folder(run_dir: Path, iter_num: int) -> Path:
 
 def write_shards(tensors: dict[str, torch.Tensor], rest: dict[str, Any], folder: Path,
                  is_main: bool) -> None:
-    """Every process writes its shards of `tensors` into folder, rank 0 the metadata and
-    state.pt; each file is fsynced. DCP's save is a collective: every process calls."""
+    """Every process writes its shards of `tensors` into folder (DCP's save is a collective,
+    so all must call it), and rank 0 the metadata and state.pt; each file is fsynced."""
     import torch.distributed.checkpoint as dcp
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
     except dcp.CheckpointException as e:  # every process's failures, gathered
         causes = [write_failure(error) for error, _ in e.failures.values()]
         failed = next((c for c in causes if isinstance(c, OSError)), None)
-        if failed is not None:  # a full disk: reported as any failed write is
+        if failed is not None:  # a full disk is reported like any failed write
             raise failed from None
         raise CheckpointError(f"the save failed: {causes[0]!r}"[:300]) from None
     if is_main:
@@ -83,10 +84,10 @@ def write_shards(tensors: dict[str, torch.Tensor], rest: dict[str, Any], folder:
 
 
 def link(run_dir: Path, name: str, folder: Path) -> None:
-    """Point run_dir/<name>.dcp at folder: a new link renamed over the old one, so the name
-    always leads to a whole checkpoint. The other format's file of that name (a plain
-    <name>.pt, from a run resumed under FSDP or made by export.py --plain) is older: it goes,
-    so that a folder never holds two `last` checkpoints that disagree."""
+    """Point run_dir/<name>.dcp at folder by renaming a new link over the old one, so that
+    the name always leads to a whole checkpoint. A plain <name>.pt (from a run resumed under
+    FSDP, or made by export.py --plain) is now older, so it is deleted, and a folder never
+    holds two `last` checkpoints that disagree."""
     path = run_dir / f"{name}{SUFFIX}"
     tmp = run_dir / f".{name}{SUFFIX}.tmp"
     tmp.unlink(missing_ok=True)
@@ -111,8 +112,8 @@ def tidy(run_dir: Path) -> None:
 
 
 def unlink_sharded_twin(run_dir: Path, name: str) -> None:
-    """A plain save of <name>.pt makes a sharded <name>.dcp older: its link goes, and its
-    folder with it unless the other name still leads there."""
+    """A plain save of <name>.pt makes a sharded <name>.dcp older, so delete its link, and
+    its folder too unless the other name still leads there."""
     path = run_dir / f"{name}{SUFFIX}"
     if path.is_symlink():
         path.unlink()
@@ -142,8 +143,8 @@ METADATA = {"torch.distributed.checkpoint.metadata": {
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that builds DCP's metadata records and nothing else: DCP reads its
-    .metadata with plain pickle, which would run whatever a crafted file names."""
+    """An unpickler that builds DCP's metadata records and nothing else, because DCP reads
+    its .metadata with plain pickle, which would run whatever a crafted file names."""
 
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
@@ -153,8 +154,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Every tensor the checkpoint holds: its whole shape and dtype, from DCP's metadata,
-    which is checked first to be only that (DCP then reads the same bytes)."""
+    """The whole shape and dtype of every tensor the checkpoint holds, from DCP's metadata,
+    which is first checked to hold nothing else (DCP then reads the same bytes)."""
     from torch.distributed.checkpoint import TensorStorageMetadata
     try:
         with open(path / ".metadata", "rb") as f:
@@ -169,10 +170,10 @@ def tensor_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
 
 def read_shards(targets: dict[str, torch.Tensor], path: Path,
                 shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-    """Fill each target (a sharded tensor: this process's part; a plain one: the whole) from
-    the checkpoint, in place, reading only the pieces each needs. Under torchrun every
+    """Fill each target (this process's part of a sharded tensor, or a plain tensor whole)
+    from the checkpoint, in place, reading only the pieces each needs. Under torchrun every
     process calls; a plain process reads alone. shapes is tensor_shapes(path), read once by
-    the caller: its check of the metadata is what lets DCP unpickle it here."""
+    the caller, whose check of the metadata is what makes DCP's unpickling of it safe."""
     import torch.distributed.checkpoint as dcp
     missing = sorted(set(targets) - set(shapes))
     if missing:
@@ -200,7 +201,7 @@ def plain_layout(state: dict[str, Any], shapes: dict[str, tuple[torch.Size, torc
     model: dict[str, Any] = {key.removeprefix("model."): Shard(key)
                              for key in shapes if key.startswith("model.")}
     if state["model_args"].get("tie_embeddings", True) and "lm_head.weight" not in model:
-        model["lm_head.weight"] = model["transformer.wte.weight"]  # one table, as unsharded
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # one table, as in last.pt
     optimizers = []
     for i, opt in enumerate(state["shards"]["optimizers"]):
         entries: dict[int, dict[str, Any]] = {}
@@ -217,12 +218,11 @@ def plain_layout(state: dict[str, Any], shapes: dict[str, tuple[torch.Size, torc
 
 
 def consolidate(path: Path, out: Path) -> None:
-    """Write the plain checkpoint (last.pt's format) of the sharded one at path, one tensor
-    at a time, so that it needs the memory of its largest tensor, not of the whole state:
-    torch.save writes the file's layout with every tensor's bytes left as empty space
-    (torch.serialization.skip_data, of placeholders that hold no memory), then each tensor
-    is read (from the shards, or state.pt's small ones) and written into its place. Atomic,
-    like every save."""
+    """Write the plain checkpoint (last.pt's format) of the sharded one at path, one tensor at a
+    time, so that it needs the memory of its largest tensor, not of the whole state. torch.save
+    first writes the file's layout with every tensor's bytes left empty (skip_data, with
+    placeholders that hold no memory); then each tensor is read (from the shards, or state.pt's
+    small ones) and written into its place. The write is atomic, like every save."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     shapes = tensor_shapes(path)
     layout = plain_layout(read_state(path), shapes)
@@ -236,7 +236,7 @@ def consolidate(path: Path, out: Path) -> None:
             return [placeholder(v) for v in value]
         if not isinstance(value, Shard | torch.Tensor):
             return value
-        if id(value) not in made:  # the tied head: the token table's placeholder again
+        if id(value) not in made:  # the tied head reuses the token table's placeholder
             shape, dtype = shapes[value.key] if isinstance(value, Shard) else (value.shape,
                                                                                value.dtype)
             made[id(value)] = torch.empty(shape, dtype=dtype)
