@@ -117,10 +117,11 @@ def tokenize_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
         except ValueError as e:  # a character outside the char tokenizer's table
             raise DataError(f"{batch.name}: {e}") from None
         n += len(parts[-1])
-    return stream_ids(parts, starts, tokenizer.vocab_size), np.array(starts, dtype=np.int64), 0
+    return stream_ids(parts, tokenizer.vocab_size), np.array(starts, dtype=np.int64), 0
 
 
-def stream_ids(parts: list, starts: list[int], vocab_size: int) -> np.ndarray:
+def stream_ids(parts: list, vocab_size: int) -> np.ndarray:
+    """The parts' ids as one stream, in the smallest dtype that holds the vocabulary."""
     dtype = token_dtype(vocab_size)
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
@@ -149,7 +150,7 @@ def tokenize_conversations(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
         starts.append(n)
         parts.append(np.array(ids, dtype=np.uint32))
         n += len(ids)
-    return stream_ids(parts, starts, tokenizer.vocab_size), np.array(starts, dtype=np.int64), skipped
+    return stream_ids(parts, tokenizer.vocab_size), np.array(starts, dtype=np.int64), skipped
 
 
 def conversation_records(batch: Batch) -> list[tuple[str, object]]:
