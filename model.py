@@ -228,7 +228,7 @@ class GPT(nn.Module):
         ))
         if config.pos_embedding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        if config.pos_embedding == "rope":  # computed once, and not weights, so not saved
+        if config.pos_embedding == "rope":  # the tables are computed here and never saved
             cos, sin = rope_tables(config)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -261,8 +261,8 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(input_pos)
         if self.config.embed_norm:
             x = rms_norm(x, self.config.norm_eps)
-        rope = None  # no rotation: the positions are learned, or there are none
-        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2): heads alike
+        rope = None  # no rotation, because the positions are learned or there are none
+        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2), for all heads
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         x = self.transformer.drop(x)
         for block in self.transformer.h:

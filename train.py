@@ -131,7 +131,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if dist.enabled and not sharded:
             model = distributed.ddp(model, device)
         # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
-        autocast = (nullcontext() if dtype == torch.float32 or sharded and device.type == "cuda"
+        autocast = (nullcontext() if dtype == torch.float32 or (sharded and device.type == "cuda")
                     else torch.autocast(device.type, dtype=dtype))
         log.start(iter_num, raw_model.config)
         tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
@@ -200,7 +200,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # the lr shown is AdamW's; every group scales its own peak alike
+                # the lr shown is AdamW's; every group's is the same fraction of its own peak
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0

@@ -124,7 +124,7 @@ class RunLog:
             self.writer.add_text("sample", text_block(sample), it)
         if self.attention:
             from viz.attention_maps import LayerPictures, log_attention, token_labels
-            if self.layer_pictures is None:  # matplotlib is slow to load, so not before it is needed
+            if self.layer_pictures is None:  # matplotlib is slow to load, so only now
                 self.layer_pictures = LayerPictures(
                     token_labels(self.tokenizer, self.probe_ids), model.config.n_head)
             log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
