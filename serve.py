@@ -1,4 +1,4 @@
-"""Serve a trained model over OpenAI's API, with a chat page, many requests batched together.
+"""Serve a trained model over OpenAI's API, with a chat page, batching many requests together.
 
 Usage:
     python serve.py                                # the newest run, at http://127.0.0.1:8000
@@ -7,10 +7,11 @@ Usage:
     # then: the chat page at http://127.0.0.1:8000/, or the openai client:
     #   OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
 
-Endpoints (serving/app.py): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health and GET /. --parallel sequences decode together (serving/engine.py); up to
---queue more wait, and past that a request gets 429. SIGTERM or Ctrl-C stops accepting,
-lets what runs finish for a few seconds, cancels the rest, and exits 0.
+The main endpoints (serving/app.py lists them all) are POST /v1/chat/completions, POST
+/v1/completions, GET /v1/models, GET /health and GET /. Up to --parallel sequences decode
+together (serving/engine.py), up to --queue more requests wait, and a request beyond those
+gets a 429. On SIGTERM or Ctrl-C the server stops accepting requests, gives the running ones
+a few seconds to finish, cancels the rest, and exits 0.
 """
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ from serving.app import Service, create_app
 from serving.engine import Engine
 from weights.loading import load_model
 
-GRACE_SECONDS = 5  # after SIGTERM, how long running answers may take to finish
+GRACE_SECONDS = 5  # how long running answers may take to finish after SIGTERM
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now, so that a port in use is reported before the model
-    loads."""
+    """Bind the server's socket now, so that a port already in use is reported before the
+    model loads."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY)
-        # only on sockets that say they are TCP, and with it on, a reply's body waited for
-        # the client's delayed ack of its headers, 40 ms on every kept-alive connection
+        # Name IPPROTO_TCP rather than leave it 0, because asyncio turns Nagle's algorithm
+        # off (TCP_NODELAY) only on sockets that say they are TCP. With Nagle's algorithm on,
+        # a reply's body waits for the client's delayed ACK of the headers on every
+        # kept-alive connection.
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -75,8 +77,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def model_name(source: str, init_from: str | None) -> str:
-    """What /v1/models calls the model: the run folder's name (runs/NAME/best.pt), a
-    checkpoint's own (NAME.pt), or the Hugging Face folder's."""
+    """The name /v1/models gives the model: the run folder's name (runs/NAME/best.pt), the
+    checkpoint's own name (NAME.pt), or the Hugging Face folder's name."""
     path = Path(source)
     if init_from:
         return path.resolve().name
@@ -84,10 +86,11 @@ def model_name(source: str, init_from: str | None) -> str:
 
 
 def run_server(service: Service, sock: socket.socket) -> None:
-    """Serve until SIGTERM or Ctrl-C: uvicorn in a thread of its own, the engine in the
-    main thread (serving/engine.py says why). A signal makes uvicorn stop accepting and
-    drains the engine: running requests get GRACE_SECONDS to finish, then are cancelled,
-    each stream ending with an error event, before uvicorn would cut the connections."""
+    """Serve until SIGTERM or Ctrl-C. uvicorn runs in a thread of its own and the engine in
+    the main thread (serving/engine.py says why). A signal makes uvicorn stop accepting
+    connections and drains the engine: running requests get GRACE_SECONDS to finish and are
+    then cancelled, each stream ending with an error event, before uvicorn would cut the
+    connections."""
     config = uvicorn.Config(create_app(service), log_level="warning",
                             timeout_graceful_shutdown=GRACE_SECONDS + 2)
     server = uvicorn.Server(config)
@@ -104,9 +107,9 @@ def run_server(service: Service, sock: socket.socket) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    # the objects of the start (torch's, the model's) live as long as the process; frozen,
-    # they are left out of the collector's full passes, which stop every thread, the event
-    # loop's too, for as long as they walk what the process holds
+    # The objects made at startup (torch's and the model's) live as long as the process.
+    # Freezing them keeps them out of the collector's full passes, which stop every thread,
+    # the event loop's included, for as long as they take to walk what the process holds.
     gc.freeze()
     thread = threading.Thread(target=http, name="http")
     thread.start()
@@ -116,8 +119,9 @@ def run_server(service: Service, sock: socket.socket) -> None:
     print("stopped", file=sys.stderr)
 
 
-# The options, one per line; each one's help is its documentation (python serve.py --help).
-# Those that sample.py and evaluate.py take too are declared in cli/options.py.
+# The options, one per line. Each option's help text is its documentation
+# (python serve.py --help). Options that sample.py and evaluate.py also take are declared
+# in cli/options.py.
 HostOption = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every "
                                            "interface.")]
 PortOption = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")]

@@ -1,7 +1,7 @@
-"""A request's side of the engine: the work it asks for (Work), and what comes back turned
-into OpenAI's answer (Answer), whole or as server-sent events. A client that hangs up
-cancels its work, streamed or not, waiting or running: a task beside the answer waits for
-the disconnect (`until_gone`).
+"""A request's side of the engine: the work it asks for (Work), and the engine's events
+turned into OpenAI's answer (Answer), whole or as server-sent events. A client that hangs up
+cancels its work, streamed or not, waiting or running, because a task beside the answer
+waits for the disconnect (`until_gone`).
 
 Usage:
     work = Work(prompts=[ids], sampling=sampling, ends={eot}, alternatives=None)
@@ -38,7 +38,7 @@ from serving.api import (
 )
 from serving.engine import Done, Job, Piece, Sampling, Scoring
 
-CUT_SHORT = {  # what a client hears of an answer that the engine ended early
+CUT_SHORT = {  # what the client is told when the engine ends its answer early
     "cancelled": "the server is stopping and cut this answer short; try again once it is back",
     "error": "the server failed while answering (its log has the traceback); try again",
 }
@@ -46,31 +46,32 @@ CUT_SHORT = {  # what a client hears of an answer that the engine ended early
 
 @dataclass
 class Work:
-    """A request, ready for the engine: each prompt's ids (one sequence each), how they
-    sample, the tokens that end them, and what comes back besides their text."""
+    """A request ready for the engine: each prompt's ids (one sequence per prompt), how the
+    sequences sample, the tokens that end them, and what comes back besides their text."""
     prompts: list[list[int]]
     sampling: Sampling
     ends: set[int]
-    alternatives: int | None  # logprobs of each token: None, or how many alternatives
-    echo: bool = False  # the prompt's text first, and with logprobs its tokens' logprobs
-    token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens by id
+    alternatives: int | None  # per-token logprobs: None, or how many alternatives
+    echo: bool = False  # the prompt's text comes first (with logprobs, its tokens' logprobs too)
+    token_ids: bool = False  # vLLM's return_tokens_as_token_ids; logprobs name tokens by id
 
 
 class Offsets:
-    """Where each token's text starts in its choice's text (a completion's text_offset):
-    the characters that the tokens before it complete. The tokens that share a character
-    start where it does, and a special token that the text leaves out takes no room, so
-    that an offset always points into the text."""
+    """Where each token's text starts in its choice's text (a completion's text_offset),
+    counted in the characters that the tokens before it complete. Tokens that share a
+    character start where that character does, and a special token left out of the text
+    takes no room, so that an offset always points into the text."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
         self.tokenizer, self.at = tokenizer, 0
-        self.text = TextStream(tokenizer, skip_special_tokens)  # as the generated text's
+        self.text = TextStream(tokenizer, skip_special_tokens)  # decoded as the answer's text is
 
     def prompt(self, ids: list[int], text: str) -> list[int]:
-        """The echoed prompt's tokens, whose text is decoded whole, special tokens kept."""
+        """The offsets of the echoed prompt's tokens, whose text is decoded whole, with
+        special tokens kept."""
         start = self.at
         starts = self.advance(TextStream(self.tokenizer, skip_special_tokens=False), ids)
-        self.at = start + len(text)  # the prompt's text itself, its unfinished bytes included
+        self.at = start + len(text)  # the prompt's own text, unfinished bytes included
         return starts
 
     def generated(self, ids: list[int]) -> list[int]:
@@ -85,9 +86,10 @@ class Offsets:
 
 
 async def until_gone(request: Request, jobs: list[Job | Scoring]) -> None:
-    """Cancel the jobs once their client hangs up. Run as a task beside the one that waits
-    for their events: ASGI says a disconnect by the next message of `receive` (the body has
-    been read), which comes at once, whether tokens flow or the jobs still wait."""
+    """Cancel the jobs once their client hangs up. This runs as a task beside the one that
+    waits for the jobs' events. Once the body has been read, ASGI reports a disconnect as
+    the next message from `receive`, which arrives at once, whether tokens are flowing or
+    the jobs are still waiting."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
     for job in jobs:
@@ -105,7 +107,7 @@ class Answer:
                          else Logprobs(tokenizer, self.chat, work.token_ids))
 
     def prompt_text(self, i: int) -> str:
-        """What an echo puts first in choice i: its prompt's text (nothing without echo)."""
+        """The text an echo puts first in choice i: its prompt's text, or nothing without echo."""
         return self.tokenizer.decode(self.work.prompts[i]) if self.work.echo else ""
 
     def offsets(self) -> Offsets:
@@ -113,8 +115,8 @@ class Answer:
 
     def prompt_tokens(self, i: int, scored: list[Scored] | None,
                       offsets: Offsets) -> tuple[list[Logprob], list[int]]:
-        """Choice i's echoed prompt tokens with their logprobs (the first None), and where
-        each one's text starts; none where logprobs are not asked for."""
+        """Choice i's echoed prompt tokens with their logprobs (the first is None), and where
+        each token's text starts; nothing when logprobs are not asked for."""
         if scored is None:
             return [], []
         ids, s = self.work.prompts[i], scored[i]
@@ -122,7 +124,7 @@ class Answer:
         return tokens, offsets.prompt(ids, self.prompt_text(i))
 
     def piece_tokens(self, piece: Piece, offsets: Offsets) -> tuple[list[Logprob], list[int]]:
-        """The tokens a piece completes, with their logprobs, and where each text starts."""
+        """The tokens a piece completes, with their logprobs, and where each one's text starts."""
         if self.logprobs is None:
             return [], []
         tokens = [Logprob(t.id, t.logprob, t.top) for t in piece.tokens]
@@ -138,8 +140,9 @@ class Answer:
         return index, event
 
     async def scored_prompts(self) -> list[Scored] | None:
-        """The echoed prompts' scores, where logprobs ask for them; the engine delivers
-        them before any token (an event of index -1), and what comes first waits."""
+        """The echoed prompts' scores, when logprobs ask for them. The engine delivers them
+        (as an event of index -1) before any token; an event that still arrives first is
+        parked and put back."""
         if not self.work.echo or self.work.alternatives is None:
             return None
         parked = []
@@ -152,13 +155,13 @@ class Answer:
             parked.append((index, event))
 
     def echo_only(self) -> dict[int, Done]:
-        """The ends of the choices when nothing is generated (an echo with max_tokens 0)."""
+        """The end of every choice when nothing is generated (an echo with max_tokens 0)."""
         if self.work.sampling.max_tokens:
             return {}
         return {i: Done("length", len(ids), 0) for i, ids in enumerate(self.work.prompts)}
 
     async def whole(self, request: Request) -> Response:
-        """The whole answer. A client that hangs up before it ends cancels its jobs."""
+        """The whole answer. A client that hangs up before the answer ends cancels its jobs."""
         watcher = asyncio.create_task(until_gone(request, self.jobs))
         try:
             scored = await self.scored_prompts()
@@ -174,8 +177,8 @@ class Answer:
                 if event.finish_reason not in ("stop", "length"):
                     raise APIError(503, CUT_SHORT[event.finish_reason], type="server_error")
                 done[index] = event
-            # many prompts echoed with their logprobs make a large answer: it is written in
-            # a thread, so that the event loop goes on serving every other request
+            # Many prompts echoed with their logprobs make a large answer, so it is written
+            # in a thread while the event loop goes on serving every other request.
             return await run_in_threadpool(self.written, scored, pieces, done)
         finally:
             watcher.cancel()
@@ -184,7 +187,7 @@ class Answer:
 
     def written(self, scored: list[Scored] | None, pieces: list[list[Piece]],
                 done: dict[int, Done]) -> Response:
-        """The whole answer of the prompts' scores and the pieces each choice received."""
+        """The whole answer, from the prompts' scores and the pieces each choice received."""
         choices = []
         for i, received in enumerate(pieces):
             offsets = self.offsets()
@@ -228,7 +231,7 @@ class Answer:
                 done[index] = event
                 if event.finish_reason in ("stop", "length"):
                     yield sse(chunk(meta, None, event.finish_reason, index=index))
-                else:  # headers are sent: an error can only be an event of its own
+                else:  # the headers are already sent, so an error must be an event of its own
                     yield sse(error_body(CUT_SHORT[event.finish_reason], "server_error"))
                     break
             if include_usage:

@@ -3,27 +3,29 @@
 Usage:
     body = ChatRequest.model_validate(json)      # pydantic checks types and ranges
     error_body("n must be 1", param="n")         # {"error": {"message", "type", "param", "code"}}
-    chunk = chunk(meta, "Hi")                    # one server-sent event's data
+    event = chunk(meta, "Hi")                    # one server-sent event's data
     Logprobs(tokenizer, chat=False).shape(tokens, offsets)   # a choice's logprobs object
 
-Fields OpenAI defines that change nothing here (user, metadata, ...) are accepted and
-ignored, as clients send them. A field that would change the answer and that this server
-cannot honour (n > 1, response_format, tools, penalties: UNHONOURED) is refused by name,
-with a 400 whose param is the field, unless its value asks for nothing (n 1, {"type":
-"text"}, an empty list of tools). top_k and skip_special_tokens are not OpenAI's, but vLLM
-takes both and llama.cpp's server top_k, and so does sample.py; cache_prompt is llama.cpp's.
+Fields that OpenAI defines but that change nothing here (user, metadata, ...) are accepted
+and ignored, because clients send them. A field that would change the answer but that this
+server cannot honour (n > 1, response_format, tools, penalties; see UNHONOURED) is refused
+by name, with a 400 whose param is the field, unless its value asks for nothing (n of 1,
+{"type": "text"}, an empty list of tools). top_k and skip_special_tokens are not OpenAI's
+fields, but vLLM takes both, llama.cpp's server takes top_k, and so does sample.py;
+cache_prompt is llama.cpp's.
 
-Logprobs are OpenAI's and vLLM's: a completion's `logprobs` (how many alternatives per
-token) and `echo` (the prompt's tokens come back first, with their logprobs; the first is
-null), whose `logprobs` object holds tokens, token_logprobs, top_logprobs and text_offset;
-a chat's `logprobs: true` and `top_logprobs`, as choices[].logprobs.content[]. A
-completion's prompt is a string, a list of strings, a list of token ids or a list of lists
-of them: one choice per prompt, each with its index, as lm-eval sends them. `Logprobs`
-writes both shapes, and nothing else does.
+The logprobs fields are OpenAI's and vLLM's. A completion takes `logprobs` (how many
+alternatives per token) and `echo` (the prompt's tokens come back first, with their
+logprobs, the first of them null), and its `logprobs` object holds tokens, token_logprobs,
+top_logprobs and text_offset. A chat takes `logprobs: true` and `top_logprobs`, and answers
+in choices[].logprobs.content[]. A completion's prompt is a string, a list of strings, a
+list of token ids or a list of lists of them, the shapes lm-eval sends; each prompt gets a
+choice of its own, with its index. `Logprobs` writes both logprobs shapes, and nothing else
+writes them.
 
-Every field is strict, as OpenAI's API is: a token id, a count or a seed is an integer (not
-true, 1.0 or "1"), a switch is a boolean, and a number is finite, because pydantic's lax
-mode would read `prompt: [true, false, 5]` as the tokens 1, 0 and 5, and "yes" as true.
+Every field is strict, as in OpenAI's API: a token id, a count or a seed must be an integer
+(not true, 1.0 or "1"), a switch must be a boolean, and a number must be finite. pydantic's
+lax mode would read `prompt: [true, false, 5]` as the tokens 1, 0 and 5, and "yes" as true.
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ from data.tokenizer import Tokenizer
 
 NO_TOOLS = "this server calls no tools (its models were not trained to); drop the field"
 NOT_HERE = "not supported here; drop the field"
-MAX_LOGPROBS = 20  # alternatives per token at most, as vLLM's default
-# every request's fields: unknown ones ignored, and no type read as another (the module's
-# docstring says why)
+MAX_LOGPROBS = 20  # the most alternatives per token, as vLLM's default
+# Every request ignores unknown fields and never reads one type as another (the module's
+# docstring says why).
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 PROMPT_SHAPES = ("must be a string, a list of strings, a list of token ids (integers) or a "
                  "list of lists of token ids")
-# field -> (the values that ask for nothing, why any other is refused, after "field: ")
+# field -> (the values that ask for nothing, the reason any other value is refused), the
+# reason following "field: " in the message
 UNHONOURED: dict[str, tuple[list, str]] = {
     "n": ([1], "this server returns one choice per request; send n requests instead"),
     "best_of": ([1], "this server draws one answer per request; drop the field"),
@@ -78,9 +81,9 @@ UNHONOURED: dict[str, tuple[list, str]] = {
 
 
 def prompt_kind(prompt: Any) -> str | None:
-    """Which of a completion's four prompt shapes a prompt takes, by its first item, so
-    that only that one is checked, because pydantic's plain union would try each shape on
-    every item and note an error for each, in a time that grows with the prompt."""
+    """Which of a completion's four prompt shapes a prompt takes, judged by its first item,
+    so that only that shape is checked. pydantic's plain union would try each shape on every
+    item and record an error for each, in time that grows with the prompt."""
     if isinstance(prompt, str):
         return "text"
     if not isinstance(prompt, list):
@@ -104,7 +107,7 @@ class BaseRequest(BaseModel):
     model_config = STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's logprobs alone
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: only the prompt's logprobs
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
@@ -112,10 +115,11 @@ class BaseRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    skip_special_tokens: bool = True  # vLLM's: leave <|assistant_end|> and its kind out of text
-    cache_prompt: bool = True  # llama.cpp's: false prefills the whole prompt, reusing nothing
-    ignore_eos: bool = False  # vLLM's and llama.cpp's: go on past the end token, to max_tokens
-    # vLLM's: logprobs name each token "token_id:N", so that tokens of one text stay apart
+    skip_special_tokens: bool = True  # vLLM's field: leave tokens like <|assistant_end|> out of text
+    cache_prompt: bool = True  # llama.cpp's field: false prefills the whole prompt, reusing nothing
+    ignore_eos: bool = False  # vLLM's and llama.cpp's field: go past the end token to max_tokens
+    # vLLM's field: logprobs name each token "token_id:N", so that tokens with the same text
+    # stay apart
     return_tokens_as_token_ids: bool = False
     # refused unless they ask for nothing (UNHONOURED)
     n: Any = None
@@ -134,7 +138,7 @@ class BaseRequest(BaseModel):
     @classmethod
     def honoured(cls, value: Any, info: ValidationInfo) -> Any:
         asks_nothing, why = UNHONOURED[info.field_name]
-        # true == 1 in Python, so n: true would pass for n: 1 unless the kinds must agree
+        # In Python true == 1, so n: true would pass for n: 1 unless the types must agree too
         if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
                                          for v in asks_nothing):
             raise ValueError(why)
@@ -149,12 +153,12 @@ class BaseRequest(BaseModel):
         if any(not s for s in stops):
             raise ValueError("has an empty string, which would end every answer at once")
         for i, s in enumerate(stops, 1):
-            check_text(s, f"stop string {i}")  # the rule of every text this server takes
+            check_text(s, f"stop string {i}")  # the rule for every text this server takes
         return stop
 
     @property
     def alternatives(self) -> int | None:
-        """The logprobs asked of each generated token: None, or how many alternatives."""
+        """The logprobs asked for each generated token: None, or how many alternatives."""
         return None
 
     @property
@@ -188,7 +192,7 @@ class ChatRequest(BaseRequest):
 
     @property
     def alternatives(self) -> int | None:
-        """The logprobs asked of each generated token: None, or how many alternatives."""
+        """The logprobs asked for each generated token: None, or how many alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -200,8 +204,9 @@ class CompletionRequest(BaseRequest):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def check_prompt(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> str | list:
-        """The prompt in one of its four shapes, or a message that names the first item that
-        fits none of them (pydantic's would name the shape it tried: "prompt.ids.0")."""
+        """The prompt in one of its four shapes, or an error that names the first item that
+        fits none of them (pydantic's own message would name the shape it tried, such as
+        "prompt.ids.0")."""
         try:
             prompt = handler(prompt)
         except ValidationError:
@@ -219,7 +224,7 @@ class CompletionRequest(BaseRequest):
 
     @property
     def prompts(self) -> list[str | list[int]]:
-        """Each prompt: a text, or token ids."""
+        """Each prompt, as a text or as token ids."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
@@ -231,7 +236,8 @@ class CompletionRequest(BaseRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """/tokenize's body, as vLLM takes it (add_special_tokens: no tokenizer here adds any)."""
+    """/tokenize's body, as vLLM takes it. add_special_tokens changes nothing, because no
+    tokenizer here adds special tokens."""
     model_config = STRICT
     prompt: str
     add_special_tokens: bool = True
@@ -239,7 +245,7 @@ class TokenizeRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def is_text(cls, prompt: str) -> str:
-        return check_text(prompt, "the text")  # the rule of every text this server takes
+        return check_text(prompt, "the text")  # the rule for every text this server takes
 
 
 class DetokenizeRequest(BaseModel):
@@ -248,8 +254,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def is_token_id(value: object) -> bool:
-    """Whether a JSON value can be a token id: an integer, and not a boolean (Python's bool
-    is an int)."""
+    """Whether a JSON value can be a token id: an integer that is not a boolean (Python's
+    bool is a subclass of int)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -270,15 +276,16 @@ def misfit(prompt: Any) -> str:
 
 
 def shown(value: object) -> str:
-    """A JSON value as a message quotes it, cut short."""
+    """A JSON value as an error message quotes it, shortened if it is long."""
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def refusal(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
-    """The message and the param of a request that pydantic refused: its first error at
-    the deepest place in the body, named by its path there ("stop[0]"). pydantic's own
-    paths name the member of a union it tried ("stop.list[str].0"), which no client wrote."""
+    """The message and the param for a request that pydantic refused. The message gives the
+    first error at the deepest place in the body, named by its path in the body ("stop[0]"),
+    because pydantic's own paths name the union member it tried ("stop.list[str].0"), which
+    no client wrote."""
     found = [(path_in(body, error), error) for error in errors]
     path, error = max(found, key=lambda pair: len(pair[0]))  # the first of the deepest
     what = str(error.get("msg", "is invalid")).removeprefix("Value error, ")
@@ -288,7 +295,7 @@ def refusal(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
     if isinstance(body, bytes):  # FastAPI reads JSON only under a JSON content type
         return ("the body is not marked as JSON; send a JSON object with Content-Type: "
                 "application/json"), None
-    if not path and isinstance(body, dict):  # a rule between fields (a model validator's)
+    if not path and isinstance(body, dict):  # a rule across fields (from a model validator)
         return what, None
     if not path:
         return (f"the body is {'empty' if kind == 'missing' else shown(body)}, not a JSON "
@@ -301,7 +308,7 @@ def refusal(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
 
 def path_in(body: Any, error: dict) -> list[str | int]:
     """An error's place in the body, as keys and indices: the parts of pydantic's path
-    that lead through the body's objects and lists, and a missing field's name."""
+    that lead through the body's objects and lists, plus a missing field's name."""
     path, here, loc = [], body, list(error.get("loc", ()))[1:]  # loc[0] is "body"
     for n, part in enumerate(loc):
         if isinstance(here, dict) and isinstance(part, str) and part in here:
@@ -315,7 +322,7 @@ def path_in(body: Any, error: dict) -> list[str | int]:
 
 
 class APIError(Exception):
-    """A request this server refuses: the status and OpenAI's error body."""
+    """A request this server refuses, with its HTTP status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type: str = "invalid_request_error",
@@ -333,15 +340,16 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 @dataclass(frozen=True)
 class Meta:
-    """What every chunk and answer of one request repeats."""
+    """The fields that every chunk and answer of one request repeat."""
     object: Literal["chat.completion", "text_completion"]
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self, streamed: bool = False) -> dict:
-        """The fields an answer, or a streamed chunk of one, opens with (a chat's chunks
-        are "chat.completion.chunk"; a text completion's chunks keep its object)."""
+        """The fields that an answer, or a streamed chunk of one, opens with. A chat's
+        chunks have the object "chat.completion.chunk"; a text completion's chunks keep its
+        own object."""
         chat = self.object == "chat.completion"
         return {"id": ("chatcmpl-" if chat else "cmpl-") + self.id,
                 "object": self.object + (".chunk" if chat and streamed else ""),
@@ -355,8 +363,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def choice(meta: Meta, text: str | None, finish_reason: str | None, *, delta: bool,
            index: int = 0, logprobs: dict | None = None) -> dict:
-    """A choice of an answer (delta False) or of a streamed chunk (delta True); logprobs in
-    the endpoint's own shape (Logprobs.shape), or None."""
+    """A choice of an answer (delta False) or of a streamed chunk (delta True), with
+    logprobs in the endpoint's own shape (Logprobs.shape) or None."""
     if meta.object == "text_completion":
         return {"index": index, "text": text or "", "logprobs": logprobs,
                 "finish_reason": finish_reason}
@@ -367,21 +375,21 @@ def choice(meta: Meta, text: str | None, finish_reason: str | None, *, delta: bo
 
 
 def answer(meta: Meta, choices: list[dict], counts: dict) -> bytes:
-    """The whole answer of a request that did not stream, as JSON, each choice written by
-    a call of its own (json_object says why)."""
+    """The whole answer to a request that did not stream, as JSON, with each choice written
+    by a separate call (json_object says why)."""
     return json_object({**meta.head(), "usage": counts}, "choices", map(dumps, choices))
 
 
 def dumps(value: object) -> str:
-    """JSON as the answers write it: compact, and text as it is, not as escapes."""
+    """JSON as the answers write it: compact, with text as it is rather than escaped."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def json_object(fields: dict, name: str, items: Iterable[str]) -> bytes:
-    """A JSON object of `fields` and, last, a list under `name` whose items (or runs of
-    them) come already written, each by a json.dumps call of its own, because one call
-    holds the interpreter's lock for all it writes, and an answer of many megabytes written
-    in one call, even in a thread, would hold the event loop back all that while."""
+    """A JSON object of `fields`, followed by a list under `name` whose items (or runs of
+    items) come already written, each by its own json.dumps call. One call holds the
+    interpreter's lock for everything it writes, so a large answer written in one call would
+    hold back the event loop the whole time, even from another thread."""
     head = dumps(fields)[:-1] + ("," if fields else "")
     return f"{head}{dumps(name)}:[{','.join(items)}]}}".encode()
 
@@ -396,25 +404,25 @@ def chunk(meta: Meta, text: str | None, finish_reason: str | None = None, index:
 @dataclass(frozen=True)
 class Logprob:
     """A token of an answer as logprobs report it: its id, its logprob (None where nothing
-    predicts it: an echoed prompt's first token) and the likeliest tokens there, as
-    (id, logprob), likeliest first."""
+    predicts it, as for an echoed prompt's first token) and the likeliest tokens at its
+    position, as (id, logprob) pairs, likeliest first."""
     id: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
 class Logprobs:
-    """The one writer of logprobs in OpenAI's shapes, for one request: a completion's
-    legacy object (each position's alternatives a dict of name to logprob), or a chat's
-    content list (every alternative an entry of its own, with its bytes). A token is named
-    by its text or, with vLLM's return_tokens_as_token_ids, by "token_id:N"."""
+    """The only writer of logprobs in OpenAI's shapes, for one request: a completion's
+    legacy object (each position's alternatives as a dict from name to logprob), or a chat's
+    content list (each alternative an entry of its own, with its bytes). A token is named by
+    its text or, with vLLM's return_tokens_as_token_ids, by "token_id:N"."""
 
     def __init__(self, tokenizer: Tokenizer, chat: bool, token_ids: bool = False) -> None:
         self.tokenizer, self.chat, self.token_ids = tokenizer, chat, token_ids
-        self.decode_bytes = getattr(tokenizer, "decode_bytes", None)  # a byte-level BPE's
+        self.decode_bytes = getattr(tokenizer, "decode_bytes", None)  # only a byte-level BPE has it
 
     def shape(self, tokens: list[Logprob], offsets: list[int]) -> dict:
-        """The logprobs object of these tokens; `offsets` says where each one's text starts
+        """The logprobs object of these tokens. `offsets` says where each token's text starts
         in the choice's text, which only a completion reports."""
         if self.chat:
             return {"content": [{**self.entry(t.id, t.logprob),
@@ -430,18 +438,19 @@ class Logprobs:
         return f"token_id:{token}" if self.token_ids else self.tokenizer.decode([token])
 
     def entry(self, token: int, logprob: float | None) -> dict:
-        """A chat's token: its name, logprob and its own UTF-8 bytes, so that the bytes of
-        tokens that each hold part of a character join into that character (their texts
-        are all U+FFFD)."""
+        """A chat's token: its name, its logprob and its own UTF-8 bytes. Tokens that each
+        hold part of a character all read U+FFFD as text, so only their bytes can join into
+        that character."""
         raw = (self.decode_bytes([token]) if self.decode_bytes is not None
                else self.tokenizer.decode([token]).encode("utf-8"))
         return {"token": self.name(token), "logprob": logprob, "bytes": list(raw)}
 
     def alternatives(self, token: Logprob) -> dict[str, float]:
-        """A completion's alternatives, likeliest first, and the token's own logprob, as
-        OpenAI's legacy shape has it (up to logprobs + 1 entries). Tokens of one name (the
-        bytes of a character, which all read U+FFFD) share a key, which keeps the
-        likeliest's logprob, because lm-eval reads the largest as the greedy token's."""
+        """A completion's alternatives, likeliest first, plus the token's own logprob, as
+        OpenAI's legacy shape has it (up to logprobs + 1 entries). Tokens with the same name
+        (the bytes of one character, which all read U+FFFD) share a key, and the key keeps
+        the likeliest one's logprob, because lm-eval reads the largest value as the greedy
+        token's."""
         named: dict[str, float] = {}
         for i, logprob in (*token.top, (token.id, token.logprob)):
             named.setdefault(self.name(i), logprob)
@@ -455,5 +464,6 @@ def role_chunk(meta: Meta) -> dict:
 
 
 def usage_chunk(meta: Meta, counts: dict) -> dict:
-    """The last event when stream_options.include_usage asks for it: no choices, the usage."""
+    """The last event when stream_options.include_usage asks for it: the usage, with no
+    choices."""
     return {**meta.head(streamed=True), "choices": [], "usage": counts}

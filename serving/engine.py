@@ -1,35 +1,38 @@
-"""Continuous batching: many requests decoded together, one batched step for all of them, a
-cached prefix reused across requests, and long prompts prefilled in chunks between steps.
+"""Continuous batching: many requests decode together in one batched step, a cached prefix is
+reused across requests, and long prompts are prefilled in chunks between steps.
 
 Usage:
     engine = Engine(model, tokenizer, slots=16, queue=64)
     threading.Thread(target=engine.run).start()   # serve.py runs it in the main thread
-    job = Job(ids, Sampling(max_tokens=64, temperature=0.0), ends={eot}, deliver=callback)
-    engine.submit(job)        # QueueFull when the queue is full; deliver() gets Piece, Done
-    job.cancel()              # the client went away: its slot (or place) is free by the next step
-    engine.submit(Scoring([[464, 3290, 318]], top=1, deliver=callback))   # echo's logprobs
-    engine.drain(5.0)         # take no more; end run() once idle, cancelling what runs at 5 s
+    job = Job(ids, Sampling(max_tokens=64, temperature=0.0), ends={eot}, deliver=callback,
+              tokenizer=tokenizer)
+    engine.submit(job)        # QueueFull if the queue is full; deliver() gets Pieces, then Done
+    job.cancel()              # the client went away; its slot (or place) is free by the next step
+    engine.submit(Scoring([[464, 3290, 318]], top=1, deliver=callback))   # an echo's logprobs
+    engine.drain(5.0)         # take no more work; run() returns once idle, cancelling at 5 s
 
-The engine owns one KV cache with a row per slot (vLLM's and llama.cpp's server's shape,
-without paging). A slot keeps the tokens its row holds after its sequence ends, and a new
-request takes the free slot whose tokens share the longest prefix with its prompt, so that
-only the rest is prefilled: an OpenAI client sends a conversation's whole history with every
-turn, and all but the new turn is in the cache already (llama.cpp's cache_prompt, vLLM's
-prefix caching). A request waits in a bounded queue until a slot is free; its prompt is then
-prefilled in chunks, one chunk per step of the others, so that a long prompt holds nobody's
-next token back, and from then on it decodes with every other active sequence in one batched
-step, each at its own position. A sequence that ends frees its slot at once. All of this runs
-in one thread, which owns the model; the HTTP side only submits work and reads what it
-delivers. serve.py gives the engine the main thread: the C step's OpenMP threads run slower
-when started from any other (docs/serving.md).
+The engine owns one KV cache with a row per slot (the layout of vLLM's and llama.cpp's
+servers, without paging). After its sequence ends, a slot keeps the tokens its row holds,
+and a new request takes the free slot whose tokens share the longest prefix with its
+prompt, so that only the rest has to be prefilled. This pays off because an OpenAI client
+sends a conversation's whole history with every turn, and all but the new turn is already
+in the cache (llama.cpp's cache_prompt, vLLM's prefix caching). A request waits in a bounded
+queue until a slot is free. Its prompt is then prefilled in chunks, one chunk per step of
+the other sequences, so that a long prompt holds back nobody's next token. From then on it
+decodes with every other active sequence in one batched step, each at its own position. A
+sequence that ends frees its slot at once. All of this runs in one thread, which owns the
+model; the HTTP side only submits work and reads what the engine delivers. serve.py gives
+the engine the main thread, because the C step's OpenMP threads run slower when they are
+started from any other thread (docs/serving.md).
 
-A decode step that steps rows (the C step, the default on a CPU) steps only the slots at
-work and computes every token alike, in a prefill chunk or a step, alone or beside others:
-so a request's answer at temperature 0, or with a seed, is the same to the bit on a cold
-server and with a reused prefix, whoever else is served. The model's forward (a GPU's step,
-or --decode eager or compile) steps every slot at every step, the same shape alone or
-together; a prefix it reuses holds keys and values that a cold prefill computes to float
-rounding (docs/serving.md).
+A decode step that steps chosen rows (the C step, the default on a CPU) steps only the slots
+at work, and it computes every token the same way, whether in a prefill chunk or a decode
+step, alone or beside others. A request's answer at temperature 0, or with a seed, is
+therefore the same to the bit on a cold server and with a reused prefix, whoever else is
+being served. The model's forward (a GPU's step, or --decode eager or compile) steps every
+slot at every step, so its shapes are the same alone or together, but a prefix it reuses
+holds keys and values that match a cold prefill's only up to float rounding
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from generate import StopText, check_sampling, decode_step, sample_next
 from measure.logprobs import Scored, token_logprobs
 from model import GPT
 
-MODEL_CHUNK = 256  # prompt tokens per prefill call where the model's forward prefills
+MODEL_CHUNK = 256  # prompt tokens per prefill call when the model's forward prefills
 
 
 class QueueFull(RuntimeError):
@@ -59,10 +62,10 @@ class QueueFull(RuntimeError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one request samples: generate.sample_next's settings, its token budget, its
-    stop strings, whether special tokens stay out of its text (generate.TextStream), and
-    the logprobs it reports of each token it generates (None: none; N: the token's and N
-    alternatives'). seed None draws from a fresh random seed."""
+    """How one request samples: generate.sample_next's settings, the token budget, the stop
+    strings, whether special tokens are left out of the text (generate.TextStream), and the
+    logprobs to report for each generated token (None for none, or N for the token's own and
+    N alternatives'). A seed of None draws from a fresh random seed."""
     max_tokens: int
     temperature: float = 1.0
     top_k: int | None = None
@@ -78,8 +81,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token, its log-probability under the model (before the sampling
-    settings reshape it), and the likeliest alternatives there, as (id, logprob)."""
+    """A generated token, its log-probability under the model (before the sampling settings
+    reshape the distribution), and the likeliest alternatives at its position, as
+    (id, logprob) pairs."""
     id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
@@ -87,25 +91,26 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Piece:
-    """Text of a sequence, in order; the pieces joined are its answer. With logprobs, the
-    tokens taken since the last piece, whose text this piece completes."""
+    """The next text of a sequence; its pieces joined in order make its answer. With
+    logprobs, a piece also carries the tokens taken since the last piece, whose text it
+    completes."""
     text: str
     tokens: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Done:
-    """The sequence ended: "stop" (an end token or a stop string), "length" (max_tokens),
-    "cancelled", or "error" (a bug, whose traceback the server printed); with the counts
-    OpenAI's usage reports."""
+    """The end of a sequence, with its reason and the counts that OpenAI's usage reports.
+    The reason is "stop" (an end token or a stop string), "length" (max_tokens reached),
+    "cancelled", or "error" (a bug, whose traceback the server printed)."""
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
 
 
 class Job:
-    """One sequence's generation: its prompt ids, its sampling, the tokens that end it,
-    where its Piece and Done events go (called from the thread that runs the engine), and
+    """One sequence's generation: its prompt ids, its sampling, the tokens that end it, the
+    callback that receives its Piece and Done events (called from the engine's thread), and
     whether it may start from a slot's cached prefix (llama.cpp's cache_prompt)."""
 
     def __init__(self, ids: list[int], sampling: Sampling, ends: set[int],
@@ -120,15 +125,15 @@ class Job:
         else:
             self.generator.manual_seed(sampling.seed)
         self.generated = 0
-        self.taken: list[TokenLogprob] = []  # with logprobs: the tokens of the next piece
+        self.taken: list[TokenLogprob] = []  # the next piece's tokens, when logprobs are asked
         self.cancelled = threading.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def sample(self, logits: torch.Tensor) -> int:
-        """The next token from this sequence's (1, vocab) logits, its logprobs noted when
-        the request asks for them."""
+        """Draw the next token from this sequence's (1, vocab) logits, and note its logprobs
+        when the request asks for them."""
         s = self.sampling
         token = int(sample_next(logits, s.temperature, s.top_k, s.top_p, self.generator))
         if s.logprobs is not None:
@@ -140,7 +145,7 @@ class Job:
         return token
 
     def take(self, token: int) -> bool:
-        """Deliver what `token` adds; whether the sequence has ended."""
+        """Deliver the text that `token` adds, and return whether the sequence has ended."""
         self.generated += 1
         if token in self.ends:
             return self.finish("stop")
@@ -155,7 +160,7 @@ class Job:
         return Piece(text, tokens)
 
     def finish(self, reason: str) -> bool:
-        if reason in ("stop", "length"):  # the text held back, and the last tokens' logprobs
+        if reason in ("stop", "length"):  # deliver the held-back text and last logprobs
             rest = self.text.flush()
             if rest or self.taken:
                 self.deliver(self.piece(rest))
@@ -165,11 +170,12 @@ class Job:
 
 @dataclass
 class Scoring:
-    """The logprobs of whole sequences, scored together (logprobs.token_logprobs): what a
-    completion that echoes its prompt reports of it. deliver gets the list of Scored, or an
-    Exception. `answers`, where given, are one Job per sequence of one token each, drawn
-    from the logits the same pass gives after the sequence, with no prefill of their own:
-    lm-eval asks for an echo and one token, and reads only the echo."""
+    """The logprobs of whole sequences, scored together (logprobs.token_logprobs), which is
+    what a completion that echoes its prompt reports about it. deliver gets the list of
+    Scored, or an Exception. `answers`, where given, holds one Job per sequence, each for a
+    single token drawn from the logits that the same pass gives after the sequence, so no
+    prefill is needed. This serves lm-eval, which asks for an echo and one token and reads
+    only the echo."""
     sequences: list[list[int]]
     top: int
     deliver: Callable[[list[Scored] | Exception], None]
@@ -189,19 +195,19 @@ class Engine:
         self.block_size = model.config.block_size
         self.cache = model.new_kv_cache(slots, self.block_size)
         self.step = decode_step(model, decode)
-        # a step that prefills (the C step) takes every chunk, so that a token's keys and
-        # values are the same whichever way they were computed
+        # A step that can prefill (the C step) takes every chunk itself, so that a token's
+        # keys and values are the same whichever way they were computed.
         self.chunk = self.step.max_prefill if self.step.max_prefill > 1 else MODEL_CHUNK
         self.waiting: collections.deque[Job | Scoring] = collections.deque()
         self.held: list[list[int]] = [[] for _ in range(slots)]  # each row's tokens in the cache
-        self.used: list[int] = [0] * slots  # when each slot last took a job: the oldest goes first
+        self.used: list[int] = [0] * slots  # when each slot last took a job; the oldest goes first
         self.active: dict[int, Job] = {}  # slot -> job, decoding or still prefilling
         self.pending: dict[int, list[int]] = {}  # slot -> prompt ids still to prefill
         self.next_token: dict[int, int] = {}  # slot -> the token it feeds at the next step
-        self.starting = 0  # jobs taken from the queue whose admission has not ended
+        self.starting = 0  # jobs taken from the queue but not yet fully admitted
         self.counts = collections.Counter()  # what load() and metrics() report
         self.wake = threading.Condition()
-        self.deadline: float | None = None  # set by drain: when what still runs is cancelled
+        self.deadline: float | None = None  # set by drain(); when running work gets cancelled
 
     def submit(self, work: Job | Scoring) -> None:
         if isinstance(work, Job) and len(work.ids) + work.sampling.max_tokens > self.block_size:
@@ -209,8 +215,9 @@ class Engine:
         with self.wake:
             if self.deadline is not None:
                 raise QueueFull("the server is shutting down")
-            # free slots (neither decoding nor being admitted) take requests at once; a
-            # queue of 0 means that no request ever waits for a slot
+            # Free slots (neither decoding nor being admitted) take requests at once, so the
+            # queue limit counts only the requests beyond them; a queue of 0 means that no
+            # request ever waits for a slot.
             free = self.slots - len(self.active) - self.starting
             if len(self.waiting) >= self.queue_size + max(free, 0):
                 raise QueueFull(f"all {self.slots} slots are busy and {self.queue_size} "
@@ -219,9 +226,9 @@ class Engine:
             self.wake.notify()
 
     def load(self) -> dict[str, int]:
-        """What /health reports: slots at work, requests waiting, and since the start the
-        tokens generated, the prompt tokens prefilled and those reused from a slot's cache,
-        and the most sequences one step has decoded."""
+        """What /health reports: the slots at work and the requests waiting, and, since the
+        start, the tokens generated, the prompt tokens prefilled or reused from a slot's
+        cache, and the most sequences that one step has decoded."""
         return {"slots": self.slots, "active": len(self.active), "waiting": len(self.waiting),
                 "tokens": self.counts["tokens"], "prompt_tokens": self.counts["prompt"],
                 "prompt_tokens_reused": self.counts["reused"],
@@ -229,8 +236,9 @@ class Engine:
                 "widest_step": self.counts["widest"]}
 
     def drain(self, grace: float) -> None:
-        """Take no more requests; let run() return once what runs has ended, cancelling
-        whatever still runs `grace` seconds from now (from any thread, as often as asked)."""
+        """Take no more requests, and let run() return once the running work has ended,
+        cancelling whatever still runs `grace` seconds from now. Any thread may call this,
+        as often as it likes."""
         with self.wake:
             deadline = time.monotonic() + grace
             self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
@@ -249,7 +257,7 @@ class Engine:
                         self.decode()
                     for slot in list(self.pending):
                         self.prefill_chunk(slot)
-                except Exception:  # a bug: its requests end with an error, the others go on
+                except Exception:  # a bug ends the running requests; the waiting ones go on
                     traceback.print_exc(file=sys.stderr)
                     for job in {*self.active.values(), *(job for _, job in admitted
                                                          if isinstance(job, Job))}:
@@ -257,7 +265,7 @@ class Engine:
                     for slot in list(self.active):
                         self.free(slot)
                     self.starting = 0
-        with self.wake:  # drained: what is left is cancelled
+        with self.wake:  # drained, so whatever is left is cancelled
             for job in [*self.active.values(), *self.waiting]:
                 if isinstance(job, Job):
                     job.finish("cancelled")
@@ -268,8 +276,9 @@ class Engine:
             self.waiting.clear()
 
     def next_admissions(self) -> list[tuple[int, Job | Scoring]] | None:
-        """Wait for work; then the work that starts now (maybe none: the slots are full),
-        or None once drained: nothing left to do, or the deadline passed."""
+        """Wait for work, then return the work that starts now (possibly none, when the
+        slots are full), or None once drained, that is, when nothing is left to do or the
+        deadline has passed."""
         with self.wake:
             while not (self.waiting or self.active or self.deadline is not None):
                 self.wake.wait()
@@ -281,9 +290,9 @@ class Engine:
             return admitted
 
     def admissions(self) -> list[tuple[int, Job | Scoring]]:
-        """The waiting work that starts now, in the order it came: a Scoring at once, a Job
-        in the free slot whose cached tokens share the longest prefix with its prompt
-        (the longest-unused slot among equals). A cancelled one ends here."""
+        """The waiting work that starts now, in arrival order. A Scoring starts at once; a
+        Job takes the free slot whose cached tokens share the longest prefix with its prompt
+        (among equals, the slot unused the longest). Cancelled work ends here."""
         free = {s for s in range(self.slots) if s not in self.active}
         admitted: list[tuple[int, Job | Scoring]] = []
         while self.waiting and (free or isinstance(self.waiting[0], Scoring)):
@@ -301,21 +310,22 @@ class Engine:
         return admitted
 
     def admit(self, slot: int, work: Job | Scoring) -> None:
-        """Start the work: score a Scoring's sequences now; take a Job into its slot, its
-        prompt's cached prefix kept (all but the last token at most, whose logits the
-        first token is drawn from) and the rest left to prefill."""
+        """Start the work. A Scoring's sequences are scored now. A Job takes its slot, keeps
+        the cached prefix of its prompt and leaves the rest to prefill. At most all but the
+        last prompt token is kept, because the first new token is drawn from that last
+        token's logits."""
         if isinstance(work, Scoring):
             try:
                 scored = token_logprobs(self.model, work.sequences, work.top,
                                         following=bool(work.answers))
-            except Exception as e:  # a bug: said in the log, and to the request
+            except Exception as e:  # a bug, reported in the log and to the request
                 traceback.print_exc(file=sys.stderr)
                 work.deliver(e)
                 for job in work.answers:
                     job.finish("error")
                 return
             work.deliver(scored)
-            for job, s in zip(work.answers, scored, strict=False):  # none, or one a sequence
+            for job, s in zip(work.answers, scored, strict=False):  # none, or one per sequence
                 self.counts["tokens"] += 1
                 job.take(job.sample(s.following))
             return
@@ -328,8 +338,8 @@ class Engine:
         self.pending[slot] = work.ids[kept:]
 
     def prefill_chunk(self, slot: int) -> None:
-        """The next chunk of the slot's prompt into its row; after the last one, the first
-        token is drawn from its logits."""
+        """Prefill the next chunk of the slot's prompt into its row; after the last chunk,
+        draw the first token from its logits."""
         job, rest = self.active[slot], self.pending[slot]
         chunk, self.pending[slot] = rest[:self.chunk], rest[self.chunk:]
         start = len(self.held[slot])
@@ -359,18 +369,19 @@ class Engine:
                 self.free(slot)
 
     def free(self, slot: int) -> None:
-        """The slot takes new work; its row keeps its tokens for a prompt that shares them."""
+        """Let the slot take new work; its row keeps its tokens for a prompt that shares them."""
         self.active.pop(slot, None)
         self.pending.pop(slot, None)
         self.next_token.pop(slot, None)
 
     def decode(self) -> None:
-        """One batched step: every decoding sequence's newest token at its own position."""
+        """One batched step: every decoding sequence's newest token, each at its own position."""
         slots = sorted(self.next_token)
         self.counts["widest"] = max(self.counts["widest"], len(slots))
         rows = slots if self.step.steps_chosen_rows else list(range(self.slots))
-        # a row that only comes along (the model's forward steps them all) writes its keys
-        # and values past the tokens it holds, where nothing reads them
+        # A row that is only along for the ride (the model's forward steps every row)
+        # writes its keys and values past the tokens it holds, where nothing reads them. A
+        # full row writes at its last position instead and forgets the token held there.
         positions = {r: len(self.held[r]) for r in rows}
         for r in rows:
             if r not in self.next_token and positions[r] >= self.block_size:
@@ -395,6 +406,6 @@ class Engine:
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens a and b have in common from their start."""
+    """How many tokens a and b share from their start."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
