@@ -200,7 +200,7 @@ def test_a_killed_preparation_leaves_no_process_behind(tmp_path, kill_when):
     path = write_corpus(tmp_path / "in", make_documents(3000), "jsonl")
     proc = run_prepare("shard_tokens=400, batch_bytes=3000, workers=2",
                        argv=[str(path), str(tmp_path / "out")])
-    parent, children = psutil.Process(proc.pid), []
+    parent, children, started = psutil.Process(proc.pid), [], False
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         children = parent.children(recursive=True)
@@ -211,7 +211,8 @@ def test_a_killed_preparation_leaves_no_process_behind(tmp_path, kill_when):
         time.sleep(0.001)
     proc.kill()
     proc.wait()
-    assert any("spawn_main" in command_line(child) for child in children)
+    # read before the kill, because a worker that ends with its parent is a nameless zombie
+    assert started, "the preparation ended before a worker started; use a longer corpus"
     assert not (tmp_path / "out" / "meta.json").exists()
     assert still_running(children, within=30) == []
 
