@@ -16,6 +16,7 @@ accuracy in choices.py (as lm-eval scores it), and a chat model's answers in ans
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -117,8 +118,13 @@ def say(lines: list[str]) -> None:
 
 
 def write_json(path: Path, record: dict) -> None:
+    """Write the record as JSON. A figure that does not exist, such as the standard error of
+    a single item, is NaN here and null in the file, because JSON has no NaN and strict
+    readers refuse the file that Python's json module would write."""
+    record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+              for key, value in record.items()}
     try:
-        write_bytes_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
+        write_bytes_atomic(path, (json.dumps(record, indent=2, allow_nan=False) + "\n").encode())
     except OSError as e:
         raise UserError(f"cannot write --json {path} ({e.strerror}); choose another "
                          f"path") from None
@@ -137,10 +143,16 @@ def score_task(task: Path, run: str | None, checkpoint: str | None, init_from: s
                                "dtype": dtype})
     say(loaded)
     print(f"{source} ({dtype}) on {task}: {scores.items:,} items")
-    print(f"acc {scores.acc:.4f} ± {scores.acc_stderr:.4f}   acc_norm {scores.acc_norm:.4f} "
-          f"± {scores.acc_norm_stderr:.4f}   centered {scores.centered:.4f}")
+    print(f"acc {scores.acc:.4f} ± {figure(scores.acc_stderr)}   acc_norm {scores.acc_norm:.4f} "
+          f"± {figure(scores.acc_norm_stderr)}   centered {scores.centered:.4f}")
     if json_path is not None:
         print(f"wrote {json_path}")
+
+
+def figure(value: float) -> str:
+    """A score as printed: n/a where it does not exist, as lm-eval prints a standard error
+    of one item."""
+    return f"{value:.4f}" if math.isfinite(value) else "n/a"
 
 
 def score_answers(answers: str, run: str | None, checkpoint: str | None, init_from: str | None,

@@ -183,6 +183,21 @@ def test_a_task_from_windows_scores_as_the_same_task_from_linux(trained_run, tmp
     assert scores[0] == scores[1] and scores[0]["items"] == 2
 
 
+def test_a_task_of_one_item_has_no_standard_error_and_writes_strict_json(trained_run, tmp_path):
+    task, out = tmp_path / "one.jsonl", tmp_path / "one.json"
+    task.write_text(json.dumps(GOOD) + "\n")
+    result = run_evaluate("--task", str(task), "--run", str(trained_run), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "acc_norm" in result.stdout and result.stdout.count("± n/a") == 2
+    assert "nan" not in result.stdout
+
+    def refuse(constant: str) -> None:  # NaN and Infinity are Python's, not JSON's
+        raise AssertionError(f"{out} holds {constant}")
+    record = json.loads(out.read_text(), parse_constant=refuse)
+    assert record["items"] == 1 and record["acc_stderr"] is None
+    assert record["acc"] in (0.0, 1.0)
+
+
 @pytest.mark.parametrize("contents, problem", [
     (b'{"messages": [{"role": "user", "content": "ROMEO"}]}\n',
      "line 1: the conversation ends without an assistant turn"),
