@@ -147,6 +147,13 @@ def list_inputs(paths: list[str | Path]) -> list[Input]:
             inputs.append(Input(str(path), format_of(path) or ".txt", path.stat().st_size))
         else:
             raise DataError(f"input {path} does not exist; give a file or a folder of files")
+    seen: dict[Path, str] = {}
+    for item in inputs:  # a file given twice, or given with its folder, would count twice
+        resolved = Path(item.name).resolve()
+        if resolved in seen:
+            also = f" (also as {seen[resolved]})" if seen[resolved] != item.name else ""
+            raise DataError(f"{item.name} is given twice{also}; give each corpus file once")
+        seen[resolved] = item.name
     for suffix in {i.suffix for i in inputs}:
         module = FORMATS[suffix][2]
         if module:

@@ -334,6 +334,20 @@ def test_bad_input_is_one_line_naming_the_file_and_nothing_is_left(tmp_path, nam
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("first", ["corpus/a.txt", "corpus/../corpus/a.txt", "corpus"])
+def test_a_file_given_twice_is_one_line_and_nothing_is_written(tmp_path, first):
+    # the same file named twice, or inside a folder that is also given, would count twice
+    (tmp_path / "corpus").mkdir()
+    a = write_text(tmp_path / "corpus" / "a.txt", "To be, or not to be. " * 200)
+    write_text(tmp_path / "corpus" / "b.txt", "That is the question. " * 200)
+    result = python(["-m", "data.prepare", str(tmp_path / first), "--input", str(a), "--out",
+                     str(tmp_path / "out")])
+    assert result.returncode == 1
+    also = f" (also as {tmp_path / first})" if "../" in first else ""
+    assert error_line(result.stderr) == f"error: {a} is given twice{also}; give each corpus file once"
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_lone_surrogate_escape_is_one_line_naming_the_line_and_nothing_is_left(tmp_path):
     # "\ud83d" is half of an emoji's UTF-16 pair: valid JSON, but no character
     path = tmp_path / "in.jsonl"
