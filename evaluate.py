@@ -176,4 +176,4 @@ def score_answers(answers: str, run: str | None, checkpoint: str | None, init_fr
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

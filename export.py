@@ -133,4 +133,4 @@ def main(checkpoint: Annotated[str, typer.Argument(
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

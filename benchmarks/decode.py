@@ -33,4 +33,4 @@ def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

@@ -132,4 +132,4 @@ def measure_dtypes(path: Path, ckpt: dict, input: Path | None, new_tokens: int, 
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

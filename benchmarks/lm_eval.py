@@ -103,4 +103,4 @@ def main(items: Annotated[int, typer.Option(min=1)] = 200,
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

@@ -301,4 +301,4 @@ def report(name: str, rows: list[dict[str, float]]) -> None:
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

@@ -219,4 +219,4 @@ def main(
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

@@ -452,4 +452,4 @@ def corpus(paths: list[str] | None, tokenizer: str, vocab_size: int | None, out:
 
 
 if __name__ == "__main__":
-    run_command(lambda: typer.run(main))
+    run_command(main)

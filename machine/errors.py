@@ -6,7 +6,7 @@ Usage:
     raise UserError("--json is a folder; give a file")   # what is wrong, then the fix
     with reported(debug=debug):                    # "error: <what and the fix>", exit 1
         run_the_command()
-    run_command(app)                               # a command's entry point
+    run_command(main)                              # a command's entry point
 
 A UserError is a problem its user can fix (a bad option, a missing file, a damaged
 checkpoint); its subclasses name where it arose (training.config.ConfigError,
@@ -22,6 +22,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+import click
 
 
 class UserError(Exception):
@@ -73,13 +75,33 @@ def reported(debug: bool = False, rank: int = 0) -> Iterator[None]:
         raise SystemExit(getattr(e, "exit_code", 1)) from None
 
 
-def run_command(command: Callable[[], object]) -> None:
-    """A command's entry point: run it, and if its output cannot be written (stdout on a full
-    disk, `> /dev/full`, a pipe closed early), say so in one line on stderr and exit 1,
-    rather than end in a traceback. What the command wrote to files before is kept."""
+def run_command(main: Callable[..., object] | click.Command) -> None:
+    """A command's entry point: read the command line into `main` (a function whose
+    parameters typer reads, or a click command) and run it. A usage error (an unknown
+    option, a value of the wrong type or out of its range) is one line and exit 2, as
+    argparse's is, where click would print a box of several lines. An output that cannot be
+    written (stdout on a full disk, `> /dev/full`, a pipe closed early) is one line and exit
+    1, rather than a traceback. What the command wrote to files before is kept."""
+    if isinstance(main, click.Command):
+        command, usage_error, abort = main, click.ClickException, click.Abort
+    else:
+        import typer  # only a command declared with typer's parameters needs it
+
+        app = typer.Typer(add_completion=False)
+        app.command()(main)  # as typer.run(main) does
+        # typer carries its own copy of click, whose errors all derive from TyperException
+        command, usage_error, abort = typer.main.get_command(app), typer.TyperException, typer.Abort
     try:
-        command()
+        # click returns the exit code of --help or of a typer.Exit, and None otherwise
+        code = command.main(standalone_mode=False)
         sys.stdout.flush()
+    except usage_error as e:
+        where = e.ctx.command_path if getattr(e, "ctx", None) else command.name
+        message = " ".join(e.format_message().split())  # one line, wherever click wrapped it
+        print(f"error: {message} (see {where} --help)", file=sys.stderr)
+        raise SystemExit(getattr(e, "exit_code", 2)) from None
+    except abort:  # Ctrl-C before the command set up its own handling
+        raise SystemExit(130) from None
     except OSError as e:
         if not stdout_failed(e):
             raise
@@ -88,6 +110,8 @@ def run_command(command: Callable[[], object]) -> None:
         print(f"error: cannot write the output ({e.strerror or e}); send it to a file or "
               f"a disk with space", file=sys.stderr)
         raise SystemExit(1) from None
+    if code:
+        raise SystemExit(code)
 
 
 def stdout_failed(error: OSError) -> bool:

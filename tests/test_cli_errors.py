@@ -270,7 +270,13 @@ CASES = {
     "an unknown parallel": ([*TRAIN, "--parallel", "zero3"], nothing, 1,
                             "error: parallel must be ddp or fsdp, got 'zero3'"),
     "not a number (usage)": ([*TRAIN, "--max-iters", "many"], nothing, 2,
-                             "Invalid value for '--max-iters'"),
+                             "error: Invalid value for '--max-iters': 'many' is not a valid "
+                             "integer. (see train.py --help)"),
+    "two configs (usage)": ([*TRAIN, "config/quickstart.toml"], nothing, 2,
+                            f"error: two configs, config/quickstart.toml and --config {TINY}; "
+                            f"give one (see train.py --help)"),
+    "an extra argument (usage)": (["train.py", TINY, "config/quickstart.toml"], nothing, 2,
+                                  "error: Got unexpected extra argument (config/quickstart.toml)"),
     # prepared data
     "meta.json not JSON": ([*TRAIN[:3], "--data-dir", "{tmp}/data", "--out-dir", "{tmp}/runs"],
                            damaged_data(lambda d: (d / "meta.json").write_text("{oops")), 1,
@@ -438,7 +444,12 @@ CASES = {
         ["sample.py", "--benchmark", "--preset", "baby_gpt", "--lengths", "8", "--batch",
          "100000000"], nothing, 1,
         "error: --batch 100000000 needs 29,491.2 GB for its KV cache, but cpu has "),
-    "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2, "No such option"),
+    "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2,
+                               "error: No such option: --tempreature (Possible options: "
+                               "--temperature) (see sample.py --help)"),
+    "out of its range (usage)": ([*SAMPLE, "--max-new-tokens", "0"], nothing, 2,
+                                 "error: Invalid value for '--max-new-tokens': Input should be "
+                                 "greater than or equal to 1 (see sample.py --help)"),
     # evaluation and export
     "no text to score": ([*EVALUATE], write("text.txt", b"\n\n"), 1,
                          "error: input {tmp}/text.txt holds no text"),
@@ -523,9 +534,8 @@ def test_bad_input_is_one_line_and_nothing_written(argv, make, code, message, tm
     result = python([a.format(**fill) for a in argv], env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
-    # exit code 2 is the parser's usage error, printed in its own box of several lines
-    report = error_line(result.stderr) if code == 1 else result.stderr
-    assert message.format(**fill) in report, result.stderr
+    # exit code 2 is a usage error (the parser's), 1 any other; each is one line
+    assert message.format(**fill) in error_line(result.stderr), result.stderr
     assert snapshot(tmp_path) == before  # nothing half-written, nothing overwritten
 
 
@@ -555,13 +565,13 @@ def test_torch_compile_without_a_working_compiler_is_one_line(argv, instead, tmp
     (["benchmarks.decode", "--json", "{tmp}/no/figures.json", "--lengths", "8"], 1,
      "error: --json {tmp}/no/figures.json: {tmp}/no is not a folder"),
     (["benchmarks.decode", "--lengths", "0"], 1, "error: "),
-    (["benchmarks.decode", "--repeats", "0"], 2, ""),
+    (["benchmarks.decode", "--repeats", "0"], 2, "error: Invalid value for '--repeats'"),
     (["benchmarks.dtypes", "--run", "{tmp}"], 1, "error: no checkpoint (best.pt or last.pt) in {tmp}"),
-    (["benchmarks.dtypes", "--repeats", "0"], 2, ""),
+    (["benchmarks.dtypes", "--repeats", "0"], 2, "error: Invalid value for '--repeats'"),
 ])
 def test_the_benchmarks_check_their_input_before_the_work(tmp_path, args, code, error):
     result = python(["-m", *[a.format(tmp=tmp_path) for a in args]])
     assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
-    if code == 1:  # 1 is a one-line report; 2 is the parser's own report of a value out of its range
-        assert error_line(result.stderr).startswith(error.format(tmp=tmp_path)), result.stderr
+    # 2 is the parser's report of a value out of its range, which names the option
+    assert error_line(result.stderr).startswith(error.format(tmp=tmp_path)), result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written

@@ -251,7 +251,7 @@ def test_a_disk_that_fills_mid_write_stops_cleanly_and_resumes(tmp_path):
     def small_disk():  # files past 3 KB fail to grow, as on a full disk (EFBIG, not a signal)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
-    code = ("import sys; from data.prepare import main; import typer; typer.run(main)")
+    code = "from data.prepare import main; from machine.errors import run_command; run_command(main)"
     result = subprocess.run([sys.executable, "-c", code, "--input", str(path), "--tokenizer",
                              "gpt2", "--out", str(full), "--shard-tokens", "1000"],
                             cwd=REPO, capture_output=True, text=True, preexec_fn=small_disk)
