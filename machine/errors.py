@@ -82,15 +82,20 @@ def run_command(main: Callable[..., object] | click.Command) -> None:
     argparse's is, where click would print a box of several lines. An output that cannot be
     written (stdout on a full disk, `> /dev/full`, a pipe closed early) is one line and exit
     1, rather than a traceback. What the command wrote to files before is kept."""
+    usage_error: tuple[type[Exception], ...] = (click.ClickException,)
+    abort: tuple[type[Exception], ...] = (click.Abort,)
     if isinstance(main, click.Command):
-        command, usage_error, abort = main, click.ClickException, click.Abort
+        command = main
     else:
         import typer  # only a command declared with typer's parameters needs it
 
         app = typer.Typer(add_completion=False)
         app.command()(main)  # as typer.run(main) does
-        # typer carries its own copy of click, whose errors all derive from TyperException
-        command, usage_error, abort = typer.main.get_command(app), typer.TyperException, typer.Abort
+        command = typer.main.get_command(app)
+        # recent versions of typer carry their own copy of click, whose errors derive from
+        # TyperException; older versions raise click's own
+        usage_error += (getattr(typer, "TyperException", click.ClickException),)
+        abort += (typer.Abort,)
     try:
         # click returns the exit code of --help or of a typer.Exit, and None otherwise
         code = command.main(standalone_mode=False)
