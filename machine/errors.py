@@ -1,5 +1,4 @@
-"""A user's error as every command reports it: one line on stderr and an exit code, never
-a traceback.
+"""A user's error as every command reports it: one line on stderr and an exit code.
 
 Usage:
     from machine.errors import UserError, reported, run_command
@@ -42,21 +41,18 @@ class UserError(Exception):
 
 
 class InputError(UserError, ValueError):
-    """A value that a function cannot take, with a message written for the user who gave
-    it (a sampling setting, a prompt, a length). It is a ValueError too, as Python callers
-    of a library expect."""
+    """A value that a function cannot take (a sampling setting, a prompt, a length), with a
+    message for the user who gave it; a ValueError too, as a library's callers expect."""
 
 
 def error_line(error: Exception) -> str:
-    """What a command prints after "error: " for a failure it reports in one line: the
-    message of its own errors; for an OSError that reached it (a path too long for the file
-    system, a folder without permission), the path, the reason and the fix."""
+    """What a command prints after "error: ": its own error's message, or for an OSError (a
+    path too long for the file system, a folder without permission) the path, reason and fix."""
     if not isinstance(error, OSError):
         return str(error)
     where = f" {error.filename}" if error.filename else ""
     if error.errno == errno.ENAMETOOLONG:
-        return (f"cannot use{where}: a name in it is longer than the file system allows; "
-                f"choose a shorter one")
+        return f"cannot use{where}: a name in it is longer than the file system allows; choose a shorter one"
     return f"cannot use{where} ({error.strerror or error}); check the path and its permissions"
 
 
@@ -76,39 +72,27 @@ def reported(debug: bool = False, rank: int = 0) -> Iterator[None]:
 
 
 def run_command(main: Callable[..., object] | click.Command) -> None:
-    """A command's entry point: read the command line into `main` (a function whose
-    parameters typer reads, or a click command) and run it. A usage error (an unknown
-    option, a value of the wrong type or out of its range) is one line and exit 2, as
-    argparse's is, where click would print a box of several lines. An output that cannot be
-    written (stdout on a full disk, `> /dev/full`, a pipe closed early) is one line and exit
-    1, rather than a traceback. What the command wrote to files before is kept."""
-    usage_error: tuple[type[Exception], ...] = (click.ClickException,)
-    abort: tuple[type[Exception], ...] = (click.Abort,)
+    """A command's entry point: read the command line into `main` (a click command, or a
+    function whose parameters typer reads) and run it. A usage error (an unknown option, a
+    value out of its range) is one line and exit 2, where click prints a box of lines; so is
+    an output that cannot be written (a full disk, `> /dev/full`, a closed pipe), exit 1."""
     if isinstance(main, click.Command):
-        command = main
-    else:
-        import typer  # only a command declared with typer's parameters needs it
-
-        app = typer.Typer(add_completion=False)
-        app.command()(main)  # as typer.run(main) does
-        command = typer.main.get_command(app)
-        # recent versions of typer carry their own copy of click, whose errors derive from
-        # TyperException; older versions raise click's own
-        usage_error += (getattr(typer, "TyperException", click.ClickException),)
-        abort += (typer.Abort,)
+        command, usage_errors, aborts = main, (click.ClickException,), (click.Abort,)
+    else:  # typer is imported only by the commands declared with it
+        from machine.typer_commands import typer_command
+        command, usage_errors, aborts = typer_command(main)
     try:
-        # click returns the exit code of --help or of a typer.Exit, and None otherwise
-        code = command.main(standalone_mode=False)
+        code = command.main(standalone_mode=False)  # the exit code of --help, or None
         sys.stdout.flush()
-    except usage_error as e:
+    except usage_errors as e:
         where = e.ctx.command_path if getattr(e, "ctx", None) else command.name
-        message = " ".join(e.format_message().split())  # one line, wherever click wrapped it
-        print(f"error: {message} (see {where} --help)", file=sys.stderr)
-        raise SystemExit(getattr(e, "exit_code", 2)) from None
-    except abort:  # Ctrl-C before the command set up its own handling
+        print(f"error: {' '.join(e.format_message().split())} (see {where} --help)", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except aborts:  # Ctrl-C before the command set up its own handling
         raise SystemExit(130) from None
     except OSError as e:
-        if not stdout_failed(e):
+        # the output failed (a full or failing disk); an error naming a file is its writer's
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EIO, errno.EPIPE) or e.filename:
             raise
         # the interpreter flushes stdout once more as it exits, so send that write nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -117,11 +101,3 @@ def run_command(main: Callable[..., object] | click.Command) -> None:
         raise SystemExit(1) from None
     if code:
         raise SystemExit(code)
-
-
-def stdout_failed(error: OSError) -> bool:
-    """Whether an error that reached the top is a failed write of the output: the disk is
-    full or the device fails, and no file is named (a file the command writes is reported
-    by the command itself, in its own words)."""
-    return (error.errno in (errno.ENOSPC, errno.EFBIG, errno.EIO, errno.EPIPE)
-            and error.filename is None)
