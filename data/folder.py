@@ -57,7 +57,8 @@ def claim(out: Path, plan: dict, force: bool) -> tuple[dict | None, dict | None]
         return None, progress
     foreign = sorted(p.name for p in out.iterdir() if not ours(p.name))
     if (meta is not None or progress is not None or foreign) and not force:
-        what = ("another dataset" if meta is not None else
+        what = (f"another dataset ({differs(meta.get('prepared_with'), plan)})"
+                if meta is not None else
                 "an unfinished dataset of other inputs" if progress is not None else
                 f"files that are no dataset of ours ({', '.join(foreign[:3])}"
                 f"{', ...' if len(foreign) > 3 else ''})")
@@ -65,6 +66,20 @@ def claim(out: Path, plan: dict, force: bool) -> tuple[dict | None, dict | None]
                         f"replace it")
     remove_dataset(out)
     return None, None
+
+
+def differs(made: object, plan: dict) -> str:
+    """How the dataset in a folder differs from the one a command would make: its inputs as
+    files (which, or their sizes and times, when a file changed since), or its settings."""
+    if not isinstance(made, dict):
+        return "made by an older version"
+    inputs = made.get("inputs")
+    if inputs == plan["inputs"]:
+        return "other settings"
+    names = [i[0] if isinstance(i, list) and i else None for i in inputs or []]
+    if isinstance(inputs, list) and names == [i[0] for i in plan["inputs"]]:
+        return "the same files before they changed"
+    return "other input files"
 
 
 def ours(name: str) -> bool:

@@ -272,9 +272,16 @@ def test_another_command_into_a_dataset_folder_is_refused_and_force_replaces(tmp
     path = write_corpus(tmp_path / "in", make_documents(20), "jsonl")
     first = prepare(list_inputs([path]), "char", tmp_path / "out", "c")
     assert prepare(list_inputs([path]), "char", tmp_path / "out", "c") == first  # already done
-    with pytest.raises(DataError, match="holds another dataset; choose another --out, or add "
-                                         "--force to replace it"):
+    with pytest.raises(DataError, match=r"holds another dataset \(other settings\); choose "
+                                         r"another --out, or add --force to replace it"):
         prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c")
+    with path.open("a") as f:  # the same file, changed since
+        f.write(json.dumps({"text": "One more line."}) + "\n")
+    with pytest.raises(DataError, match=r"another dataset \(the same files before they changed\)"):
+        prepare(list_inputs([path]), "char", tmp_path / "out", "c")
+    other = write_corpus(tmp_path / "other", make_documents(20), "jsonl")
+    with pytest.raises(DataError, match=r"another dataset \(other input files\)"):
+        prepare(list_inputs([other]), "char", tmp_path / "out", "c")
     assert load_meta(tmp_path / "out") == first
     assert prepare(list_inputs([path]), "gpt2", tmp_path / "out", "c", force=True)["vocab_size"] == 50257
 
