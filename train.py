@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import typer
 from tqdm import tqdm
 
 from data.loader import BatchStream, Sampler, Tokens, batch_sampler, load_dataset
@@ -356,19 +356,19 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
             result = train(cfg, resume)
     except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (training/runs.py)
         if rank == 0:
-            typer.echo("interrupted: stopped at once by a second Ctrl-C; the last "
-                       "checkpoint, if any, is intact", err=True)
-        raise typer.Exit(128 + signal.SIGINT) from None
+            print("interrupted: stopped at once by a second Ctrl-C; the last checkpoint, if "
+                  "any, is intact", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     if rank == 0:
         sharded = result.checkpoint is not None and result.checkpoint.suffix == ".dcp"
         ext = ".dcp" if sharded else ".pt"
         plain = f"python export.py {result.run_dir} --plain, then " if sharded else ""
-        typer.echo(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
-                   f"best val loss {result.best_val_loss:.4f}\n"
-                   f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"
-                   f"next: {plain}python sample.py --run {result.run_dir}"
-                   f"{' --chat' if result.chat else ''}   |   "
-                   f"tensorboard --logdir {result.run_dir.parent}")
+        print(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
+              f"best val loss {result.best_val_loss:.4f}\n"
+              f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"
+              f"next: {plain}python sample.py --run {result.run_dir}"
+              f"{' --chat' if result.chat else ''}   |   "
+              f"tensorboard --logdir {result.run_dir.parent}")
 
 
 if __name__ == "__main__":

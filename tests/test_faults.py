@@ -67,6 +67,24 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, char_da
     assert load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"] == stopped_at + 10
 
 
+def test_a_second_ctrl_c_is_one_line_and_exit_130(tmp_path, char_data):
+    # The first Ctrl-C asks the loop to save and stop; a second one raises KeyboardInterrupt
+    # wherever the run is, which two real signals cannot time reliably, so train() raises
+    # it here, and the command's own reporting answers it.
+    code = ("import sys, train; from machine.errors import run_command; "
+            "from training.config import command_line\n"
+            "def interrupted(cfg, resume): raise KeyboardInterrupt\n"
+            "train.train = interrupted\n"
+            "sys.argv[0] = 'train.py'\n"
+            "run_command(command_line(train.main))")
+    result = subprocess.run([sys.executable, "-c", code, *TRAIN[2:], "--data-dir", str(char_data),
+                             "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 128 + signal.SIGINT
+    assert error_line(result.stderr, "interrupted") == ("interrupted: stopped at once by a second "
+                                                        "Ctrl-C; the last checkpoint, if any, is "
+                                                        "intact")
+
+
 def test_an_interrupted_second_run_resumes_itself_and_leaves_the_first_untouched(tmp_path,
                                                                                  char_data):
     # the second run of a run name becomes NAME-2; the command that the interrupt message
