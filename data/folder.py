@@ -69,8 +69,8 @@ def claim(out: Path, plan: dict, force: bool) -> tuple[dict | None, dict | None]
 
 
 def differs(made: object, plan: dict) -> str:
-    """How the dataset in a folder differs from the one a command would make: its inputs as
-    files (which, or their sizes and times, when a file changed since), or its settings."""
+    """How the folder's dataset differs from the one this command would make: other
+    settings, other input files, or the same files changed since it was made."""
     if not isinstance(made, dict):
         return "made by an older version"
     inputs = made.get("inputs")

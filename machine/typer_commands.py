@@ -2,7 +2,7 @@
 command that typer would run, with the classes of the errors that command raises.
 
 Usage:
-    command, usage_errors, aborts = typer_command(main)   # machine.errors.run_command's
+    command, usage_errors, aborts = typer_command(main)   # as machine.errors.run_command does
 """
 
 from __future__ import annotations
