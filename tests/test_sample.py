@@ -389,6 +389,8 @@ def test_a_bare_run_name_is_looked_up_in_the_runs_folder(trained_run):
     assert resolve_checkpoint(trained_run.name, None, out_dir=str(runs)) == trained_run / "best.pt"
     with pytest.raises(LoadError, match=f"runs in {runs}/ that have one: {trained_run}$"):
         resolve_checkpoint("no-such-run", None, out_dir=str(runs))
+    with pytest.raises(LoadError, match=r"in /no-such-run; runs in / that have one"):
+        resolve_checkpoint("/no-such-run", None)  # a folder at the root, and no "//"
 
 
 def test_a_run_stopped_before_its_first_evaluation_samples_from_last_pt(trained_run, tmp_path,

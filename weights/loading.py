@@ -83,8 +83,9 @@ def choose_checkpoint(run: str | None, checkpoint: str | None, out_dir: str = "r
         if path is None:  # most likely a mistyped run name, so list the runs beside it
             runs = sorted({str(p.parent) for name in ("best.pt", "last.pt")
                            for p in folder.parent.glob(f"*/{name}")})
-            raise LoadError(f"no checkpoint (best.pt or last.pt) in {folder}; runs in "
-                            f"{folder.parent}/ that have one: {', '.join(runs) or 'none'}")
+            beside = str(folder.parent).rstrip("/") + "/"  # "/" for a folder at the root
+            raise LoadError(f"no checkpoint (best.pt or last.pt) in {folder}; runs in {beside} "
+                            f"that have one: {', '.join(runs) or 'none'}")
         return path, ""
     written = [p for name in ("best.pt", "last.pt", "best.dcp", "last.dcp")
                for p in Path(out_dir).glob(f"*/{name}")]
