@@ -136,3 +136,15 @@ def sft_run(shared_dir, trained_run, chat_data) -> tuple[Path, str]:
         (out / "output.txt").write_text(result.stdout + result.stderr)
     out = built_once(shared_dir / "sft", build)
     return out / "chat_sft", (out / "output.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def chain_server(trained_run, tmp_path_factory):
+    """serve.py with --api-key on tests/test_serve.py's byte_chain_checkpoint model, and the
+    chain's ids; test_serve.py and test_lm_eval.py both ask it about split characters."""
+    from tests.test_serve import CHAIN_KEY, CHAIN_NAME, byte_chain_checkpoint, serving
+
+    path = tmp_path_factory.mktemp("chain") / f"{CHAIN_NAME}.pt"
+    chain = byte_chain_checkpoint(trained_run, path)
+    with serving("--checkpoint", str(path), "--api-key", CHAIN_KEY) as server:
+        yield server, chain

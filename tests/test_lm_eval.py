@@ -18,7 +18,7 @@ from data.prepare import prepare_text
 from tests.forked import python
 from tests.output import error_line
 from tests.shared import built_once
-from tests.test_serve import CHAIN_KEY, CHAIN_NAME, Server, byte_chain_checkpoint, serving
+from tests.test_serve import CHAIN_KEY, CHAIN_NAME, Server, serving
 from train import train
 from training.config import load_config
 
@@ -186,23 +186,15 @@ def test_prompt_logprobs_equal_evaluate_and_transformers_whatever_the_batch(bpe_
                                                           abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def byte_chain_server(trained_run, tmp_path_factory) -> Iterator[tuple[Server, list[int]]]:
-    path = tmp_path_factory.mktemp("chain") / f"{CHAIN_NAME}.pt"
-    chain = byte_chain_checkpoint(trained_run, path)
-    with serving("--checkpoint", str(path), "--api-key", CHAIN_KEY) as server:
-        yield server, chain
-
-
 @pytest.mark.parametrize("alternatives", [1, 5])
-def test_lm_eval_reads_a_greedy_continuation_of_split_characters_as_greedy(byte_chain_server,
-                                                                          alternatives):
+def test_lm_eval_reads_a_greedy_continuation_of_split_characters_as_greedy(chain_server,
+                                                                           alternatives):
     """lm-eval's local-completions calls a continuation greedy where each token's logprob is
     the largest of its top_logprobs. The bytes of a Chinese character are tokens that all
     read U+FFFD, one key of that dict, which must hold the likeliest's logprob. Its own
     parser reads the server's answer to its own request (echo, one token, logprobs)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
-    server, chain = byte_chain_server
+    server, chain = chain_server
     client = server.client(CHAIN_KEY)
     swapped = [chain[0], chain[2], chain[1], *chain[3:]]  # the chain's bytes out of order
     for continuation, greedy in ((chain, True), (swapped, False)):

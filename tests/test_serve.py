@@ -157,15 +157,6 @@ def byte_chain_checkpoint(trained_run: Path, path: Path) -> list[int]:
     return chain
 
 
-@pytest.fixture(scope="module")
-def chain_server(trained_run, tmp_path_factory) -> Iterator[tuple[Server, list[int]]]:
-    """serve.py with --api-key on byte_chain_checkpoint's model, and the chain's ids."""
-    path = tmp_path_factory.mktemp("chain") / f"{CHAIN_NAME}.pt"
-    chain = byte_chain_checkpoint(trained_run, path)
-    with serving("--checkpoint", str(path), "--api-key", CHAIN_KEY) as server:
-        yield server, chain
-
-
 CHAT = [{"role": "user", "content": "ROMEO"}]
 
 
