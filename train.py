@@ -11,13 +11,9 @@ Usage:
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: where the process computes, the data, the model and its
-optimizers, then the loop. Every part of a step is a line or a call away: the learning rate
-(get_lr_scale, below), a batch (BatchStream.next, data/loader.py), the forward and backward,
-clipping, the optimizers' step (training/optimizer.py), the log, the evaluation (evaluate,
-below) and the checkpoint (training/checkpoints.py). What differs under torchrun is asked
-where it matters, "if dist.enabled". What a plain run does not use is imported where it is
-needed: FSDP, sharded checkpoints, data preparation, a base model to fine-tune. A run writes
-runs/<run_name>/: TensorBoard events, last.pt at every evaluation, best.pt at the best.
+optimizers, then the loop, whose every part is a line or a call away. What a plain run does
+not use is imported where it is needed. A run writes runs/<run_name>/: TensorBoard events,
+last.pt at every evaluation, best.pt at the best. docs/layout.md follows one step through.
 """
 
 from __future__ import annotations
@@ -150,10 +146,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             the attention pictures."""
             model.eval()  # no dropout while measuring or sampling
             losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
-            log.losses(it, losses)
+            log.losses(it, losses)  # "iter 100: train loss 1.8754, val loss 1.9436"
             if not math.isfinite(losses["val"]):
                 raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
                                     f"checkpoint is kept: lower learning_rate or set grad_clip")
+            # to TensorBoard: a text sample and each layer's attention to a probe text
             log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist),
                          raw_model)
             model.train()
@@ -161,14 +158,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
-        x, y = batches.next()
+        x, y = batches.next()  # (B, T) windows at random places in the train split; y is x moved on by one
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed to a log point
         while iter_num < cfg.max_iters:
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:
-                for group in opt.param_groups:  # each group scales its own peak
+            for opt in optimizers:  # each group's peak is muon_lr, embedding_lr or learning_rate
+                for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
                 if dist.enabled:  # the processes reduce their gradients after the last one only
@@ -191,7 +188,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             log.step()
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-                # .item() waits for the device, so it is called only here, every log_interval steps
+                # .item() waits for the device, so it runs only here; all_sum adds up the processes'
                 train_loss = (distributed.all_sum(loss_sum, dist).item()
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
@@ -200,7 +197,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # the lr shown is AdamW's; every group's is the same fraction of its own peak
+                # TensorBoard's scalars and "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (the
+                # progress bar's on a terminal); the lr is AdamW's; whole() joins FSDP's shards
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -213,8 +211,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 losses = evaluate(iter_num)
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
+            # whether Ctrl-C, SIGTERM or SIGHUP came during the step (training/runs.py)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
+                # last.pt (and best.pt): weights, optimizers, generators and batches, to resume to the bit
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)

@@ -173,14 +173,11 @@ def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
 
 
 class BatchStream:
-    """One process's stream of random training batches.
-
-    Under torchrun every process draws the same stream and takes every world_size-th
-    batch, so N processes train on exactly the batches that one process with N times the
-    gradient accumulation would. `state` is the generator's state before the last batch was
-    drawn. A checkpoint stores it, so a resumed run draws that batch again and then exactly
-    the batches this run would have drawn next.
-    """
+    """One process's stream of random training batches. Under torchrun every process draws
+    the same stream and takes every world_size-th batch, as one process with world_size
+    times the gradient accumulation would. `state`, the generator's state before the last
+    batch was drawn, goes into checkpoints, so that a resumed run draws that batch again and
+    then exactly the batches this run would have drawn next."""
 
     def __init__(self, draw: Sampler, seed: int, rank: int = 0, world_size: int = 1) -> None:
         self.draw, self.rank, self.world_size = draw, rank, world_size
@@ -188,7 +185,8 @@ class BatchStream:
         self.state = self.generator.get_state()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (x, y) batch: random windows (get_batch, above) or conversations."""
+        """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
+        random places in the split (get_batch) or conversations, and y the same one token on."""
         self.state = self.generator.get_state()
         return [self.draw(self.generator) for _ in range(self.world_size)][self.rank]
 

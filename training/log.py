@@ -93,7 +93,8 @@ class RunLog:
 
     def point(self, it: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
               mfu: float) -> None:
-        """Log the figures of the steps since the last point."""
+        """The steps since the last point: TensorBoard's scalars, and the log line (on a
+        terminal, the progress bar's postfix)."""
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), ("train/lr", lr),
