@@ -70,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
-        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys are normed and turned alike
+        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys are normalized and rotated alike
         if self.qk_norm:  # bounds the logits q.k, which allows a higher learning rate
             qk = rms_norm(qk, self.eps)
         if self.rope:
@@ -121,9 +121,9 @@ def rope_tables(config: GPTConfig) -> Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Turn each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
-    its token's angle (rope_tables' rows): a query and a key then meet through how far apart
-    they are, not where."""
+    """Rotate each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
+    its token's angle (rope_tables' rows), so that the dot product of a query and a key depends
+    on how far apart their tokens are, not on where they are."""
     if can_rotate(x, cos, sin):  # the same rotation in one pass over x (machine/cpu_kernels.py)
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
@@ -186,7 +186,7 @@ class GPTConfig:
     logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, nanochat's 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat's is 1e-6")
-    rope_theta: float = switch(10000.0, "rope's base: pair i turns by p / theta^(2i / head_dim)")
+    rope_theta: float = switch(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -243,7 +243,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids, and the mean cross-entropy when targets are given.
+        """The logits for (B, T) token ids and, given targets, the mean cross-entropy of those not -1.
         kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
         input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
             by default) or (B, T) with each row's own; with a cache, the caller advances them.
@@ -268,8 +268,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
         x = self.transformer.ln_f(x if targets is not None else x[:, logits_from:, :])
-        logits, cap = self.lm_head(x), self.config.logit_softcap  # (B, T, vocab)
-        if cap:  # squashed smoothly into (-cap, cap), in fp32
+        logits = self.lm_head(x)  # (B, T, vocab)
+        if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
             logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
             return logits, None

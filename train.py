@@ -10,10 +10,10 @@ Usage:
     from train import train                  # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
-train() reads in nanoGPT's order: where the process computes, the data, the model and its
-optimizers, then the loop, whose every part is a line or a call away. What a plain run does
-not use is imported where it is needed. A run writes runs/<run_name>/: TensorBoard events,
-last.pt at every evaluation, best.pt at the best. docs/layout.md follows one step through.
+train() reads in nanoGPT's order: the device, the data, the model and its optimizers, then
+the loop, whose every part is a line or a call away. What a plain run does not use is
+imported where it is needed. A run writes runs/<run_name>/: TensorBoard events, last.pt at
+every evaluation, best.pt at the best. docs/layout.md follows one step through.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if cfg.compile:  # refuse a compiler that cannot work here before writing anything
             check_compile(device, instead="drop --compile")
         torch.manual_seed(cfg.seed)
-        reuse_freed_memory()  # every step frees and allocates the same activations
+        reuse_freed_memory()  # kept for the next step, which allocates the same activations
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -110,7 +110,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # float16 needs its loss scaled, or small gradients round to zero; bf16 does not
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        # the model's block_size, because a base model to fine-tune may have its own
+        # each draws batch_size random starts s, x = data[s:s+T] and y = data[s+1:s+T+1], with
+        # the model's block_size as T, because a base model to fine-tune may have its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -158,10 +159,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
-        x, y = batches.next()  # (B, T) windows at random places in the train split; y is x moved on by one
+        x, y = batches.next()  # (B, T) windows at random places in the train split; y is x shifted by one
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
         t_log, iters_since_log = time.perf_counter(), 0
-        loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed to a log point
+        loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         while iter_num < cfg.max_iters:
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
             for opt in optimizers:  # each group's peak is muon_lr, embedding_lr or learning_rate
@@ -178,6 +179,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 loss_sum += loss.detach()
             for opt in optimizers:
                 scaler.unscale_(opt)  # so that clipping sees the true gradients
+            # grad_clip 0 clips at inf, which measures the norm for the log and changes nothing
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)
@@ -185,10 +187,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             scaler.update()
             iter_num += 1
             iters_since_log += 1
-            log.step()
+            log.step()  # the progress bar moves on
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-                # .item() waits for the device, so it runs only here; all_sum adds up the processes'
+                # .item() waits for the device, so it is called only here, every log_interval steps
                 train_loss = (distributed.all_sum(loss_sum, dist).item()
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
@@ -197,8 +199,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard's scalars and "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (the
-                # progress bar's on a terminal); the lr is AdamW's; whole() joins FSDP's shards
+                # logs "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (the progress bar's
+                # postfix on a terminal) and TensorBoard's scalars, where the lr is AdamW's
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -214,7 +216,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             # whether Ctrl-C, SIGTERM or SIGHUP came during the step (training/runs.py)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
-                # last.pt (and best.pt): weights, optimizers, generators and batches, to resume to the bit
+                # last.pt, with best.pt as a second name for it while it is the best: the weights,
+                # the optimizers, the random generators and the batches, to resume to the bit
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)

@@ -186,7 +186,7 @@ class BatchStream:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
-        random places in the split (get_batch) or conversations, and y the same one token on."""
+        random places in the split (get_batch) or conversations, and y the same shifted by one."""
         self.state = self.generator.get_state()
         return [self.draw(self.generator) for _ in range(self.world_size)][self.rank]
 

@@ -92,7 +92,8 @@ def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_bes
     if dist.is_main:
         save_checkpoint(state, run_dir / "last.pt")
         unlink_sharded(run_dir, "last")
-        if is_best:  # the same file under a second name, so there is no second write
+        # best.pt, a hard link to this file, keeps it when the next save renames a new last.pt in
+        if is_best:
             link_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
             unlink_sharded(run_dir, "best")
     return run_dir / "last.pt"

@@ -69,7 +69,7 @@ class TrainConfig:
                               "is untied (tie_embeddings false); 0 means learning_rate")
     muon_lr: float = opt(0.02, "peak Muon learning rate (optimizer = muon)")
     muon_momentum: float = opt(0.95, "Muon momentum (optimizer = muon)")
-    warmup_iters: int = opt(100, "steps of linear warmup from 0 to learning_rate")
+    warmup_iters: int = opt(100, "steps of linear warmup to each group's peak learning rate")
     lr_decay_iters: int = opt(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
     decay_lr: bool = opt(True, "warmup then cosine decay; false keeps learning_rate constant")
     weight_decay: float = opt(0.1, "decoupled weight decay on matrices (not on biases, norms)")
@@ -161,10 +161,6 @@ def check_seed(seed: int) -> None:
 # every key a TOML file or the command line may set: training's own and the model's
 FIELDS = {**{f.name: f for f in fields(TrainConfig) if f.name not in ("model", "given")},
           **MODEL_FIELDS}
-
-
-def field_help(name: str) -> str:
-    return FIELDS[name].metadata["help"]
 
 
 def field_default(name: str) -> Any:
@@ -268,7 +264,7 @@ def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None]
         params.append(click.Option(
             [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, name],
             type=CLICK_TYPES[type(default)], default=None,
-            help=f"{field_help(name)}  [default: {shown}]"))
+            help=f"{FIELDS[name].metadata['help']}  [default: {shown}]"))
 
     def callback(preset: Path | None, config: Path | None, resume: bool, debug: bool,
                  **fields: Any) -> None:

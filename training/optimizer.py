@@ -13,9 +13,9 @@ Two recipes, chosen by TrainConfig.optimizer:
   at the same rate. That suits the hidden matrices and not the embeddings, whose rows are
   looked up one at a time.
 
-Both apply decoupled weight decay, scaled by their own learning rate, to the matrices only,
-because a pull towards zero only hurts biases and gains. Each group follows train.py's
-schedule (get_lr_scale) as a fraction of its own peak, "peak_lr".
+Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
+biases and gains, which a pull towards zero only hurts, nor to an untied token table (see
+below). Each group follows train.py's schedule (get_lr_scale) as a fraction of its peak_lr.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
         matrices = [p for p in trained if p in hidden]
         optimizers.append(Muon(
             [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr,
-            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True, ns_steps=5,
             ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
     return optimizers
 
@@ -136,7 +136,8 @@ class Muon(Uncompiled, torch.optim.Muon):
         return loss
 
     def blended(self, p: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
-        """The momentum buffer moved towards p's gradient, and the update it gives."""
+        """Move p's momentum buffer towards its gradient and return the update: the buffer, or
+        with Nesterov momentum the gradient moved towards the buffer."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
@@ -164,7 +165,7 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
                   eps: float, dtype: torch.dtype) -> torch.Tensor:
     """Approximately U V^T for g = U S V^T, by Muon's quintic Newton-Schulz iteration, in
     dtype, on one matrix or on each matrix of a stack (..., rows, cols). It pushes every
-    singular value towards 1 (to somewhere in 0.5-1.5, which trains as well)."""
+    singular value towards 1 (to between about 0.5 and 1.5, which trains as well as 1)."""
     a, b, c = coefficients
     x = g.to(dtype).reshape(-1, *g.shape[-2:])  # a stack, (n, rows, cols)
     tall = g.size(-2) > g.size(-1)
