@@ -34,8 +34,8 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps): LayerNorm without its mean, bias or gain (a gain before a
-    Linear would only rescale the Linear's columns, which the Linear can learn itself)."""
+    """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and no bias or gain (a gain
+    before a Linear would only rescale its columns, which the Linear can learn by itself)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -77,7 +77,7 @@ class CausalSelfAttention(nn.Module):
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([nh, n_kv], dim=1)  # (B, nh, T, hd), (B, n_kv, T, hd)
         v = v.transpose(1, 2)
-        mask = None  # None: causal attention over these T tokens; with a cache, over all it holds
+        mask = None  # None means causal attention over these T tokens; a cache gives its own mask
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
         if attention == "sdpa":
@@ -93,8 +93,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Fused attention. mask holds the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k); None
     means causal. Keys and values may have fewer heads than the queries (GQA)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # in fp32, because torch's CPU kernel is slower on short bf16 sequences; without autocast,
-        # because it would cast the fp32 inputs straight back
+        # computed in fp32, because torch's CPU kernel is slower on short bf16 sequences, and with
+        # autocast off, because it would cast the fp32 inputs straight back
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
@@ -103,7 +103,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                        dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d_k)) V written out, the weights passing `dropout` (attn_dropout)."""
+    """softmax(QK^T / sqrt(d_k)) V written out, where the weights pass through `dropout`."""
     group = q.size(1) // k.size(1)  # query heads per key/value head (GQA)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if mask is None:
@@ -124,7 +124,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
     its token's angle (rope_tables' rows), so that the dot product of a query and a key depends
     on how far apart their tokens are, not on where they are."""
-    if can_rotate(x, cos, sin):  # the same rotation in one pass over x (machine/cpu_kernels.py)
+    if can_rotate(x, cos, sin):  # the same, and its gradient, in one pass in C (machine/cpu_kernels.py)
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
@@ -142,7 +142,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # or GPT-2's GELU
+        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GELU is GPT-2's
         return self.dropout(self.c_proj(h))
 
 
@@ -183,7 +183,7 @@ class GPTConfig:
     tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
     n_kv_head: int = switch(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
     embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
-    logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, nanochat's 15")
+    logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat's is 1e-6")
     rope_theta: float = switch(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
@@ -243,12 +243,12 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids and, given targets, the mean cross-entropy of those not -1.
+        """The logits for (B, T) token ids and, given targets, the mean cross-entropy of the targets not -1.
         kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
         input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
             by default) or (B, T) with each row's own; with a cache, the caller advances them.
         attention: "sdpa" (the fused kernel) or "explicit" (written out, see explicit_attention).
-        logits_from: without targets, the logits from this position on only (-1: the last)."""
+        logits_from: without targets, only the logits from this position on (-1 is the last)."""
         B, T = idx.size()
         if attention not in ("sdpa", "explicit"):
             raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
@@ -385,7 +385,7 @@ def check_config(config: GPTConfig) -> None:
 SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
     "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap", "norm_eps")}
 
-# the named layouts: GPT-2's; every switch on but GQA (which saves cache memory, not loss); nanochat's
+# the named layouts: GPT-2's; the modern one (RoPE, RMSNorm, QK norm, relu^2, an untied head); nanochat's
 MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
 LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
     **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}

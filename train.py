@@ -70,18 +70,18 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     last checkpoint. Under torchrun every process runs this."""
     t_start = time.time()
     with ExitStack() as stack:  # each context below closes when the run ends, however it ends
-        dist = stack.enter_context(distributed.process_group(cfg.device))
+        dist = stack.enter_context(distributed.process_group(cfg.device))  # one process: rank 0 of 1
         # signals are caught from the start, so that a Ctrl-C while the data is prepared is
         # answered after the first step, with a checkpoint
         stop = stack.enter_context(stop_signals())
 
         # --- where this process computes --------------------------------------------------
-        device = resolve_device(cfg.device, dist.local_rank)
+        device = resolve_device(cfg.device, dist.local_rank)  # auto: CUDA, else MPS, else the CPU
         sharded = distributed.check_parallel(cfg, dist)  # whether FSDP shards the model
         if cfg.compile:  # refuse a compiler that cannot work here before writing anything
             check_compile(device, instead="drop --compile")
         torch.manual_seed(cfg.seed)
-        reuse_freed_memory()  # kept for the next step, which allocates the same activations
+        reuse_freed_memory()  # glibc keeps freed memory for the next step's same activations
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -114,7 +114,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # the model's block_size as T, because a base model to fine-tune may have its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
-        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
+        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)  # own generator
         iter_num, best_val_loss = 0, math.inf
         if saved is not None:
             check_resumable(saved, raw_model, meta, cfg, checkpoint)
@@ -199,8 +199,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # logs "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (the progress bar's
-                # postfix on a terminal) and TensorBoard's scalars, where the lr is AdamW's
+                # logs "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (the progress bar shows the same
+                # figures on a terminal) and TensorBoard's scalars; whole() gathers FSDP's sharded norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -216,8 +216,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             # whether Ctrl-C, SIGTERM or SIGHUP came during the step (training/runs.py)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
-                # last.pt, with best.pt as a second name for it while it is the best: the weights,
-                # the optimizers, the random generators and the batches, to resume to the bit
+                # writes last.pt (and best.pt, when this is the best val loss so far), which holds the
+                # weights, the optimizers and the random generators and batches, to resume to the bit
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)
@@ -251,7 +251,7 @@ def load_data(cfg: TrainConfig, dist: distributed.Dist,
               ) -> tuple[dict, dict[str, Tokens], Tokenizer]:
     """The dataset's meta.json, its splits memory-mapped, and its tokenizer; a built-in
     dataset is prepared on first use. Rank 0 prepares and reads it first, while the other
-    processes wait: a missing or damaged dataset is one line from rank 0, for all."""
+    processes wait, so a missing or damaged dataset is reported once, by rank 0."""
     data_dir = Path(cfg.data_dir)
     read = None  # rank 0's memmaps; the other processes open their own
 

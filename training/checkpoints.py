@@ -69,7 +69,7 @@ def save(run: Run, state: TrainState, model: GPT, optimizers: list[torch.optim.O
     else:
         broken = distributed.from_main(
             lambda: non_finite({"model": state.model, "optimizer": state.optimizer}), dist)
-    if broken is not None:  # a loss that turned NaN between log points leaves no other trace
+    if broken is not None:  # only this check sees weights that turned NaN between log points
         raise TrainingError(f"{broken} holds NaN or inf at iter {state.iter_num}, so no "
                             f"checkpoint was written and the last good one is kept: "
                             f"lower learning_rate or set grad_clip", everywhere=True)
@@ -92,7 +92,7 @@ def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_bes
     if dist.is_main:
         save_checkpoint(state, run_dir / "last.pt")
         unlink_sharded(run_dir, "last")
-        # best.pt, a hard link to this file, keeps it when the next save renames a new last.pt in
+        # best.pt, a hard link, still names this file after the next save replaces last.pt
         if is_best:
             link_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
             unlink_sharded(run_dir, "best")

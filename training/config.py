@@ -35,7 +35,7 @@ class ConfigError(UserError):
 
 
 # Training starts from a smaller shape than GPTConfig's defaults; every other field of the
-# model keeps model.py's default. vocab_size is no setting, because it is the dataset's.
+# model keeps model.py's default. vocab_size is not a setting, because it is the dataset's.
 MODEL_DEFAULTS = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
 MODEL_FIELDS = {f.name: f for f in fields(GPTConfig) if f.name != "vocab_size"}
 

@@ -58,8 +58,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     if table is not None and table.requires_grad:
         adamw_groups.append({"params": [table], "weight_decay": 0.0,
                              "peak_lr": cfg.embedding_lr or cfg.learning_rate})
-    # the fused kernel does the whole update in one pass over the parameters (for plain
-    # tensors only; FSDP's sharded ones take the default path)
+    # the fused kernel updates all plain tensors in one pass; FSDP's sharded ones cannot use it
     sharded = any(is_dtensor(p) for p in trained)
     optimizers: list[torch.optim.Optimizer] = [AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
@@ -70,7 +69,8 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
         matrices = [p for p in trained if p in hidden]
         optimizers.append(Muon(
             [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr,
-            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True, ns_steps=5,
+            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
+            ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,  # torch's defaults
             ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
     return optimizers
 
@@ -88,7 +88,7 @@ class Uncompiled:
 
 
 class AdamW(Uncompiled, torch.optim.AdamW):
-    """torch.optim.AdamW, step for step. Its step's own wrapper sets no_grad, as here."""
+    """torch.optim.AdamW's step, without torch's wrapper, whose no_grad it keeps."""
 
     step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))
 
@@ -169,7 +169,7 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     a, b, c = coefficients
     x = g.to(dtype).reshape(-1, *g.shape[-2:])  # a stack, (n, rows, cols)
     tall = g.size(-2) > g.size(-1)
-    if tall:  # iterate on the wide side, where the Gram matrix is the smaller
+    if tall:  # iterate on the wide side, whose Gram matrix is the smaller one
         x = x.mT
     # divide each matrix by its norm, so that its singular values are at most 1, where the
     # iteration converges
