@@ -151,7 +151,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             if not math.isfinite(losses["val"]):
                 raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
                                     f"checkpoint is kept: lower learning_rate or set grad_clip")
-            # to TensorBoard: a text sample and each layer's attention to a probe text
             log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist),
                          raw_model)
             model.train()
@@ -213,7 +212,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 losses = evaluate(iter_num)
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
-            # whether Ctrl-C, SIGTERM or SIGHUP came during the step (training/runs.py)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
                 # writes last.pt (and best.pt, when this is the best val loss so far), which holds the
@@ -364,8 +362,7 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
         raise SystemExit(128 + signal.SIGINT) from None
     if rank == 0:
         sharded = result.checkpoint is not None and result.checkpoint.suffix == ".dcp"
-        ext = ".dcp" if sharded else ".pt"
-        plain = f"python export.py {result.run_dir} --plain, then " if sharded else ""
+        ext, plain = (".dcp", f"python export.py {result.run_dir} --plain, then ") if sharded else (".pt", "")
         print(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
               f"best val loss {result.best_val_loss:.4f}\n"
               f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"

@@ -51,7 +51,8 @@ def time_step(settings: dict, dtype: str) -> float:
     if not settings["kernels"]:
         machine.cpu_kernels.kernels = lambda: None
     if not settings["batched_ns"]:
-        training.optimizer.by_shape = lambda matrices, fn: [fn(m) for m in matrices]
+        training.optimizer.by_shape = lambda matrices, blocks, fn: [
+            fn(m, b) for m, b in zip(matrices, blocks, strict=True)]
     from model import GPT
     from training.config import load_config
     torch.manual_seed(0)

@@ -125,10 +125,43 @@ def test_matrices_of_one_shape_are_orthogonalized_together_as_one_by_one():
     grads = [torch.randn(shape, generator=generator) for shape in shapes]
     coefficients = (3.4445, -4.775, 2.0315)
     alone = [orthogonalize(g, coefficients, 5, 1e-7, torch.float32) for g in grads]
-    together = by_shape(grads, lambda g: orthogonalize(g, coefficients, 5, 1e-7, torch.float32))
+    together = by_shape(grads, [1] * len(grads),
+                        lambda g, blocks: orthogonalize(g, coefficients, 5, 1e-7, torch.float32, blocks))
     for a, b, g in zip(alone, together, grads, strict=True):
         assert b.shape == g.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_steps_a_matrix_in_row_blocks_as_it_steps_the_blocks_as_matrices():
+    """c_attn's queries, keys and values move as if they were three matrices, as in nanochat."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(96, 32, generator=generator)
+    grads = [torch.randn(96, 32, generator=generator) for _ in range(3)]
+    fused = torch.nn.Parameter(start.clone())
+    apart = [torch.nn.Parameter(block.clone()) for block in start.split(32)]
+    settings = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "ns_dtype": torch.float32}
+    ours = Muon([fused], row_blocks={fused: 3}, **settings)
+    blocks = Muon(apart, **settings)
+    whole = Muon([torch.nn.Parameter(start.clone())], **settings)
+    for g in grads:
+        fused.grad = g.clone()
+        for p, block in zip(apart, g.split(32), strict=True):
+            p.grad = block.clone()
+        whole.param_groups[0]["params"][0].grad = g.clone()
+        for opt in (ours, blocks, whole):
+            opt.step()
+    torch.testing.assert_close(fused.detach(), torch.cat([p.detach() for p in apart]))
+    assert not torch.allclose(fused, whole.param_groups[0]["params"][0], atol=1e-4)
+
+
+def test_configure_optimizers_gives_muon_c_attn_in_three_blocks_unless_gqa(tiny_config):
+    for n_kv_head, blocks in ((0, 3), (1, None)):
+        model = GPT(dataclasses.replace(tiny_config.model, n_kv_head=n_kv_head, vocab_size=30))
+        _, muon = configure_optimizers(model, dataclasses.replace(tiny_config, optimizer="muon"),
+                                       torch.device("cpu"))
+        for block in model.transformer.h:
+            assert muon.row_blocks.get(block.attn.c_attn.weight) == blocks
+        assert len(muon.row_blocks) == (tiny_config.model.n_layer if blocks else 0)
 
 
 def test_resuming_with_the_other_optimizer_is_one_clear_error(tiny_config):

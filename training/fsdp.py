@@ -116,9 +116,9 @@ def sharded_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> di
 
 
 def each_on_one_process(tensors: list[torch.Tensor],
-                        fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """fn of each whole tensor, laid out as the tensor (sharded by rows, FSDP's Shard(0)):
-    tensor i is gathered whole on process i % N alone, which computes fn of it, and each
+                        fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> list[torch.Tensor]:
+    """fns[i] of each whole tensor i, laid out as the tensor (sharded by rows, FSDP's Shard(0)):
+    tensor i is gathered whole on process i % N alone, which computes fns[i] of it, and each
     process gets its rows of the result back. Each process does 1/N of the work and holds
     one whole tensor at most, where gathering every tensor on every process would do all the
     work N times over. The tensors go in rounds of N, one per process, computed at once, as
@@ -136,7 +136,7 @@ def each_on_one_process(tensors: list[torch.Tensor],
         outbox = None
         if inbox is not None:
             rows = round_[rank].shape[0]
-            whole = fn(torch.cat(inbox)[:rows]).to(inbox[0].dtype)
+            whole = fns[start + rank](torch.cat(inbox)[:rows]).to(inbox[0].dtype)
             outbox = list(torch.cat([whole, whole.new_zeros(inbox[0].shape[0] * world - rows,
                                                             *whole.shape[1:])]).chunk(world))
         backs = [torch.empty_like(piece) for piece in pieces]

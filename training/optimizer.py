@@ -64,11 +64,13 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
         fused=device.type in ("cuda", "cpu") and not sharded)]
     if hidden:
-        # the model's order, not the set's, because a checkpoint's optimizer state is matched
-        # to parameters by position
+        # in the model's order, because a checkpoint's optimizer state is matched by position
         matrices = [p for p in trained if p in hidden]
+        # c_attn's rows are the queries', keys' and values' projections, which Muon orthogonalizes
+        # apart, as nanochat's three matrices, unless GQA makes them unequal
+        blocks = {b.attn.c_attn.weight: 3 for b in model.transformer.h if b.attn.n_kv_head == b.attn.n_head}
         optimizers.append(Muon(
-            [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr,
+            [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr, row_blocks=blocks,
             weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
             ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,  # torch's defaults
             ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
@@ -95,16 +97,16 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of one
-    shape together. torch's iteration is always in bf16, which most x86 CPUs emulate, far
-    slower than fp32, and takes one matrix at a time, where a batched product takes
-    all of one shape in fewer, larger steps. The rest is torch's (the settings, the state and
-    the update), so a step equals torch.optim.Muon's to rounding."""
+    shape together, and on each block of rows apart in a matrix that row_blocks divides. torch's
+    iteration is always in bf16, which most x86 CPUs emulate far slower than fp32, one matrix
+    at a time, where a batched product takes all of one shape in fewer, larger steps. The rest
+    is torch's, so without row_blocks a step equals torch.optim.Muon's to rounding."""
 
-    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
+    def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
             raise ValueError("this Muon scales the lr by the original rule only")
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.row_blocks = ns_dtype, row_blocks or {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -115,22 +117,23 @@ class Muon(Uncompiled, torch.optim.Muon):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             updates = [self.blended(p, group["momentum"], group["nesterov"]) for p in params]
+            blocks = [self.row_blocks.get(p, 1) for p in params]
 
-            def newton_schulz(g: torch.Tensor, group: dict = group) -> torch.Tensor:
+            def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
-                                     group["eps"], self.ns_dtype)
+                                     group["eps"], self.ns_dtype, blocks)
             # Newton-Schulz needs each whole matrix, so sharded ones (FSDP) are shared out,
             # each orthogonalized on one process, with its rows handed back
             if any(is_dtensor(p) for p in params):
                 from training.fsdp import each_on_one_process
-                orthogonal = each_on_one_process(updates, newton_schulz)
+                each = [lambda g, b=b: newton_schulz(g, b) for b in blocks]  # with its own blocks
+                orthogonal = each_on_one_process(updates, each)
             else:
-                orthogonal = by_shape(updates, newton_schulz)
+                orthogonal = by_shape(updates, blocks, newton_schulz)
             lr = group["lr"]
-            for p, update in zip(params, orthogonal, strict=True):
-                # a tall matrix's update has smaller entries; the original rule makes up
-                # for it with sqrt(rows / cols)
-                scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
+            for p, update, b in zip(params, orthogonal, blocks, strict=True):
+                # the original rule scales a tall block's smaller entries up by sqrt(rows / cols)
+                scale = math.sqrt(max(1.0, p.shape[0] / b / p.shape[1]))
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * scale)
         return loss
@@ -146,29 +149,29 @@ class Muon(Uncompiled, torch.optim.Muon):
         return p.grad.lerp(buf, momentum) if nesterov else buf
 
 
-def by_shape(matrices: list[torch.Tensor],
-             fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """fn of each matrix, computed once per shape on the stack of the matrices of that shape
-    (fn must treat the leading dimension as a batch); the results in the matrices' order."""
+def by_shape(matrices: list[torch.Tensor], blocks: list[int],
+             fn: Callable[[torch.Tensor, int], torch.Tensor]) -> list[torch.Tensor]:
+    """fn(stack, blocks) of each matrix, computed once per shape and count of blocks on the stack
+    of those matrices (fn must treat the leading dimension as a batch), in the matrices' order."""
     results: list[torch.Tensor | None] = [None] * len(matrices)
-    shapes: dict[torch.Size, list[int]] = {}
-    for i, m in enumerate(matrices):
-        shapes.setdefault(m.shape, []).append(i)
-    for indices in shapes.values():
-        stacked = fn(torch.stack([matrices[i] for i in indices]))
+    shapes: dict[tuple[torch.Size, int], list[int]] = {}
+    for i, key in enumerate(zip((m.shape for m in matrices), blocks, strict=True)):
+        shapes.setdefault(key, []).append(i)
+    for (_, b), indices in shapes.items():
+        stacked = fn(torch.stack([matrices[i] for i in indices]), b)
         for i, result in zip(indices, stacked, strict=True):
             results[i] = result
     return results
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """Approximately U V^T for g = U S V^T, by Muon's quintic Newton-Schulz iteration, in
-    dtype, on one matrix or on each matrix of a stack (..., rows, cols). It pushes every
-    singular value towards 1 (to between about 0.5 and 1.5, which trains as well as 1)."""
+                  eps: float, dtype: torch.dtype, blocks: int = 1) -> torch.Tensor:
+    """Approximately U V^T for g = U S V^T, by Muon's quintic Newton-Schulz iteration in dtype,
+    on each matrix of g, (..., rows, cols), or on each of its `blocks` equal blocks of rows. It
+    pushes every singular value towards 1 (to about 0.5 to 1.5, which trains as well as 1)."""
     a, b, c = coefficients
-    x = g.to(dtype).reshape(-1, *g.shape[-2:])  # a stack, (n, rows, cols)
-    tall = g.size(-2) > g.size(-1)
+    x = g.to(dtype).reshape(-1, g.size(-2) // blocks, g.size(-1))  # a stack, (n, rows, cols)
+    tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the wide side, whose Gram matrix is the smaller one
         x = x.mT
     # divide each matrix by its norm, so that its singular values are at most 1, where the
