@@ -11,7 +11,7 @@ Usage:
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the model and its optimizers, then
-the loop, whose every part is a line or a call away. What a plain run does not use is
+the loop, where each part of a step is a line or one call away. What a plain run does not use is
 imported where it is needed. A run writes runs/<run_name>/: TensorBoard events, last.pt at
 every evaluation, best.pt at the best. docs/layout.md follows one step through.
 """
@@ -108,13 +108,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-        # float16 needs its loss scaled, or small gradients round to zero; bf16 does not
+        # float16 must scale its loss, lest small gradients round to zero; otherwise every call passes through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # each draws batch_size random starts s, x = data[s:s+T] and y = data[s+1:s+T+1], with
         # the model's block_size as T, because a base model to fine-tune may have its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
-        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)  # own generator
+        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)  # its own generator
         iter_num, best_val_loss = 0, math.inf
         if saved is not None:
             check_resumable(saved, raw_model, meta, cfg, checkpoint)
@@ -198,8 +198,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # logs "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (the progress bar shows the same
-                # figures on a terminal) and TensorBoard's scalars; whole() gathers FSDP's sharded norm
+                # TensorBoard's scalars, and "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (on a
+                # terminal, the progress bar's loss, tok_s and mfu); whole() gathers FSDP's norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0

@@ -38,8 +38,8 @@ SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need 
 def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
              batches: BatchStream, iter_num: int, dtype: torch.dtype, best_val_loss: float,
              val_loss: float, config: dict, tokenizer: dict, device: torch.device) -> TrainState:
-    """What a checkpoint of the run holds now. The batch state is the stream's before the
-    batch still pending was drawn, so a resumed run draws exactly the batches this run would
+    """What a checkpoint of the run holds now. The batch state is the stream's before it drew
+    the batch for the next step, so a resumed run draws exactly the batches this run would
     have drawn next. A sharded model's weights and moments are not in it: each process saves
     its own shards of them (see save)."""
     rng = {"torch": torch.get_rng_state(), "batches": batches.state}

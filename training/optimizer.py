@@ -1,4 +1,4 @@
-"""The optimizers that training steps with.
+"""The optimizers that update the model at every training step.
 
 Usage:
     from training.optimizer import configure_optimizers
@@ -42,11 +42,10 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     is the run's compute dtype; Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # an untied token table is a lookup whose rows move only where their tokens appear, so it
-    # learns faster with a much larger lr than the head's (as in nanochat), and without
-    # weight decay, which grows with the lr and would pull its rows to zero; the head, whose
-    # every row the softmax reaches at every position, keeps learning_rate like the other
-    # AdamW weights
+    # An untied token table is a lookup whose rows move only where their tokens appear. It
+    # learns faster with a far larger lr than the head's (as in nanochat), and without weight
+    # decay, which grows with the lr and would pull its rows to zero. The head, whose every
+    # row the softmax reaches at every position, keeps learning_rate like the other weights.
     table = model.transformer.wte.weight if not model.config.tie_embeddings else None
     rest = [p for p in trained if p not in hidden and p is not table]
     adamw_groups = [
@@ -90,7 +89,7 @@ class Uncompiled:
 
 
 class AdamW(Uncompiled, torch.optim.AdamW):
-    """torch.optim.AdamW's step, without torch's wrapper, whose no_grad it keeps."""
+    """torch.optim.AdamW without torch's wrapper around its step, in no_grad as the wrapper ran it."""
 
     step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))
 
