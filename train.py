@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if cfg.compile:  # refuse a compiler that cannot work here before writing anything
             check_compile(device, instead="drop --compile")
         torch.manual_seed(cfg.seed)
-        reuse_freed_memory()  # glibc keeps freed memory for the next step's same activations
+        reuse_freed_memory()  # keep freed memory for the next step's activations of the same sizes
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -108,13 +108,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-        # float16 must scale its loss, lest small gradients round to zero; otherwise every call passes through
+        # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        # each draws batch_size random starts s, x = data[s:s+T] and y = data[s+1:s+T+1], with
-        # the model's block_size as T, because a base model to fine-tune may have its own
+        # each split's sampler draws batch_size random starts s, x = data[s:s+T], y = data[s+1:s+T+1],
+        # T the model's block_size (a base model's own); the stream has a seeded generator of its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
-        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)  # its own generator
+        batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
         iter_num, best_val_loss = 0, math.inf
         if saved is not None:
             check_resumable(saved, raw_model, meta, cfg, checkpoint)
@@ -190,7 +190,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
-                train_loss = (distributed.all_sum(loss_sum, dist).item()
+                train_loss = (distributed.all_sum(loss_sum, dist).item()  # one process's: a copy
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
                     raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
@@ -198,8 +198,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard's scalars, and "iter 10/1000: loss 3.1612, 59,278 tokens/s, ..." (on a
-                # terminal, the progress bar's loss, tok_s and mfu); whole() gathers FSDP's norm
+                # TensorBoard's scalars (the lr is learning_rate's) and "iter 10/1000: loss 3.1612, ..."
+                # (on a terminal, the progress bar's loss, tok_s and mfu); whole() gathers FSDP's norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0

@@ -34,8 +34,9 @@ ROWS = [
      dict(n_inner=512, kernels=False, batched_ns=True, malloc=True)),
     ("+ the C kernels (RMSNorm, relu^2, the rotary rotation)",
      dict(n_inner=512, kernels=True, batched_ns=True, malloc=True)),
-    ("+ an MLP 3x wide (n_inner = 384): the quickstart now",
-     dict(n_inner=384, kernels=True, batched_ns=True, malloc=True)),
+    ("+ an MLP 3x wide (n_inner = 384)", dict(n_inner=384, kernels=True, batched_ns=True, malloc=True)),
+    ("+ an MLP 2x wide (n_inner = 256): the quickstart now",
+     dict(n_inner=256, kernels=True, batched_ns=True, malloc=True)),
 ]
 
 

@@ -1,5 +1,5 @@
-"""Three of the model's operations with their gradients written out, for devices other than
-CUDA: RMSNorm, relu(h)^2 and the rotation of rotary positions.
+"""Three of the model's operations with their gradients written out, for training on a CPU:
+RMSNorm, relu(h)^2 and the rotation of rotary positions.
 
 Usage:
     from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs

@@ -92,7 +92,7 @@ def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_bes
     if dist.is_main:
         save_checkpoint(state, run_dir / "last.pt")
         unlink_sharded(run_dir, "last")
-        # best.pt, a hard link, still names this file after the next save replaces last.pt
+        # best.pt, a hard link, keeps this file when the next save renames a new one over last.pt
         if is_best:
             link_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
             unlink_sharded(run_dir, "best")

@@ -47,11 +47,11 @@ class RunLog:
         self.bar: tqdm | None = None
         self.quiet = quiet_writer_threads()
 
-    def start(self, iter_num: int, model: GPTConfig) -> None:
+    def start(self, iter_num: int, shape: GPTConfig) -> None:
         """Open the run's TensorBoard events and its progress bar at iter_num; a resumed
-        run drops the events its predecessor logged after its last checkpoint. model is the
-        model's shape (a fine-tuned base's may differ from the config's)."""
-        self.probe_ids = self.probe_ids[-model.block_size:]
+        run drops the events its predecessor logged after its last checkpoint. shape is the
+        model's (a fine-tuned base's may differ from the config's)."""
+        self.probe_ids = self.probe_ids[-shape.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if not self.is_main:
             return

@@ -66,7 +66,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
         # in the model's order, because a checkpoint's optimizer state is matched by position
         matrices = [p for p in trained if p in hidden]
         # c_attn's rows are the queries', keys' and values' projections, which Muon orthogonalizes
-        # apart, as nanochat's three matrices, unless GQA makes them unequal
+        # separately, as nanochat's three matrices, unless GQA makes them unequal
         blocks = {b.attn.c_attn.weight: 3 for b in model.transformer.h if b.attn.n_kv_head == b.attn.n_head}
         optimizers.append(Muon(
             [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr, row_blocks=blocks,
@@ -96,8 +96,8 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of one
-    shape together, and on each block of rows apart in a matrix that row_blocks divides. torch's
-    iteration is always in bf16, which most x86 CPUs emulate far slower than fp32, one matrix
+    shape together, and on each block of rows of a matrix that row_blocks divides. torch's is
+    always in bf16, which most x86 CPUs emulate far slower than fp32. It also takes one matrix
     at a time, where a batched product takes all of one shape in fewer, larger steps. The rest
     is torch's, so without row_blocks a step equals torch.optim.Muon's to rounding."""
 
@@ -131,7 +131,7 @@ class Muon(Uncompiled, torch.optim.Muon):
                 orthogonal = by_shape(updates, blocks, newton_schulz)
             lr = group["lr"]
             for p, update, b in zip(params, orthogonal, blocks, strict=True):
-                # the original rule scales a tall block's smaller entries up by sqrt(rows / cols)
+                # a tall block's entries are smaller, so the original rule raises its lr by sqrt(rows / cols)
                 scale = math.sqrt(max(1.0, p.shape[0] / b / p.shape[1]))
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * scale)
