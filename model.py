@@ -142,7 +142,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GELU is GPT-2's
+        # relu(h)^2 with its gradient written out (machine/cpu_kernels.py), or GPT-2's GELU
+        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
 
 
@@ -289,8 +290,7 @@ class GPT(nn.Module):
                     yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """The parameter count, by default without the tables that are only looked up: wpe,
-        and wte where the head does not share it."""
+        """The parameter count, by default without wpe and an untied wte, which are only looked up."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
