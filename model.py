@@ -70,13 +70,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
-        qk, v = qkv.split([nh + n_kv, n_kv], dim=2)  # queries and keys are normalized and rotated alike
+        q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
         if self.qk_norm:  # bounds the logits q.k, which allows a higher learning rate
-            qk = rms_norm(qk, self.eps)
+            q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
-            qk = apply_rope(qk, *rope)
-        q, k = qk.transpose(1, 2).split([nh, n_kv], dim=1)  # (B, nh, T, hd), (B, n_kv, T, hd)
-        v = v.transpose(1, 2)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         mask = None  # None means causal attention over these T tokens; a cache gives its own mask
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
