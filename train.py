@@ -11,9 +11,9 @@ Usage:
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the model and its optimizers, then
-the loop, where each part of a step is a line or one call away. What a plain run does not use is
-imported where it is needed. A run writes runs/<run_name>/: TensorBoard events, last.pt at
-every evaluation, best.pt at the best. docs/layout.md follows one step through.
+the loop, where each part of a step is a line or one call away. What a plain run does not
+use is imported where it is needed. A run writes runs/<run_name>/: TensorBoard events,
+last.pt at every evaluation, best.pt at the best. docs/layout.md follows one step through.
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        # each split's sampler draws batch_size random starts s, x = data[s:s+T], y = data[s+1:s+T+1],
-        # T the model's block_size (a base model's own); the stream has a seeded generator of its own
+        # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
+        # y = data[s+1:s+T+1], where T is the model's block_size (a base model's own); the
+        # stream below draws with a seeded generator of its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -190,7 +191,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
-                train_loss = (distributed.all_sum(loss_sum, dist).item()  # one process's: a copy
+                train_loss = (distributed.all_sum(loss_sum, dist).item()  # in one process, a copy
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
                     raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
@@ -198,8 +199,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard's scalars (the lr is learning_rate's) and "iter 10/1000: loss 3.1612, ..."
-                # (on a terminal, the progress bar's loss, tok_s and mfu); whole() gathers FSDP's norm
+                # logs TensorBoard's scalars (the lr is learning_rate's) and "iter 10/1000: loss 3.1612,
+                # ..." (a terminal shows loss, tok_s and mfu on the progress bar); whole() gathers FSDP's norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
