@@ -96,8 +96,8 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of one
-    shape together, and on each block of rows of a matrix that row_blocks divides. torch's runs
-    always in bf16, which most x86 CPUs emulate far slower than fp32. It also takes one matrix
+    shape together, and on each block of rows of a matrix that row_blocks divides. torch's
+    always runs in bf16, which most x86 CPUs emulate far slower than fp32, and takes one matrix
     at a time, where a batched product takes all of one shape in fewer, larger steps. The rest
     is torch's, so without row_blocks a step equals torch.optim.Muon's to rounding."""
 
