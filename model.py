@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension: torch's fused kernel on a GPU, and
-    elsewhere the same with its gradient written out (machine/cpu_kernels.py)."""
+    elsewhere the same with its gradient written out (machine/cpu_kernels.py), which gives
+    the plain operations' values and gradients, as tests/test_model.py checks."""
     return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
 
 
@@ -71,7 +72,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # bounds the logits q.k, which allows a higher learning rate
+        if self.qk_norm:  # bounds the attention scores q.k, which allows a higher learning rate
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -128,7 +129,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
     y2 = x1 * sin + x2 * cos  # [y2] = [sin   cos] [x2]
-    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # the tables are fp32
+    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # back to x's dtype, which the fp32 tables raised
 
 
 class MLP(nn.Module):
@@ -243,7 +244,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids, and with targets the mean cross-entropy of those that are not -1.
+        """The logits for (B, T) token ids, and with targets the mean cross-entropy of the targets not -1.
         kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
         input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
             by default) or (B, T) with each row's own; with a cache, the caller advances them.

@@ -7,7 +7,7 @@ Usage:
     torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
     tensorboard --logdir runs
 
-    from train import train                  # from Python: a TrainConfig in, a TrainResult out
+    from train import train, load_config     # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the model and its optimizers, then
@@ -61,7 +61,7 @@ class TrainResult:
     best_val_loss: float
     final_losses: dict[str, float]
     wall_time: float
-    checkpoint: Path | None  # last.pt (last.dcp, sharded, under FSDP), or None if none was saved
+    checkpoint: Path | None  # last.pt, or last.dcp under FSDP; None if no checkpoint was saved
     chat: bool = False  # whether it trained on conversations, to talk to with sample.py --chat
 
 
@@ -107,11 +107,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon on the blocks
         # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
-        # y = data[s+1:s+T+1], where T is the model's block_size (a base model's own); the
+        # y = data[s+1:s+T+1], where T is the model's block_size (a fine-tuned base's own); the
         # stream below draws with a seeded generator of its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
-                train_loss = (distributed.all_sum(loss_sum, dist).item()  # in one process, a copy
+                train_loss = (distributed.all_sum(loss_sum, dist).item()  # with one process, loss_sum itself
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
                     raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
@@ -199,8 +199,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # logs TensorBoard's scalars (the lr is learning_rate's) and "iter 10/1000: loss 3.1612,
-                # ..." (a terminal shows loss, tok_s and mfu on the progress bar); whole() gathers FSDP's norm
+                # logs TensorBoard's scalars (the lr logged is learning_rate's, scaled) and "iter 10/1000:
+                # loss 3.1612, ..." (on a terminal, the bar's loss, tok_s and mfu); whole() joins shards
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0

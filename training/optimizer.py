@@ -95,11 +95,10 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 
 class Muon(Uncompiled, torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on the matrices of one
-    shape together, and on each block of rows of a matrix that row_blocks divides. torch's
-    always runs in bf16, which most x86 CPUs emulate far slower than fp32, and takes one matrix
-    at a time, where a batched product takes all of one shape in fewer, larger steps. The rest
-    is torch's, so without row_blocks a step equals torch.optim.Muon's to rounding."""
+    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on all the matrices of
+    one shape in one batched product, and on each block of rows of a matrix that row_blocks
+    divides. torch's runs in bf16, which most x86 CPUs emulate far slower than fp32, one matrix
+    at a time. The rest is torch's, so without row_blocks a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -131,7 +130,7 @@ class Muon(Uncompiled, torch.optim.Muon):
                 orthogonal = by_shape(updates, blocks, newton_schulz)
             lr = group["lr"]
             for p, update, b in zip(params, orthogonal, blocks, strict=True):
-                # a tall block's entries are smaller, so the original rule raises its lr by sqrt(rows / cols)
+                # Muon's original rule: a tall block's entries are smaller, so its lr is sqrt(rows / cols) x
                 scale = math.sqrt(max(1.0, p.shape[0] / b / p.shape[1]))
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * scale)
@@ -150,8 +149,8 @@ class Muon(Uncompiled, torch.optim.Muon):
 
 def by_shape(matrices: list[torch.Tensor], blocks: list[int],
              fn: Callable[[torch.Tensor, int], torch.Tensor]) -> list[torch.Tensor]:
-    """fn(stack, blocks) of each matrix, computed once per shape and count of blocks on the stack
-    of those matrices (fn must treat the leading dimension as a batch), in the matrices' order."""
+    """fn(m, blocks) for each matrix m, in the matrices' order, computed in one call of fn on the
+    stack of all the matrices of one shape and count of blocks (fn treats dimension 0 as a batch)."""
     results: list[torch.Tensor | None] = [None] * len(matrices)
     shapes: dict[tuple[torch.Size, int], list[int]] = {}
     for i, key in enumerate(zip((m.shape for m in matrices), blocks, strict=True)):
