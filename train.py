@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
-                train_loss = (distributed.all_sum(loss_sum, dist).item()  # with one process, loss_sum itself
+                train_loss = (distributed.all_sum(loss_sum, dist).item()  # a copy in one process
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
                     raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
@@ -199,8 +199,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # logs TensorBoard's scalars (the lr logged is learning_rate's, scaled) and "iter 10/1000:
-                # loss 3.1612, ..." (on a terminal, the bar's loss, tok_s and mfu); whole() joins shards
+                # logs TensorBoard's scalars and "iter 10/1000: loss 3.1612, ..." (a terminal shows the
+                # figures on the bar); the lr is learning_rate's, and whole() gathers FSDP's sharded norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0

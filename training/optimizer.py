@@ -130,7 +130,7 @@ class Muon(Uncompiled, torch.optim.Muon):
                 orthogonal = by_shape(updates, blocks, newton_schulz)
             lr = group["lr"]
             for p, update, b in zip(params, orthogonal, blocks, strict=True):
-                # Muon's original rule: a tall block's entries are smaller, so its lr is sqrt(rows / cols) x
+                # a tall block has smaller entries, so the original rule scales its lr by sqrt(rows/cols)
                 scale = math.sqrt(max(1.0, p.shape[0] / b / p.shape[1]))
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * scale)
