@@ -8,8 +8,9 @@ Usage:
 A row's time is the median of 40 steps (forward, backward, clipping, both optimizers) after
 5 to warm up. The changes a row turns off are put back to what they replaced: the C kernels
 to PyTorch's operations (machine/cpu_kernels.py's own fallback), Newton-Schulz to one matrix
-at a time, and glibc's memory thresholds to their defaults (a process that never calls
-reuse_freed_memory).
+at a time, glibc's memory thresholds to their defaults (a process that never calls
+reuse_freed_memory), and the heap to 4 KB pages (reuse_freed_memory without
+heap_in_huge_pages).
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ from machine.errors import reported, run_command
 
 ROWS = [
     ("before: a 4x MLP, PyTorch's operations, Newton-Schulz one matrix at a time, malloc's "
-     "defaults", dict(n_inner=512, kernels=False, batched_ns=False, malloc=False)),
-    ("+ freed memory kept for reuse", dict(n_inner=512, kernels=False, batched_ns=False, malloc=True)),
+     "defaults", dict(n_inner=512, kernels=False, batched_ns=False, malloc=False, huge=False)),
+    ("+ freed memory kept for reuse",
+     dict(n_inner=512, kernels=False, batched_ns=False, malloc=True, huge=False)),
     ("+ Newton-Schulz on the matrices of one shape together",
-     dict(n_inner=512, kernels=False, batched_ns=True, malloc=True)),
+     dict(n_inner=512, kernels=False, batched_ns=True, malloc=True, huge=False)),
     ("+ the C kernels (RMSNorm, relu^2, the rotary rotation)",
-     dict(n_inner=512, kernels=True, batched_ns=True, malloc=True)),
-    ("+ an MLP 3x wide (n_inner = 384)", dict(n_inner=384, kernels=True, batched_ns=True, malloc=True)),
-    ("+ an MLP 2x wide (n_inner = 256): the quickstart now",
-     dict(n_inner=256, kernels=True, batched_ns=True, malloc=True)),
+     dict(n_inner=512, kernels=True, batched_ns=True, malloc=True, huge=False)),
+    ("+ an MLP 3x wide (n_inner = 384)",
+     dict(n_inner=384, kernels=True, batched_ns=True, malloc=True, huge=False)),
+    ("+ an MLP 2x wide (n_inner = 256)",
+     dict(n_inner=256, kernels=True, batched_ns=True, malloc=True, huge=False)),
+    ("+ the heap in 2 MB pages: the quickstart now",
+     dict(n_inner=256, kernels=True, batched_ns=True, malloc=True, huge=True)),
 ]
 
 
@@ -45,8 +50,10 @@ def time_step(settings: dict, dtype: str) -> float:
     import torch
 
     if settings["malloc"]:
-        from machine.device import reuse_freed_memory
-        reuse_freed_memory()
+        import machine.device
+        if not settings["huge"]:
+            machine.device.heap_in_huge_pages = lambda libc: None
+        machine.device.reuse_freed_memory()
     import machine.cpu_kernels
     import training.optimizer
     if not settings["kernels"]:

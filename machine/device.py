@@ -102,21 +102,47 @@ def check_compile(device: torch.device, instead: str) -> None:
                           f"{instead}, or install a C++ compiler (g++, or set CXX)") from None
 
 
-# glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# glibc's mallopt parameters (malloc.h) and Linux's madvise advice (sys/mman.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+MADV_HUGEPAGE = 14
 
 
 def reuse_freed_memory() -> None:
-    """Have glibc keep the memory of freed tensors for reuse. By default it gives a large
-    freed block back to the kernel, so each step's activations arrive as fresh pages, each a
-    page fault when first touched. Kept memory counts against ulimit -v, so where that is
-    set, and away from glibc, nothing changes."""
+    """Have glibc keep the memory of freed tensors for reuse, in 2 MB pages where Linux gives
+    them. By default glibc gives a large freed block back to the kernel, so each step's
+    activations arrive as fresh pages, each a page fault when first touched. Kept memory
+    counts against ulimit -v, so where that is set, and away from glibc, nothing changes."""
     try:
         import resource
         if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
             return
-        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+        libc = ctypes.CDLL(None)  # the C library this process already runs on
+        mallopt = libc.mallopt
     except (ImportError, OSError, AttributeError, TypeError):  # Windows, macOS, musl
         return
     mallopt(M_MMAP_THRESHOLD, 32 << 20)  # blocks this large or larger still come from mmap
     mallopt(M_TRIM_THRESHOLD, 1 << 30)  # the free memory the heap keeps before giving it back
+    heap_in_huge_pages(libc)
+
+
+def heap_in_huge_pages(libc: ctypes.CDLL) -> None:
+    """Grow glibc's heap by 1 GB of address space now, and ask Linux to back it with 2 MB
+    pages (transparent huge pages, which most systems give to a program that asks), so that
+    the tensors allocated later come in them. A step passes over its activations several
+    times, and over 4 KB pages those passes miss the CPU's cache of address translations (the
+    TLB) far more often; docs/performance.md has the measurement. Only the pages touched
+    take memory."""
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mallopt(M_TOP_PAD, 1 << 30)  # each time the heap grows, it grows 1 GB further
+    # a block just under the mmap threshold, which only new heap can hold, makes it grow now
+    libc.free(libc.malloc((32 << 20) - (1 << 16)))
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux
+        return
+    for line in maps.splitlines():
+        if line.endswith("[heap]"):
+            start, end = (int(address, 16) for address in line.split()[0].split("-"))
+            libc.madvise(start, end - start, MADV_HUGEPAGE)  # refused where the kernel has none

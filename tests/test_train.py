@@ -264,6 +264,26 @@ def test_mfu_is_a_percentage_after_a_damaged_peak_in_the_cache(char_data, tmp_pa
         assert mfu and all(0 <= m < 100 for m in mfu), result.stdout
 
 
+HEAP_PAGES = """
+import torch
+from machine.device import reuse_freed_memory
+reuse_freed_memory()
+tensors = [torch.ones(2 << 20) for _ in range(16)]  # 8 MB each, under the mmap threshold: on the heap
+print(next(line for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages")))
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="this kernel gives no transparent huge pages")
+def test_a_training_process_allocates_its_tensors_in_huge_pages():
+    # a fresh interpreter, because the forked commands share their server's heap
+    result = subprocess.run([sys.executable, "-c", HEAP_PAGES], capture_output=True, text=True,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[1]) >= 64 << 10, result.stdout  # kB: most of the 128 MB
+
+
 def test_a_config_path_that_is_no_toml_file_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError, match=f"config {tmp_path} is a folder; give a TOML file"):
         load_config(tmp_path)
