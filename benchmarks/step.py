@@ -9,8 +9,7 @@ A row's time is the median of 40 steps (forward, backward, clipping, both optimi
 5 to warm up. The changes a row turns off are put back to what they replaced: the C kernels
 to PyTorch's operations (machine/cpu_kernels.py's own fallback), Newton-Schulz to one matrix
 at a time, glibc's memory thresholds to their defaults (a process that never calls
-reuse_freed_memory), and the heap to 4 KB pages (reuse_freed_memory without
-heap_in_huge_pages).
+reuse_freed_memory), and the heap to 4 KB pages (reuse_freed_memory(huge_pages=False)).
 """
 
 from __future__ import annotations
@@ -50,10 +49,8 @@ def time_step(settings: dict, dtype: str) -> float:
     import torch
 
     if settings["malloc"]:
-        import machine.device
-        if not settings["huge"]:
-            machine.device.heap_in_huge_pages = lambda libc: None
-        machine.device.reuse_freed_memory()
+        from machine.device import reuse_freed_memory
+        reuse_freed_memory(huge_pages=settings["huge"])
     import machine.cpu_kernels
     import training.optimizer
     if not settings["kernels"]:

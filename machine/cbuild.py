@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine.device import cpu_identity
+from machine.device import cpu_flags
 from machine.errors import UserError
 from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 
@@ -62,9 +62,10 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
     attempts = {"": [*base, *arch, "-fopenmp"],
                 f"without -march={march}": [*base, "-fopenmp"],
                 f"without -march={march} or OpenMP (one thread)": base}
-    # the key includes the CPU, because -march=native builds for this one and a cache
-    # folder may be shared between machines
-    key = hashlib.sha256(" ".join([cc, *attempts[""], cpu_identity()]).encode()
+    # the key includes the CPU's architecture and flags, because -march=native builds for
+    # this one and a cache folder may be shared between machines
+    cpu = f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
+    key = hashlib.sha256(" ".join([cc, *attempts[""], cpu]).encode()
                          + source.read_bytes()).hexdigest()[:16]
     out = cache_dir() / source.stem / f"{key}.so"
     note = out.with_suffix(".note")  # what a fallback build lacks, kept beside it

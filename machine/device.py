@@ -42,11 +42,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def cpu_identity() -> str:
-    """The CPU's architecture and feature flags, which decide what `-march=native` builds for."""
-    return f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
-
-
 def cpu_name() -> str:
     """The CPU's model name and the flags that decide its speed here (AVX-512, native bf16,
     AMX), for a figure's label, because the machines we measure on differ in exactly these."""
@@ -92,8 +87,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def check_compile(device: torch.device, instead: str) -> None:
     """Compile and run a two-op function on `device` now, so that a torch.compile that cannot
     work here (no C++ compiler for inductor's CPU kernels, or one that fails) is one line
-    before the work, not a long traceback at the first step. The first call builds a kernel,
-    which inductor caches."""
+    before the work, not a long traceback at the first step."""
     try:
         torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(8, device=device))
     except Exception as e:  # InvalidCxxCompiler or a failed build, wrapped by dynamo
@@ -103,46 +97,31 @@ def check_compile(device: torch.device, instead: str) -> None:
 
 
 # glibc's mallopt parameters (malloc.h) and Linux's madvise advice (sys/mman.h)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-MADV_HUGEPAGE = 14
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, MADV_HUGEPAGE = -1, -2, -3, 14
 
 
-def reuse_freed_memory() -> None:
-    """Have glibc keep the memory of freed tensors for reuse, in 2 MB pages where Linux gives
-    them. By default glibc gives a large freed block back to the kernel, so each step's
-    activations arrive as fresh pages, each a page fault when first touched. Kept memory
+def reuse_freed_memory(huge_pages: bool = True) -> None:
+    """Have glibc keep freed tensors' memory for reuse (by default each step's activations
+    arrive as fresh pages, each a page fault), with huge_pages in 2 MB pages where Linux gives
+    them, because a step passes over its activations several times, and over 4 KB pages it
+    misses the CPU's cache of address translations (the TLB) far more often. Kept memory
     counts against ulimit -v, so where that is set, and away from glibc, nothing changes."""
     try:
         import resource
         if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
             return
         libc = ctypes.CDLL(None)  # the C library this process already runs on
-        mallopt = libc.mallopt
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # blocks this large or larger still come from mmap
     except (ImportError, OSError, AttributeError, TypeError):  # Windows, macOS, musl
         return
-    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # blocks this large or larger still come from mmap
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)  # the free memory the heap keeps before giving it back
-    heap_in_huge_pages(libc)
-
-
-def heap_in_huge_pages(libc: ctypes.CDLL) -> None:
-    """Grow glibc's heap by 1 GB of address space now, and ask Linux to back it with 2 MB
-    pages (transparent huge pages, which most systems give to a program that asks), so that
-    the tensors allocated later come in them. A step passes over its activations several
-    times, and over 4 KB pages those passes miss the CPU's cache of address translations (the
-    TLB) far more often; docs/performance.md has the measurement. Only the pages touched
-    take memory."""
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mallopt(M_TOP_PAD, 1 << 30)  # each time the heap grows, it grows 1 GB further
-    # a block just under the mmap threshold, which only new heap can hold, makes it grow now
-    libc.free(libc.malloc((32 << 20) - (1 << 16)))
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # the free memory the heap keeps before giving it back
+    if not huge_pages:
         return
-    for line in maps.splitlines():
+    # the heap grows by 1 GB of address space now (only touched pages take memory), and Linux
+    # is asked to back it with 2 MB pages, which it refuses, harmlessly, where it has none
+    libc.mallopt(M_TOP_PAD, 1 << 30)
+    torch.empty(31 << 20, dtype=torch.uint8)  # a block that only new heap holds, freed at once
+    for line in Path("/proc/self/maps").read_text().splitlines():
         if line.endswith("[heap]"):
             start, end = (int(address, 16) for address in line.split()[0].split("-"))
-            libc.madvise(start, end - start, MADV_HUGEPAGE)  # refused where the kernel has none
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)

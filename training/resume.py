@@ -23,7 +23,8 @@ from model import GPT
 from training import distributed
 from training.checkpoints import SHARDED
 from training.config import ConfigError, TrainConfig
-from weights.checkpoint import CheckpointError, TrainState, load_checkpoint, state_dict_mismatch
+from weights.checkpoint import CheckpointError, TrainState, load_checkpoint
+from weights.lazy import state_dict_mismatch
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:

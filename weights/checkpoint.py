@@ -207,22 +207,3 @@ def unwrap_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     """Strip the '_orig_mod.' prefix that a torch.compile'd module puts on every name."""
     prefix = "_orig_mod."
     return {k.removeprefix(prefix): v for k, v in state_dict.items()}
-
-
-def state_dict_mismatch(expected: dict[str, torch.Tensor], found: dict[str, Any],
-                        shape_source: str) -> str | None:
-    """Why `found` cannot load into a model whose state_dict is `expected` (names missing or
-    unexpected, or the first wrong shape), in a few words; None if it can."""
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    wrong = [k for k in expected
-             if k in found and getattr(found[k], "shape", None) != expected[k].shape]
-    if missing:
-        return f"missing {', '.join(missing[:3])}"
-    if unexpected:
-        return f"unexpected {', '.join(unexpected[:3])}"
-    if wrong:
-        shape = getattr(found[wrong[0]], "shape", None)
-        return (f"{wrong[0]} is {tuple(shape) if shape is not None else 'not a tensor'} but "
-                f"{shape_source} implies {tuple(expected[wrong[0]].shape)}")
-    return None

@@ -19,9 +19,8 @@ import torch
 from safetensors.torch import save
 
 from model import GPT, SWITCH_DEFAULTS, GPTConfig
-from weights.checkpoint import state_dict_mismatch
 from weights.hf import FolderError, read_config, read_weights, write_folder
-from weights.lazy import Lazy, build, cropped, expected
+from weights.lazy import Lazy, build, cropped, expected, state_dict_mismatch
 
 # Conv1D weights in GPT-2 are (in_features, out_features), so they are transposed for nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

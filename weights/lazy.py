@@ -7,6 +7,7 @@ Usage:
     model = build(config, state, "config.json")    # a plain GPT, every tensor read
     config, state = cropped(config, state, 256)     # a shorter context
     config, state = grown(config, state, 50260)     # room for the chat tokens
+    state_dict_mismatch(expected(config), state, "config.json")   # None, or what does not fit
 
 A model sharded across processes (training under FSDP) reads its base this way: each
 process reads one tensor at a time and keeps its own rows of it, so none ever holds the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,6 +51,25 @@ def expected(config: GPTConfig) -> dict[str, torch.Tensor]:
     except RuntimeError as e:  # "Storage size calculation overflowed"
         raise ValueError(f"a model of this shape has a tensor too large for any machine "
                          f"({str(e).splitlines()[0]})") from None
+
+
+def state_dict_mismatch(expected: dict[str, torch.Tensor], found: dict[str, Any],
+                        shape_source: str) -> str | None:
+    """Why `found` cannot load into a model whose state_dict is `expected` (names missing or
+    unexpected, or the first wrong shape), in a few words; None if it can."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [k for k in expected
+             if k in found and getattr(found[k], "shape", None) != expected[k].shape]
+    if missing:
+        return f"missing {', '.join(missing[:3])}"
+    if unexpected:
+        return f"unexpected {', '.join(unexpected[:3])}"
+    if wrong:
+        shape = getattr(found[wrong[0]], "shape", None)
+        return (f"{wrong[0]} is {tuple(shape) if shape is not None else 'not a tensor'} but "
+                f"{shape_source} implies {tuple(expected[wrong[0]].shape)}")
+    return None
 
 
 def build(config: GPTConfig, state: dict[str, Lazy]) -> GPT:

@@ -29,12 +29,11 @@ from weights.checkpoint import (
     CheckpointError,
     load_checkpoint,
     sharded_hint,
-    state_dict_mismatch,
     unwrap_state_dict,
 )
 from weights.hf import FolderError, model_type
 from weights.hub import local_folder
-from weights.lazy import Lazy, build, cropped, expected, grown, mapped
+from weights.lazy import Lazy, build, cropped, expected, grown, mapped, state_dict_mismatch
 from weights.quantize import cast_weights, check_weight_dtype
 
 

@@ -36,9 +36,8 @@ import torch
 from safetensors.torch import save
 
 from model import GPT, GPTConfig
-from weights.checkpoint import state_dict_mismatch
 from weights.hf import FolderError, read_config, read_weights, write_folder
-from weights.lazy import Lazy, build, cropped, expected
+from weights.lazy import Lazy, build, cropped, expected, state_dict_mismatch
 
 # what a NanoChat model always is, in model.py's switches
 LAYOUT = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", bias=False,
