@@ -244,7 +244,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids, and with targets the mean cross-entropy of the targets not -1.
+        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over those not -1.
         kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
         input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
             by default) or (B, T) with each row's own; with a cache, the caller advances them.

@@ -107,12 +107,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon on the blocks
+        # Muon on the blocks' matrices; AdamW on the rest (in the quickstart, the head, and the
+        # token table at embedding_lr)
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
-        # y = data[s+1:s+T+1], where T is the model's block_size (a fine-tuned base's own); the
-        # stream below draws with a seeded generator of its own
+        # y = data[s+1:s+T+1], where T is the model's block_size (for a fine-tuned base, the
+        # base's own); the stream below draws with a seeded generator of its own
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -174,7 +176,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
                 loss = loss / accum_steps  # the step's mean over its micro-batches
-                x, y = batches.next()  # drawn while a GPU works on the forward pass
+                # the next batch, drawn while a GPU still works; backward() uses the graph built above
+                x, y = batches.next()
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             for opt in optimizers:
@@ -191,7 +194,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
-                train_loss = (distributed.all_sum(loss_sum, dist).item()  # a copy in one process
+                train_loss = (distributed.all_sum(loss_sum, dist).item()  # summed over processes
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
                     raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
@@ -199,8 +202,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # logs TensorBoard's scalars and "iter 10/1000: loss 3.1612, ..." (a terminal shows the
-                # figures on the bar); the lr is learning_rate's, and whole() gathers FSDP's sharded norm
+                # TensorBoard gets the loss, lr (learning_rate's), grad norm, tokens/s and MFU; a
+                # terminal's progress bar shows the loss, tokens/s and MFU, and any other output
+                # gets a line "iter 10/1000: loss 3.1612, 41,000 tokens/s, MFU 35.2%, 00:50 left";
+                # whole() gathers FSDP's sharded norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -213,14 +218,17 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 losses = evaluate(iter_num)
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
+            # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun the processes
+            # agree on it only at log points)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
                 # writes last.pt (and best.pt, when this is the best val loss so far), which holds the
-                # weights, the optimizers and the random generators and batches, to resume to the bit
+                # weights, the optimizers and the random generators, to resume to the bit; the batch
+                # stream's state is from before it drew the next batch, which a resumed run draws again
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)
-                save(run, state, raw_model, optimizers, dist, is_best)
+                save(run, state, raw_model, optimizers, dist, is_best)  # FSDP saves from these, sharded
             t_log += time.perf_counter() - paused
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "

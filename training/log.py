@@ -93,8 +93,8 @@ class RunLog:
 
     def point(self, it: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
               mfu: float) -> None:
-        """Log the steps since the last point as TensorBoard's scalars and as one line, which
-        a terminal shows as the progress bar's postfix."""
+        """Log the steps since the last point as TensorBoard's scalars, and show them: on a
+        terminal, the loss, tokens/s and MFU on the progress bar; elsewhere, as one line."""
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), ("train/lr", lr),

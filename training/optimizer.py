@@ -7,11 +7,11 @@ Usage:
 Two recipes, chosen by TrainConfig.optimizer:
 - "adamw", GPT-2's: AdamW on every parameter at learning_rate.
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
-  inside the blocks, and AdamW at learning_rate on the rest (the embeddings, the head, the
-  biases and the norms' gains), except an untied token table, which takes embedding_lr.
-  Muon orthogonalizes each matrix's momentum, so that every direction of the update moves
-  at the same rate. That suits the hidden matrices and not the embeddings, whose rows are
-  looked up one at a time.
+  inside the blocks, and AdamW on the rest: an untied token table at embedding_lr, and the
+  head and any position table, biases and norm gains at learning_rate (the quickstart has
+  none of the last three). Muon orthogonalizes each matrix's momentum, so that every
+  direction of the update moves at the same rate. That suits the hidden matrices and not
+  the embeddings, whose rows are looked up one at a time.
 
 Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
 biases and gains, which a pull towards zero only hurts, nor to an untied token table (see
@@ -97,8 +97,9 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on all the matrices of
     one shape in one batched product, and on each block of rows of a matrix that row_blocks
-    divides. torch's runs in bf16, which most x86 CPUs emulate far slower than fp32, one matrix
-    at a time. The rest is torch's, so without row_blocks a step equals torch.optim.Muon's to rounding."""
+    divides. torch's own Muon runs the iteration in bf16, which most x86 CPUs emulate far more
+    slowly than fp32, and on one matrix at a time. The rest is torch's, so without row_blocks
+    a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -137,8 +138,8 @@ class Muon(Uncompiled, torch.optim.Muon):
         return loss
 
     def blended(self, p: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
-        """Move p's momentum buffer towards its gradient and return the update: the buffer, or
-        with Nesterov momentum the gradient moved towards the buffer."""
+        """Move p's momentum buffer towards its gradient, buf = m buf + (1 - m) g, and return
+        the update: buf, or with Nesterov momentum (1 - m) g + m buf."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
