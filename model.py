@@ -46,9 +46,9 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension: torch's fused kernel on a GPU, and
-    elsewhere the same with its gradient written out (machine/cpu_kernels.py), which gives
-    the plain operations' values and gradients, as tests/test_model.py checks."""
+    """x / sqrt(mean(x^2) + eps) over the last dimension. On a GPU this is torch's fused kernel;
+    elsewhere it is a hand-written forward and backward (machine/cpu_kernels.py), which gives
+    the plain formula's values and gradients, as tests/test_model.py checks."""
     return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
 
 
@@ -58,7 +58,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx, self.dropout = layer_idx, config.dropout
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        # queries, keys and values from one matmul; with GQA, keys and values have fewer heads
+        # q, k and v from one matmul; under GQA, k and v have fewer heads (n_kv_head, never 0 here)
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -124,12 +124,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
     its token's angle (rope_tables' rows), so that the dot product of a query and a key depends
     on how far apart their tokens are, not on where they are."""
-    if can_rotate(x, cos, sin):  # the same, and its gradient, in one pass in C (machine/cpu_kernels.py)
+    if can_rotate(x, cos, sin):  # on a CPU, a C kernel turns them, and back, in one pass (cpu_kernels.py)
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
     y2 = x1 * sin + x2 * cos  # [y2] = [sin   cos] [x2]
-    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # back to x's dtype, which the fp32 tables raised
+    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # the fp32 tables made the products fp32, so cast back
 
 
 class MLP(nn.Module):
@@ -142,7 +142,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        # relu(h)^2 with its gradient written out (machine/cpu_kernels.py), or GPT-2's GELU
+        # relu(h)^2 with a hand-written backward (machine/cpu_kernels.py), or GPT-2's tanh GELU
         h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
 
@@ -190,7 +190,7 @@ class GPTConfig:
     rope_theta: float = switch(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
-        check_config(self)
+        check_config(self)  # which also turns n_kv_head 0 into n_head
 
     @property
     def mlp_hidden(self) -> int:
@@ -244,7 +244,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over those not -1.
+        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
+        targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
         kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
         input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
             by default) or (B, T) with each row's own; with a cache, the caller advances them.
@@ -384,7 +385,6 @@ def check_config(config: GPTConfig) -> None:
 # the switches of the layout (the other fields are the shape), at GPT-2's values
 SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
     "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap", "norm_eps")}
-
 # the named layouts: GPT-2's; the modern one (RoPE, RMSNorm, QK norm, relu^2, an untied head); nanochat's
 MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
 LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {

@@ -175,14 +175,15 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
-                loss = loss / accum_steps  # the step's mean over its micro-batches
+                loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
                 # the next batch, drawn while a GPU still works; backward() uses the graph built above
                 x, y = batches.next()
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             for opt in optimizers:
                 scaler.unscale_(opt)  # so that clipping sees the true gradients
-            # grad_clip 0 clips at inf, which measures the norm for the log and changes nothing
+            # one norm over every parameter (Muon's orthogonalization then undoes most of the
+            # scaling of its matrices); grad_clip 0 clips at inf, which only measures the norm
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)
@@ -202,10 +203,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard gets the loss, lr (learning_rate's), grad norm, tokens/s and MFU; a
-                # terminal's progress bar shows the loss, tokens/s and MFU, and any other output
-                # gets a line "iter 10/1000: loss 3.1612, 41,000 tokens/s, MFU 35.2%, 00:50 left";
-                # whole() gathers FSDP's sharded norm
+                # TensorBoard gets the loss, AdamW's lr (learning_rate times the schedule; Muon's
+                # follows it from muon_lr), the grad norm, tokens/s and MFU. A terminal's progress
+                # bar shows the loss, tokens/s and MFU, and other output gets a line "iter 10/1000:
+                # loss 3.1612, 41,000 tokens/s, MFU 35.2%, 00:50 left". whole() gathers FSDP's norm.
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -223,8 +224,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
                 # writes last.pt (and best.pt, when this is the best val loss so far), which holds the
-                # weights, the optimizers and the random generators, to resume to the bit; the batch
-                # stream's state is from before it drew the next batch, which a resumed run draws again
+                # weights, the optimizers and the random generators, to resume to the bit. The next
+                # step's batch is drawn already; the checkpoint holds the batch generator's state from
+                # just before that draw, so a resumed run draws the same batch again
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)
@@ -240,8 +242,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
 
 def get_lr_scale(it: int, cfg: TrainConfig) -> float:
-    """The learning rate at step `it` as a fraction of each group's peak: a linear warmup to
-    1, then a cosine decay to min_lr / learning_rate at lr_decay_iters (default max_iters)."""
+    """The multiplier of every group's peak lr at step `it`: a linear warmup to 1, then a
+    cosine down to min_lr / learning_rate at lr_decay_iters (0 means max_iters)."""
     if not cfg.decay_lr:
         return 1.0
     if it < cfg.warmup_iters:

@@ -9,7 +9,7 @@ Two recipes, chosen by TrainConfig.optimizer:
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
   inside the blocks, and AdamW on the rest: an untied token table at embedding_lr, and the
   head and any position table, biases and norm gains at learning_rate (the quickstart has
-  none of the last three). Muon orthogonalizes each matrix's momentum, so that every
+  none of the last three). Muon orthogonalizes each matrix's smoothed gradient, so that every
   direction of the update moves at the same rate. That suits the hidden matrices and not
   the embeddings, whose rows are looked up one at a time.
 
@@ -96,8 +96,8 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on all the matrices of
-    one shape in one batched product, and on each block of rows of a matrix that row_blocks
-    divides. torch's own Muon runs the iteration in bf16, which most x86 CPUs emulate far more
+    one shape in one batched product, and for a matrix in row_blocks, on each of its equal
+    blocks of rows apart. torch's own Muon runs the iteration in bf16, which most x86 CPUs emulate far more
     slowly than fp32, and on one matrix at a time. The rest is torch's, so without row_blocks
     a step equals torch.optim.Muon's to rounding."""
 
@@ -131,7 +131,8 @@ class Muon(Uncompiled, torch.optim.Muon):
                 orthogonal = by_shape(updates, blocks, newton_schulz)
             lr = group["lr"]
             for p, update, b in zip(params, orthogonal, blocks, strict=True):
-                # a tall block has smaller entries, so the original rule scales its lr by sqrt(rows/cols)
+                # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr
+                # is scaled by sqrt(rows/cols)
                 scale = math.sqrt(max(1.0, p.shape[0] / b / p.shape[1]))
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * scale)
