@@ -34,8 +34,8 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and no bias or gain (a gain
-    before a Linear would only rescale its columns, which the Linear can learn by itself)."""
+    """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and, as in nanochat, no bias
+    or gain (where a Linear follows, a gain would only rescale its inputs, as it can itself)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -58,7 +58,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx, self.dropout = layer_idx, config.dropout
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        # q, k and v from one matmul; under GQA, k and v have fewer heads (n_kv_head, never 0 here)
+        # q, k and v from one matmul; under GQA, k and v have fewer heads (check_config made 0 n_head)
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -142,7 +142,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        # relu(h)^2 with a hand-written backward (machine/cpu_kernels.py), or GPT-2's tanh GELU
+        # relu(h)^2 with a hand-written backward equal to the formula's (cpu_kernels.py), or GPT-2's GELU
         h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
 
@@ -264,7 +264,7 @@ class GPT(nn.Module):
         if self.config.embed_norm:
             x = rms_norm(x, self.config.norm_eps)
         rope = None  # no rotation, because the positions are learned or there are none
-        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2), for all heads
+        if self.config.pos_embedding == "rope":  # each token's angles, to broadcast over the heads
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         x = self.transformer.drop(x)
         for block in self.transformer.h:

@@ -107,8 +107,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
-        # Muon on the blocks' matrices; AdamW on the rest (in the quickstart, the head, and the
-        # token table at embedding_lr)
+        # Muon on the blocks' matrices: Nesterov momentum, made orthogonal (every direction moves
+        # at the same rate), at muon_lr; AdamW on the rest (the head; the token table at embedding_lr)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -167,7 +167,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         while iter_num < cfg.max_iters:
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:  # each group's peak is muon_lr, embedding_lr or learning_rate
+            for opt in optimizers:  # peak_lr is muon_lr, embedding_lr or learning_rate (configure_optimizers)
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
@@ -182,11 +182,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 loss_sum += loss.detach()
             for opt in optimizers:
                 scaler.unscale_(opt)  # so that clipping sees the true gradients
-            # one norm over every parameter (Muon's orthogonalization then undoes most of the
-            # scaling of its matrices); grad_clip 0 clips at inf, which only measures the norm
+            # one factor scales every gradient (Muon's update, made orthogonal, discards its size);
+            # grad_clip 0 clips at inf, which only measures the norm
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
-                scaler.step(opt)
+                scaler.step(opt)  # opt.step(), skipped under float16 where a gradient is inf or NaN
                 opt.zero_grad(set_to_none=True)
             scaler.update()
             iter_num += 1
@@ -203,10 +203,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard gets the loss, AdamW's lr (learning_rate times the schedule; Muon's
-                # follows it from muon_lr), the grad norm, tokens/s and MFU. A terminal's progress
-                # bar shows the loss, tokens/s and MFU, and other output gets a line "iter 10/1000:
-                # loss 3.1612, 41,000 tokens/s, MFU 35.2%, 00:50 left". whole() gathers FSDP's norm.
+                # TensorBoard gets the loss, the lr (learning_rate times the schedule; the other peaks
+                # follow the same schedule), the grad norm, tokens/s and MFU. A terminal's progress bar
+                # shows the loss, tokens/s and MFU; a file or a pipe gets a line "iter 10/1000: loss
+                # 3.1612, 41,000 tokens/s, MFU 35.2%, 00:50 left". whole() gathers FSDP's norm.
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -242,8 +242,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
 
 def get_lr_scale(it: int, cfg: TrainConfig) -> float:
-    """The multiplier of every group's peak lr at step `it`: a linear warmup to 1, then a
-    cosine down to min_lr / learning_rate at lr_decay_iters (0 means max_iters)."""
+    """The multiplier of every group's peak lr at step `it`: a linear rise over the first
+    warmup_iters steps, then a cosine from 1 down to min_lr / learning_rate at lr_decay_iters
+    (0 means max_iters), the same fraction for every group."""
     if not cfg.decay_lr:
         return 1.0
     if it < cfg.warmup_iters:
