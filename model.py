@@ -35,7 +35,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and, as in nanochat, no bias
-    or gain (where a Linear follows, a gain would only rescale its inputs, as it can itself)."""
+    or gain (before a Linear, a gain would only rescale inputs that the Linear can rescale)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -58,7 +58,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx, self.dropout = layer_idx, config.dropout
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        # q, k and v from one matmul; under GQA, k and v have fewer heads (check_config made 0 n_head)
+        # q, k and v from one matmul; under GQA, k and v have fewer heads (check_config turned 0 into n_head)
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -124,7 +124,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
     its token's angle (rope_tables' rows), so that the dot product of a query and a key depends
     on how far apart their tokens are, not on where they are."""
-    if can_rotate(x, cos, sin):  # on a CPU, a C kernel turns them, and back, in one pass (cpu_kernels.py)
+    if can_rotate(x, cos, sin):  # on a CPU, C does this and its gradient in one pass (cpu_kernels.py)
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]

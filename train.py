@@ -167,7 +167,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         while iter_num < cfg.max_iters:
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:  # peak_lr is muon_lr, embedding_lr or learning_rate (configure_optimizers)
+            for opt in optimizers:  # peak_lr, from configure_optimizers: muon_lr, embedding_lr, learning_rate
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
@@ -230,7 +230,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
                                  best_val_loss, losses["val"] if evaluated else math.nan,
                                  cfg.to_dict(), meta["tokenizer"], device)
-                save(run, state, raw_model, optimizers, dist, is_best)  # FSDP saves from these, sharded
+                save(run, state, raw_model, optimizers, dist, is_best)  # FSDP's processes save their shards
             t_log += time.perf_counter() - paused
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "

@@ -97,9 +97,9 @@ class AdamW(Uncompiled, torch.optim.AdamW):
 class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on all the matrices of
     one shape in one batched product, and for a matrix in row_blocks, on each of its equal
-    blocks of rows apart. torch's own Muon runs the iteration in bf16, which most x86 CPUs emulate far more
-    slowly than fp32, and on one matrix at a time. The rest is torch's, so without row_blocks
-    a step equals torch.optim.Muon's to rounding."""
+    blocks of rows apart. torch's own Muon runs the iteration in bf16, which most x86 CPUs
+    emulate far more slowly than fp32, and on one matrix at a time. The rest is torch's, so
+    without row_blocks a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
