@@ -12,8 +12,8 @@ for the modern one (weights/nanochat.py); a layout that neither can hold is refu
 line naming the switch. AutoModelForCausalLM and AutoTokenizer load the folder.
 
 --plain turns a run's sharded checkpoints (last.dcp and best.dcp, which training under FSDP
-writes) into plain ones beside them (last.pt, best.pt), which sample.py, evaluate.py,
-serve.py and this command read, streaming one tensor at a time (weights/sharded.py).
+writes) into plain ones beside them (last.pt, best.pt), one tensor at a time
+(weights/sharded.py), for sample.py, evaluate.py, serve.py and this command.
 """
 
 from __future__ import annotations

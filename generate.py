@@ -198,8 +198,8 @@ def check_decode(decode: str, name: str = "decode") -> None:
 
 
 class DecodeStep(Protocol):
-    """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at
-    window position input_pos (1,), or (B, 1) with a position per row (a server's batch), writes
+    """One cached decode step, and what it can do besides. A call takes (B, 1) token ids at the
+    window position input_pos, of shape (1,), or (B, 1) with one per row (a server's batch), writes
     their keys and values into the cache, and returns (B, 1, vocab_size) logits.
 
     name: what it is called in messages and measurements: "eager", "compiled" or "C step".
@@ -249,7 +249,7 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
     replayed as a CUDA graph (gpt-fast's "reduce-overhead"): one launch for the whole step
     rather than one per kernel, because launches are what bound a small model's decoding."""
     def step(idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor) -> torch.Tensor:
-        # The explicit attention path, because for a single query inductor fuses QK^T and AV
+        # It uses the explicit attention path, because for a single query inductor fuses QK^T and AV
         # with the softmax into its own loops, whereas SDPA stays a library call (and a slow
         # one in bf16 on CPUs without bf16 arithmetic).
         return model(idx, kv_cache=kv_cache, input_pos=input_pos, attention="explicit")[0]
@@ -300,7 +300,7 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
     if decode == "compile":
         check_compile(model.lm_head.weight.device, instead="choose another --decode")
         return compiled_step(model)
-    from cdecode import BuildError, CDecodeStep  # imported here because building it needs a C compiler
+    from cdecode import BuildError, CDecodeStep  # imported only here, where a C step is wanted
     if decode == "c":
         return CDecodeStep(model)
     weight = model.lm_head.weight

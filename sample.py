@@ -292,8 +292,8 @@ def main(
     (--benchmark). Context window: when the next token would not fit in block_size, the window
     jumps forward to keep the most recent block_size // 2 tokens, rebuilding the KV cache in
     one prefill; --no-kv-cache uses the same window, so both give the same text."""
-    # reported in one line: bad options, a model that cannot load, a C step that cannot
-    # build, a refused path
+    # each of these is reported in one line: bad options, a model that cannot load, a C step
+    # that cannot build, a refused path
     with reported(debug=debug):
         check_settings(dtype, temperature, top_k, top_p, seed, decode, kv_cache)
         device = str(resolve_device(device))  # a DeviceError names what to use instead

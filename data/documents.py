@@ -196,8 +196,8 @@ def stream_batches(item: Input, kind: str, field: str, batch_bytes: int) -> Iter
             except Exception as e:  # gzip, zlib and zstandard each have their own errors
                 raise DataError(f"{item.name} cannot be decompressed ({e}); the file is "
                                 f"damaged or not {item.suffix}: fetch it again") from None
-            if offset == 0 and not carry and block.startswith(BOM):  # a byte-order mark
-                block, offset = block[len(BOM):], len(BOM)  # (Windows tools write one)
+            if offset == 0 and not carry and block.startswith(BOM):  # drop a byte-order mark,
+                block, offset = block[len(BOM):], len(BOM)  # which Windows tools write
             if kind == "text":  # check before cutting, because a NUL may lie past the cut
                 refuse_binary(block, item.name, offset + len(carry))
             data = carry + block
@@ -289,7 +289,7 @@ def last_cut(data: bytes, breaks: tuple[bytes, ...]) -> int:
 
 
 # lone halves of a UTF-16 surrogate pair, which JSON may escape one at a time; alone they
-# are not a character, and no tokenizer can encode them
+# are not a character, and no tokenizer encodes them faithfully
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 

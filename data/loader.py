@@ -43,7 +43,7 @@ def load_meta(data_dir: str | Path) -> dict:
     again = f"prepare the dataset again (python -m data.prepare ... --out {data_dir})"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested too deep too
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
         raise DataError(f"{path} is not valid JSON; {again}") from None
     problem = record_problem(meta, META_FIELDS)
     if problem:
@@ -119,7 +119,7 @@ def stream_range(pieces: list[np.ndarray], start: int, stop: int) -> list[np.nda
 def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> Tokens:
     """Token ids of one split, memory-mapped: nothing is read until a batch needs it."""
     meta = meta or load_meta(data_dir)
-    if "shards" not in meta:  # the format before shards: train.bin and val.bin
+    if "shards" not in meta:  # the unsharded format: train.bin and val.bin
         legacy = {"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}
         pieces = open_shards(data_dir, {**meta, "shards": [legacy]})
         return Tokens(pieces, meta["vocab_size"], str(data_dir), split)

@@ -247,7 +247,7 @@ def write_stream(out: Path, state: dict, run: Callable) -> None:
                 if writer.room() == 0:
                     position += commit(out, state, writer, documents, [b, cut])
             resume = [b + 1, 0]
-        commit(out, state, writer, documents, resume)  # the last shard, shorter
+        commit(out, state, writer, documents, resume)  # the last shard, which may be shorter
     except BaseException:
         writer.discard()
         raise
@@ -411,7 +411,7 @@ def main(
     for signum in (signal.SIGTERM, signal.SIGHUP):  # answered as Ctrl-C is
         signal.signal(signum, stop)
     try:
-        # one line for an OSError (a path the file system refuses) or a WorkerDied (resumable)
+        # reported() prints one line for an OSError (a path the file system refuses) or a WorkerDied
         with reported():
             inputs, source, out = corpus([*(paths or []), *(input or [])], tokenizer,
                                          vocab_size, out, chat)

@@ -28,7 +28,7 @@ from machine.files import record_problem
 class Tokenizer(Protocol):
     vocab_size: int
     eot_token: int | None  # end-of-text id, if the vocabulary has one
-    specials: dict[str, int]  # special token -> id: ids that only rendering gives, never text
+    specials: dict[str, int]  # special token -> id; only rendering gives these ids, never text
 
     def encode(self, text: str) -> list[int]: ...
     def encode_array(self, text: str) -> np.ndarray: ...

@@ -31,7 +31,7 @@ from data.sources import DataError
 from data.tokenizer import load_tokenizer
 from machine.errors import UserError
 
-CHAR_SEPARATOR = "\n\n"  # between two documents for the char tokenizer (GPT-2 uses <|endoftext|>)
+CHAR_SEPARATOR = "\n\n"  # separates documents where the tokenizer has no end-of-text token (the char one)
 
 worker: dict[str, Any] = {}
 PR_SET_PDEATHSIG = 1  # from Linux's <sys/prctl.h>
@@ -140,7 +140,7 @@ def tokenize_conversations(batch: Batch) -> tuple[np.ndarray, np.ndarray, int]:
                 raise ValueError(f"it has no {batch.field!r} field (name the conversations' "
                                  f"field with --text-field)")
             ids, _ = render_conversation(tokenizer, check_conversation(messages))
-        except (DataError, ValueError) as e:  # the JSON, a ConversationError, the encoding
+        except (DataError, ValueError) as e:  # bad JSON, a bad conversation, or text that cannot be encoded
             if not batch.skip_bad:
                 problem = str(e) if isinstance(e, DataError) else f"{where}: {e}; fix it"
                 raise DataError(f"{problem}, or add --skip-bad to leave out such "

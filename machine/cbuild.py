@@ -6,7 +6,7 @@ Usage:
                         instead="choose --decode eager")
 
 The C compiler (`cc`, or $CC) builds a file once for this CPU (-march=native) and with
-OpenMP where it can, into $GPTLAB_CACHE/<the file's name>/ (default ~/.cache/gptlab), with
+OpenMP where it can, into $GPTLAB_CACHE/<the file's stem>/ (default ~/.cache/gptlab), with
 its sha256 beside it, so a damaged copy is built again. A build that had to leave out -march
 or OpenMP says so on stderr each time it is loaded. PyTorch ships its own OpenMP runtime
 under the same name as the system's, so a library built here shares PyTorch's threads.
@@ -73,7 +73,7 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
         # a library damaged in the cache (a copy cut short) can crash the process that
         # loads it (SIGBUS), so it is checked against the digest written when it was built
         if not intact(out):
-            if sys.stderr.isatty():  # compiling takes a moment: say so to a watcher
+            if sys.stderr.isatty():  # compiling takes a moment, so tell a watcher
                 print(f"building {what} with {cc} (once: it is kept in {out.parent})",
                       file=sys.stderr, flush=True)
             compile_library(cc, source, attempts, out, note, what)
@@ -109,7 +109,7 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
             raise BuildError(f"{cc} could not build {source.name}: {last_line}")
         if lacks:
             write_bytes_atomic(note, lacks.encode())
-        # whole or not at all, so a concurrent build never loads half a library
+        # written whole or not at all, so that another process never loads half a library
         library = tmp_out.read_bytes()
         write_bytes_atomic(out, library)
         write_bytes_atomic(out.with_suffix(".sha256"), hashlib.sha256(library).hexdigest().encode())

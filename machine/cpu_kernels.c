@@ -1,8 +1,8 @@
-/* Three of the model's element-wise operations, forward and backward, each in one pass over
- * its tensors, for training on a CPU in float32. machine/cpu_kernels.py says why they exist
- * and when they run; tests/test_model.py checks each against PyTorch's own operations. Every
- * tensor is float32 and, except for RMSNorm's input, contiguous. Loops over rows or elements
- * are shared among the threads of the OpenMP runtime that PyTorch itself uses. */
+/* Three of the model's row-wise and element-wise operations, forward and backward, each in
+ * one pass over its tensors, for training on a CPU in float32. machine/cpu_kernels.py says
+ * why they exist and when they run; tests/test_model.py checks each against PyTorch's own
+ * operations. Every tensor is float32 and, except for RMSNorm's input, contiguous. Loops over
+ * rows or elements are shared among the threads of the OpenMP runtime that PyTorch uses. */
 #include <math.h>
 #include <stdint.h>
 
@@ -42,7 +42,7 @@ void rms_norm_backward(const float *g, const float *y, const float *r, float *dx
     }
 }
 
-/* relu(h)^2, and its gradient 2 relu(h) g. */
+/* These compute relu(h)^2 and its gradient, 2 relu(h) g. */
 void relu_square_forward(const float *h, float *out, int64_t n) {
     #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -59,7 +59,7 @@ void relu_square_backward(const float *h, const float *g, float *dh, int64_t n) 
     }
 }
 
-/* Rotary positions: x holds one row per token, each of `heads` heads of size 2 half, the T
+/* Rotary positions: x holds one row per token, of `heads` heads of 2 * half floats each, the T
  * tokens of each sequence in order, one sequence after another. Each pair (x_i, x_{i + half})
  * of a head turns by its token's angle: y_i = x_i cos - x_{i + half} sin and
  * y_{i + half} = x_i sin + x_{i + half} cos, where cos and sin are the (T, half) tables' row

@@ -80,7 +80,7 @@ class RMSNormFunction(torch.autograd.Function):
             lib.rms_norm_forward(x.data_ptr(), y.data_ptr(), r.data_ptr(), r.numel(), *groups,
                                  x.size(-1), eps)
         else:
-            xf = x.float()  # fp32 under bf16 autocast too, as F.rms_norm computes it
+            xf = x.float()  # computed in fp32 even under bf16 autocast, as F.rms_norm does
             r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., 1)
             y = xf * r
         ctx.save_for_backward(y, r)

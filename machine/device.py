@@ -112,7 +112,7 @@ def reuse_freed_memory(huge_pages: bool = True) -> None:
             return
         libc = ctypes.CDLL(None)  # the C library this process already runs on
         libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # blocks this large or larger still come from mmap
-    except (ImportError, OSError, AttributeError, TypeError):  # Windows, macOS, musl
+    except (ImportError, OSError, AttributeError, TypeError):  # Windows has no resource, macOS no mallopt
         return
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # the free memory the heap keeps before giving it back
     if not huge_pages:

@@ -91,7 +91,7 @@ def run_command(main: Callable[..., object] | click.Command) -> None:
     except aborts:  # Ctrl-C before the command set up its own handling
         raise SystemExit(130) from None
     except OSError as e:
-        # the output failed (a full or failing disk); an error naming a file is its writer's
+        # the output failed (a full or failing disk); an error that names a file is its writer's to report
         if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EIO, errno.EPIPE) or e.filename:
             raise
         # the interpreter flushes stdout once more as it exits, so send that write nowhere

@@ -9,10 +9,10 @@ Usage:
     probe_writable(run_dir)                # OSError now rather than after an hour
     held = lock_folder(out, ".lock")       # None while another live process holds it
 
-Every file this project writes for later use (checkpoints, prepared bins, exports, fetched
-and built files in the cache) goes through atomic_write: a temporary file in the same
-folder, fsynced, renamed over the target, and the folder fsynced so the rename itself
-survives a power cut. A crash at any moment leaves the old file or the new one, whole.
+Every file this project writes for later use (plain checkpoints, exports, fetched and built
+files in the cache) goes through atomic_write, and a prepared shard is written alike: a
+temporary file in the same folder, fsynced, renamed over the target, and the folder fsynced
+so the rename survives a power cut. A crash at any moment leaves the old file or the new one.
 """
 
 from __future__ import annotations

@@ -71,11 +71,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 def cached_peaks(path: Path) -> dict[str, float]:
     """The figures in the cache file that a machine can have measured, 10^6 to 10^18 FLOP/s.
-    A file that is not a JSON object, and a figure that is not one (zero, negative, NaN, text),
+    A file that is not a JSON object, and a figure outside that range (zero, negative, NaN, text),
     which would make MFU negative or astronomical, are measured again and written over."""
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON
+    except (OSError, ValueError, RecursionError):  # the file is missing, not UTF-8, or not JSON
         return {}
     return {key: float(value) for key, value in known.items() if type(value) in (int, float)
             and 1e6 <= value <= 1e18} if isinstance(known, dict) else {}

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from machine.errors import InputError
 from model import GPT
 
-LOGITS_BYTES = 256 * 2**20  # a batch's logits in float32, at most: the rest of a batch waits
+LOGITS_BYTES = 256 * 2**20  # the most float32 logits one batch may hold; the other sequences wait
 
 
 @dataclass

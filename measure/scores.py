@@ -59,7 +59,7 @@ def windows(n_tokens: int, block_size: int, stride: int) -> Iterator[tuple[int, 
 
 def check_stride(stride: int | None, block_size: int) -> int:
     """The stride to use: block_size // 2 by default; refuse one that leaves tokens unscored."""
-    if block_size < 2:  # a window predicts each token after its first, so here none
+    if block_size < 2:  # a window predicts each token after its first, so a window of one predicts none
         raise InputError(f"this model's block_size is {block_size}, and a window must hold a "
                          f"token and the one it predicts; evaluate.py scores models with "
                          f"block_size 2 or more")
@@ -73,8 +73,8 @@ def check_stride(stride: int | None, block_size: int) -> int:
 
 def default_batch_size(config: GPTConfig, stride: int, logits_mb: int = 256) -> int:
     """Windows per forward pass: as many as keep a batch's scored logits (stride positions
-    by vocabulary, in float32) under logits_mb, up to 16, beyond which a CPU gains nothing
-    (docs/quality.md). That is 16 for a character model and 2 for GPT-2's 50,257-way logits."""
+    by vocabulary, in float32) under logits_mb, and at most 16, beyond which a CPU gains
+    nothing (docs/quality.md has the measurements behind both limits)."""
     window_mb = logits_bytes(1, stride, config.vocab_size) / 2**20
     return max(1, min(16, int(logits_mb / window_mb)))
 

@@ -107,7 +107,7 @@ class BaseRequest(BaseModel):
     model_config = STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: only the prompt's logprobs
+    max_tokens: int | None = Field(None, ge=0)  # 0, with echo, asks for the prompt's logprobs alone
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)

@@ -8,8 +8,8 @@ Usage:
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events
 with "stream": true), GET /v1/models; vLLM's POST /tokenize and /detokenize and GET
 /tokenizer_info, which lm-eval's remote tokenizer reads; GET /health and /metrics
-(Prometheus's text format); and / (serving/chat.html). Every error is a 4xx in OpenAI's
-shape (serving/api.py), never a traceback, on every route: bad JSON and bad fields 400, a
+(Prometheus's text format); and / (serving/chat.html). Every error comes in OpenAI's shape
+(serving/api.py), never a traceback, on every route: bad JSON and bad fields 400, a
 wrong or missing key 401 (with --api-key, on every route but OPEN), an unknown model 404, a
 body over 1 MB 413, a full queue 429 with Retry-After. A client that hangs up cancels its
 request (serving/answer.py); the API key is checked by a plain ASGI middleware (ApiKey),
@@ -97,7 +97,7 @@ class Service:
                  prompt_field: str, echo: bool = False) -> Sampling:
         """The request's sampling, the defaults filling what it leaves out; a request that
         cannot fit in the context is refused by name (an echo that generates nothing may
-        fill it: the last token is scored, never fed)."""
+        fill it, because its last token is scored, never fed)."""
         room = self.block_size - prompt_len
         if echo and max_tokens == 0:
             if room < -1:
@@ -192,7 +192,7 @@ async def respond(service: Service, request: Request, body: BaseRequest,
         def put(event: Piece | Done | list | Exception) -> None:  # from the engine's thread
             try:
                 loop.call_soon_threadsafe(events.put_nowait, (index, event))
-            except RuntimeError:  # the loop has closed: the server is gone
+            except RuntimeError:  # the loop has closed, because the server is gone
                 pass
         return put
 
@@ -251,9 +251,9 @@ def check_capacity(engine: Engine, submitted: list[Job | Scoring]) -> None:
 
 class ApiKey:
     """With --api-key, every request but those OPEN names shows it, before its body is even
-    read: 401 in OpenAI's shape otherwise. A plain ASGI middleware, as BodyLimit is: behind
-    Starlette's @app.middleware("http"), which runs the route on a channel of its own, a
-    route's request.is_disconnected() never saw its client hang up."""
+    read, or gets a 401 in OpenAI's shape. This is a plain ASGI middleware, as BodyLimit is,
+    because Starlette's @app.middleware("http") runs the route on a channel of its own, where
+    the route would never see its client hang up."""
 
     def __init__(self, app: ASGIApp, key: str | None) -> None:
         self.app, self.key = app, key
@@ -276,7 +276,7 @@ class ApiKey:
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="gptlab", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=1 << 20)
-    app.add_middleware(ApiKey, key=service.api_key)  # the outer one: a key before a body
+    app.add_middleware(ApiKey, key=service.api_key)  # added last, so it checks the key before any body
     add_error_handlers(app)
 
     @app.post("/v1/chat/completions")
@@ -304,8 +304,8 @@ def create_app(service: Service) -> FastAPI:
                                  media_type="text/plain; version=0.0.4")
 
     # the tokenizer's own endpoints, as vLLM names them: lm-eval's local-completions uses
-    # them to tokenize as the server does, with no tokenizer of its own. A body of a
-    # megabyte is 650,000 ids, seconds of the CPU to count and write: in a thread
+    # them to tokenize as the server does, with no tokenizer of its own. They run in a thread,
+    # because a large body takes the CPU long enough to hold back every other request
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return await run_in_threadpool(tokenized, service, body.prompt)
@@ -326,7 +326,7 @@ def create_app(service: Service) -> FastAPI:
 
 
 def tokenized(service: Service, text: str) -> Response:
-    """/tokenize's answer, written here: FastAPI's own encoder walks a list item by item."""
+    """/tokenize's answer, written here because FastAPI's own encoder walks a list item by item."""
     ids = encode_specials(service.tokenizer, text)
     runs = (dumps(ids[i:i + IDS_A_CALL])[1:-1] for i in range(0, len(ids), IDS_A_CALL))
     return Response(json_object({"count": len(ids), "max_model_len": service.block_size},
@@ -350,8 +350,8 @@ def check_ids(tokenizer: Tokenizer, ids: list[int], where: str, param: str) -> l
 
 def encode_specials(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids of text in which a special token spelled out ("<|endoftext|>") is that token,
-    as Hugging Face's tokenizers read text, and vLLM's /tokenize: what lm-eval's remote
-    tokenizer expects of a special token's name. A completion's prompt never reads text so."""
+    as Hugging Face's tokenizers and vLLM's /tokenize read it, and as lm-eval's remote
+    tokenizer expects. A completion's prompt is never read this way."""
     if not tokenizer.specials:
         return tokenizer.encode(text)
     names = sorted(tokenizer.specials, key=len, reverse=True)

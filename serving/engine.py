@@ -64,8 +64,8 @@ class QueueFull(RuntimeError):
 class Sampling:
     """How one request samples: generate.sample_next's settings, the token budget, the stop
     strings, whether special tokens are left out of the text (generate.TextStream), and the
-    logprobs to report for each generated token (None for none, or N for the token's own and
-    N alternatives'). A seed of None draws from a fresh random seed."""
+    logprobs to report for each generated token (None for none, or N for the token's own logprob
+    and those of N alternatives). A seed of None draws from a fresh random seed."""
     max_tokens: int
     temperature: float = 1.0
     top_k: int | None = None

@@ -3,7 +3,7 @@
 Usage:
     app.add_middleware(BodyLimit, limit=1 << 20)      # 413 in OpenAI's shape past 1 MB
 
-A body that says its length is refused before it is read; one sent in chunks (no
+A body whose stated length is over the limit is refused before it is read; one sent in chunks (no
 Content-Length) is counted as it arrives and refused at the chunk that passes the limit,
 so no request can make the server hold more than the limit.
 """

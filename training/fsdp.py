@@ -64,7 +64,7 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
             cos, sin = rope_tables(config)
             model.rope_cos.copy_(cos)
             model.rope_sin.copy_(sin)
-        if base is not None:  # the base's values replace the drawn ones, row by row
+        if base is not None:  # the base's values replace the drawn ones, one parameter at a time
             for name, param in model.named_parameters():
                 param.copy_(sharded_like(base[name].load().to(param.dtype), param))
     return model
@@ -153,7 +153,7 @@ def each_on_one_process(tensors: list[torch.Tensor],
 
 def padded_shard(t: torch.Tensor, world: int) -> torch.Tensor:
     """This process's rows of a tensor sharded by rows, padded with zeros to the largest
-    shard's count (ceil(rows / N), as torch.chunk splits and FSDP with it), because
+    shard's count (ceil(rows / N), as torch.chunk, and so FSDP, splits them), because
     gather and scatter need equal pieces."""
     rows = -(-t.shape[0] // world)
     part = t.to_local()
@@ -175,7 +175,7 @@ def shard_tensors(model: GPT, optimizers: list[torch.optim.Optimizer],
     """The tensors a sharded checkpoint holds, as this process holds them: the weights as
     model.NAME, each optimizer's state as optimizer.I.PARAM.KEY."""
     tensors = {f"model.{name}": value for name, value in model.state_dict().items()
-               if not (model.config.tie_embeddings and name == "lm_head.weight")}  # wte's
+               if not (model.config.tie_embeddings and name == "lm_head.weight")}  # a tied head is wte
     for i, (opt, names) in enumerate(zip(optimizers, parameter_names(model, optimizers),
                                          strict=True)):
         params = [p for group in opt.param_groups for p in group["params"]]

@@ -22,8 +22,8 @@ from training.config import ConfigError, TrainConfig
 def min_activation_bytes(config: GPTConfig, tokens: int) -> int:
     """A lower bound on what one forward over `tokens` tokens keeps for its backward: 16
     bytes per layer and unit of width (a block keeps about ten tensors of the width, and
-    four-wide ones, even in bf16 and compiled), and the logits in bf16. Measured steps take
-    several times as much (docs/reliability.md), so a step that exceeds this bound cannot fit."""
+    four-wide ones, even in bf16 and compiled), and the logits in bf16. It is a lower bound
+    (docs/reliability.md has measured steps), so a step that exceeds it cannot fit."""
     return tokens * (16 * config.n_layer * config.n_embd + 2 * config.vocab_size)
 
 

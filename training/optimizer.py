@@ -5,7 +5,7 @@ Usage:
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
 
 Two recipes, chosen by TrainConfig.optimizer:
-- "adamw", GPT-2's: AdamW on every parameter at learning_rate.
+- "adamw", GPT-2's: AdamW at learning_rate on every parameter but an untied token table.
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
   inside the blocks, and AdamW on the rest: an untied token table at embedding_lr, and the
   head and any position table, biases and norm gains at learning_rate (the quickstart has

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 def choose_dtype(name: str, device: torch.device, saved: TrainState | None = None,
                  sharded: bool = False) -> tuple[torch.dtype, str]:
     """The compute dtype for `name` (auto, float32, bfloat16 or float16) on `device`, and
-    why, in a few words for a run's first lines. A resumed run keeps the dtype it started
-    with, and a model sharded across CPU processes trains in float32."""
+    why, in a few words for a run's first lines. Under auto, a resumed run keeps its dtype,
+    and a model sharded across CPU processes trains in float32."""
     if name != "auto":
         if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise DeviceError("dtype bfloat16 is not supported on this GPU; use --dtype float16")

@@ -90,7 +90,7 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
 
 
 # What a resumed run cannot change, and why; every other setting is the new config's (the
-# lr schedule, the batch, the dtype, the intervals ...), the optimizer state included.
+# lr schedule, the batch, the dtype, the intervals ...), the optimizers' settings included.
 FIXED_ON_RESUME = {
     "seed": "a resumed run continues the random streams saved with it",
     "init_from": "a resumed run starts from its checkpoint",

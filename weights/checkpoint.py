@@ -51,7 +51,7 @@ class TrainState:
     reads it back (training/resume.py), and nothing else names these keys."""
     model_args: dict[str, Any]  # GPTConfig's fields: the model's shape and layout
     model: dict[str, torch.Tensor]  # the weights, by GPT-2's names
-    optimizer: list[dict]  # each optimizer's state_dict (AdamW; Muon and AdamW under muon)
+    optimizer: list[dict]  # each optimizer's state_dict (AdamW's, or with muon, AdamW's and Muon's)
     scaler: dict  # float16's loss scaler (empty otherwise)
     iter_num: int  # optimizer steps taken
     dtype: str | None  # what the run computes in ("auto" chose it once); None if absent
@@ -158,7 +158,7 @@ def sharded_hint(run_dir: Path) -> str:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
                     resume: bool = False, mmap: bool = False) -> dict[str, Any]:
     """Load and check a checkpoint and, with resume, that it holds all a resumed run needs;
-    raise CheckpointError if it is missing, truncated, damaged or foreign (mmap: safe_load's)."""
+    raise CheckpointError if it is missing, truncated, damaged or foreign (mmap goes to safe_load)."""
     path = Path(path)
     if path.suffix == ".dcp" and path.is_dir():
         raise CheckpointError(sharded_hint(path.parent))

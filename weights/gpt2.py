@@ -126,5 +126,5 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
     if cfg.vocab_size == 50257:  # GPT-2's own vocabulary, so name its end-of-text token
         hf.update(bos_token_id=50256, eos_token_id=50256)
     files = {"model.safetensors": save(state, metadata={"format": "pt"}), **(extra or {}),
-             "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # the config last
+             "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # last, as write_folder expects
     return write_folder(folder, files, force)

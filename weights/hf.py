@@ -46,7 +46,7 @@ def read_config(folder: str | Path) -> dict:
                           f"(GPT-2 or NanoChat)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, too long, too deep
+    except (ValueError, RecursionError) as e:  # not UTF-8 or not JSON, or too long or too deep
         raise FolderError(f"{path} is not valid JSON ({str(e) or type(e).__name__:.120}); "
                           f"point at a Hugging Face model folder") from None
     if not isinstance(config, dict):

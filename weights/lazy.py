@@ -2,9 +2,9 @@
 from a memory-mapped file, one at a time.
 
 Usage:
-    from weights.lazy import Lazy, build, cropped, grown
+    from weights.lazy import Lazy, build, cropped, expected, grown, state_dict_mismatch
     state = {"transformer.wte.weight": Lazy(torch.Size([50257, 768]), read_it), ...}
-    model = build(config, state, "config.json")    # a plain GPT, every tensor read
+    model = build(config, state)                   # a plain GPT, every tensor read
     config, state = cropped(config, state, 256)     # a shorter context
     config, state = grown(config, state, 50260)     # room for the chat tokens
     state_dict_mismatch(expected(config), state, "config.json")   # None, or what does not fit

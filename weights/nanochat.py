@@ -184,5 +184,5 @@ def export_hf_nanochat(model: GPT, folder: str | Path, force: bool = False,
     state = {k: v.contiguous() for k, v in state.items()}
     config = hf_config(cfg, special or {})
     files = {"model.safetensors": save(state, metadata={"format": "pt"}), **(extra or {}),
-             "config.json": (json.dumps(config, indent=2) + "\n").encode()}  # the config last
+             "config.json": (json.dumps(config, indent=2) + "\n").encode()}  # last, as write_folder expects
     return write_folder(folder, files, force)

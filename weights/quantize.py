@@ -1,5 +1,5 @@
 """int8 weight-only quantization: every matrix stored as int8 with one float scale per output
-row; activations, biases, LayerNorms, the position table and RoPE's stay in float32.
+row; activations, biases, LayerNorms, the position table and RoPE's tables stay in float32.
 
 Usage:
     from weights.quantize import cast_weights
