@@ -121,7 +121,8 @@ def reuse_freed_memory(huge_pages: bool = True) -> None:
     # is asked to back it with 2 MB pages, which it refuses, harmlessly, where it has none
     libc.mallopt(M_TOP_PAD, 1 << 30)
     torch.empty(31 << 20, dtype=torch.uint8)  # a block that only new heap holds, freed at once
-    for line in Path("/proc/self/maps").read_text().splitlines():
+    maps = Path("/proc/self/maps")  # absent where /proc is not mounted
+    for line in maps.read_text().splitlines() if maps.exists() else []:
         if line.endswith("[heap]"):
             start, end = (int(address, 16) for address in line.split()[0].split("-"))
             libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
