@@ -14,6 +14,7 @@ reuse_freed_memory), and the heap to 4 KB pages (reuse_freed_memory(huge_pages=F
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -26,22 +27,20 @@ import typer
 from benchmarks.race import QUICKSTART, machine_line
 from machine.errors import reported, run_command
 
-ROWS = [
+# each row turns on one more change, on top of the rows before it
+CHANGES = [
     ("before: a 4x MLP, PyTorch's operations, Newton-Schulz one matrix at a time, malloc's "
      "defaults", dict(n_inner=512, kernels=False, batched_ns=False, malloc=False, huge=False)),
-    ("+ freed memory kept for reuse",
-     dict(n_inner=512, kernels=False, batched_ns=False, malloc=True, huge=False)),
-    ("+ Newton-Schulz on the matrices of one shape together",
-     dict(n_inner=512, kernels=False, batched_ns=True, malloc=True, huge=False)),
-    ("+ the C kernels (RMSNorm, relu^2, the rotary rotation)",
-     dict(n_inner=512, kernels=True, batched_ns=True, malloc=True, huge=False)),
-    ("+ an MLP 3x wide (n_inner = 384)",
-     dict(n_inner=384, kernels=True, batched_ns=True, malloc=True, huge=False)),
-    ("+ an MLP 2x wide (n_inner = 256)",
-     dict(n_inner=256, kernels=True, batched_ns=True, malloc=True, huge=False)),
-    ("+ the heap in 2 MB pages: the quickstart now",
-     dict(n_inner=256, kernels=True, batched_ns=True, malloc=True, huge=True)),
+    ("+ freed memory kept for reuse", dict(malloc=True)),
+    ("+ Newton-Schulz on the matrices of one shape together", dict(batched_ns=True)),
+    ("+ the C kernels (RMSNorm, relu^2, the rotary rotation)", dict(kernels=True)),
+    ("+ an MLP 3x wide (n_inner = 384)", dict(n_inner=384)),
+    ("+ an MLP 2x wide (n_inner = 256)", dict(n_inner=256)),
+    ("+ the heap in 2 MB pages: the quickstart now", dict(huge=True)),
 ]
+ROWS = list(zip([name for name, _ in CHANGES],
+                itertools.accumulate((change for _, change in CHANGES), lambda a, b: {**a, **b}),
+                strict=True))
 
 
 def time_step(settings: dict, dtype: str) -> float:

@@ -43,7 +43,7 @@ def load_meta(data_dir: str | Path) -> dict:
     again = f"prepare the dataset again (python -m data.prepare ... --out {data_dir})"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # or nested too deeply
         raise DataError(f"{path} is not valid JSON; {again}") from None
     problem = record_problem(meta, META_FIELDS)
     if problem:

@@ -175,7 +175,7 @@ def shard_tensors(model: GPT, optimizers: list[torch.optim.Optimizer],
     """The tensors a sharded checkpoint holds, as this process holds them: the weights as
     model.NAME, each optimizer's state as optimizer.I.PARAM.KEY."""
     tensors = {f"model.{name}": value for name, value in model.state_dict().items()
-               if not (model.config.tie_embeddings and name == "lm_head.weight")}  # a tied head is wte
+               if not (model.config.tie_embeddings and name == "lm_head.weight")}  # saved once, as wte
     for i, (opt, names) in enumerate(zip(optimizers, parameter_names(model, optimizers),
                                          strict=True)):
         params = [p for group in opt.param_groups for p in group["params"]]
