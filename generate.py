@@ -265,7 +265,7 @@ def compiled_step(model: GPT, cuda_graphs: bool = True) -> ModelStep:
             # With guard=False, a new cache (a new generation) re-records the graph instead
             # of recompiling it.
             if kv_cache not in marked:
-                for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos):
+                for buffer in (*kv_cache.k, *kv_cache.v, kv_cache.key_pos, kv_cache.ids):
                     torch._dynamo.mark_static_address(buffer, guard=False)
                 marked.add(kv_cache)
             # the logits live in the graph's memory, which its next replay overwrites

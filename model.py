@@ -6,9 +6,9 @@ Usage:
     logits, loss = model(idx, targets)                                    # training
     logits, _ = model(idx, kv_cache=model.new_kv_cache(1), input_pos=torch.arange(T))
 
-In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then the KV cache,
-the configuration's checks and its named shapes. Each switch of GPTConfig turns on one idea
-of nanochat or modded-nanogpt; at their defaults, the model is GPT-2.
+In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then the KV cache
+and the configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
+modded-nanogpt or of their speedruns; at their defaults, the model is GPT-2.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ class GPTConfig:
     tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
     n_kv_head: int = switch(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
     embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
+    bigram_embedding: bool = switch(False, "add a learned vector for each token's predecessor")
     logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat's is 1e-6")
@@ -206,13 +207,6 @@ class GPTConfig:
         return (all(getattr(self, name) == default for name, default in SWITCH_DEFAULTS.items())
                 and self.n_kv_head == self.n_head and self.mlp_hidden == 4 * self.n_embd)
 
-    @classmethod
-    def from_name(cls, name: str) -> GPTConfig:
-        """A named shape from PRESETS, e.g. GPTConfig.from_name("gpt2")."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(**PRESETS[name])
-
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
@@ -229,6 +223,8 @@ class GPT(nn.Module):
         ))
         if config.pos_embedding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        if config.bigram_embedding:  # a row for each token, and the last for "none" at position 0
+            self.transformer.wtb = nn.Embedding(config.vocab_size + 1, config.n_embd)
         if config.pos_embedding == "rope":  # the tables are computed here and never saved
             cos, sin = rope_tables(config)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -259,6 +255,11 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
+        if "wtb" in self.transformer:  # what each token's predecessor adds, from the bigram table
+            none = self.config.vocab_size
+            before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None
+                      else kv_cache.predecessors(idx, input_pos, none))
+            x = x + self.transformer.wtb(before)
         if "wpe" in self.transformer:  # GPT-2's positions, a learned vector added to each token
             x = x + self.transformer.wpe(input_pos)
         if self.config.embed_norm:
@@ -286,18 +287,18 @@ class GPT(nn.Module):
             for name, param in module.named_parameters(recurse=False):
                 if name == "bias" or isinstance(module, nn.LayerNorm):
                     yield param, torch.full(param.shape, float(name == "weight"))
+                elif module_name == "transformer.wtb":  # zero, so that training starts from the plain model
+                    yield param, torch.zeros(param.shape)
                 else:
                     std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
                     yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """The parameter count, by default without wpe and an untied wte, which are only looked up."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
-        if non_embedding and not self.config.tie_embeddings:
-            n -= self.transformer.wte.weight.numel()
-        return n
+        """The parameter count, by default without the tables that are only looked up: wpe, the
+        bigram table, and wte unless the head shares it."""
+        tables = [self.transformer[name].weight for name in ("wpe", "wtb") if name in self.transformer]
+        tables += [] if self.config.tie_embeddings else [self.transformer.wte.weight]
+        return sum(p.numel() for p in self.parameters()) - non_embedding * sum(t.numel() for t in tables)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
@@ -325,30 +326,36 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
+        self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # for the bigram table
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store (B, n_kv_head, T, head_dim) keys and values at input_pos, (T,) for every row or
         (B, T) with each row's own (a server's batch). Return all the keys and values and the
         mask of the keys each query may see, (T, max_len) or (B, 1, T, max_len)."""
-        if input_pos.dim() == 1:
-            self.k[layer][:, :, input_pos] = k
-            self.v[layer][:, :, input_pos] = v
-        else:  # indexing rows and positions together puts their dims first: (B, T, heads, hd)
-            rows = torch.arange(k.size(0), device=k.device)[:, None]
-            self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
-            self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
+        rows = torch.arange(k.size(0), device=k.device)[:, None]  # broadcast with input_pos to (B, T)
+        # indexing rows and positions together puts their dims first: (B, T, heads, hd)
+        self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
+        self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
         mask = input_pos[..., None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
         return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
+
+    def predecessors(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor:
+        """Store the (B, T) token ids at input_pos, as update() stores keys, and return the id of
+        the token before each (for the first, an earlier call's), or `none` at position 0."""
+        rows = torch.arange(idx.size(0), device=idx.device)[:, None]
+        self.ids[rows, input_pos] = idx
+        return self.ids[rows, (input_pos - 1).clamp(min=0)].masked_fill(input_pos == 0, none)
 
     def rows(self, start: int, stop: int) -> KVCache:
         """Rows start..stop-1, sharing this cache's memory: a server prefills one row alone."""
         view = copy.copy(self)
         view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
+        view.ids = self.ids[start:stop]
         return view
 
 
-# the configuration's checks, and its named layouts and shapes
+# the configuration's checks
 FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
@@ -384,17 +391,5 @@ def check_config(config: GPTConfig) -> None:
 
 # the switches of the layout (the other fields are the shape), at GPT-2's values
 SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
-    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "logit_softcap", "norm_eps")}
-# the named layouts: GPT-2's; the modern one (RoPE, RMSNorm, QK norm, relu^2, an untied head); nanochat's
-MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
-LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
-    **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
-
-PRESETS = {
-    "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
-    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(vocab_size=50257, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
-    "nanochat-d12": dict(vocab_size=65536, block_size=2048, n_layer=12, n_head=6, n_embd=768),
-}
+    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "bigram_embedding",
+    "logit_softcap", "norm_eps")}

@@ -44,7 +44,7 @@ from generate import Chat, check_decode, check_sampling, decode_step, generate_t
 from machine.device import resolve_device
 from machine.errors import InputError, UserError, reported, run_command
 from machine.files import probe_writable
-from model import GPT, LAYOUTS
+from model import GPT
 from training.config import check_seed
 from weights.loading import load_model, resolve_checkpoint
 from weights.quantize import check_weight_dtype
@@ -142,12 +142,12 @@ def benchmark_decoding(run: str | None, checkpoint: str | None, init_from: str |
     if preset is not None and (run or checkpoint or init_from):
         raise UserError("--preset times random weights of a named shape; drop --run, "
                         "--checkpoint and --init-from, or drop --preset")
+    # imported here to keep the sampling path light
+    from measure.decoding import LAYOUTS, parse_lengths, run_benchmark
     if layout not in LAYOUTS:
         raise UserError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if json_path is not None:  # checked now, not after the benchmark
         check_output_file(json_path, "--json")
-    # imported here to keep the sampling path light
-    from measure.decoding import parse_lengths, run_benchmark
     from_run = preset is None and not init_from
     run_benchmark(resolve_checkpoint(run, checkpoint) if from_run else None, preset, device,
                   dtype, parse_lengths(lengths), repeats, json_path, decode, batch, layout,
@@ -250,7 +250,7 @@ RepeatsOption = Annotated[int, typer.Option(min=1, help="With --benchmark: timed
 BatchOption = Annotated[int, typer.Option(
         min=1, help="With --benchmark: sequences decoded together.")]
 LayoutOption = Annotated[str, typer.Option(
-        help="With --benchmark --preset: gpt2 or modern (model.LAYOUTS).")]
+        help="With --benchmark --preset: gpt2, modern or nanochat (measure/decoding.py's LAYOUTS).")]
 NKvHeadOption = Annotated[int, typer.Option(
         min=0, help="With --benchmark --preset: key/value heads (GQA); 0: n_head.")]
 JsonPathOption = Annotated[Path | None, typer.Option(

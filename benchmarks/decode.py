@@ -25,7 +25,7 @@ def main(preset: str = "baby_gpt", device: str = "cpu", dtype: str = "float32",
          batch: Annotated[int, typer.Option(min=1)] = 1, layout: str = "gpt2",
          n_kv_head: Annotated[int, typer.Option(min=0)] = 0, baselines: bool = True,
          prompt_len: Annotated[int, typer.Option(min=1)] = PROMPT_LEN) -> None:
-    """Benchmark a random-weight model shape (see model.PRESETS and model.LAYOUTS)."""
+    """Benchmark a random-weight model shape (measure/decoding.py's PRESETS and LAYOUTS)."""
     with reported():  # a bad shape, length, path or device
         check_paths(json_path=json)
         run_benchmark(None, preset, device, dtype, parse_lengths(lengths), repeats, json,

@@ -33,9 +33,9 @@ from data.tokenizer import load_tokenizer
 from generate import decode_step
 from machine.errors import reported, run_command
 from machine.files import write_bytes_atomic
-from measure.decoding import PROMPT_LEN, measure, ours
+from measure.decoding import PROMPT_LEN, measure, ours, preset_config
 from measure.scores import evaluate
-from model import GPT, GPTConfig
+from model import GPT
 from weights.checkpoint import load_checkpoint
 from weights.loading import model_from_checkpoint, resolve_checkpoint
 from weights.quantize import cast_weights, weight_bytes
@@ -47,7 +47,7 @@ SHAPES = ("baby_gpt", "gpt2")
 def decode_speed(shape: str, dtype: str, new_tokens: int, repeats: int) -> tuple[float, float]:
     """(weight MB, tokens/s) of the default decode path on random weights of `shape`."""
     torch.manual_seed(0)
-    model = cast_weights(GPT(GPTConfig.from_name(shape)).eval(), dtype)
+    model = cast_weights(GPT(preset_config(shape)).eval(), dtype)
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN),
                            generator=torch.Generator().manual_seed(0))
     row = measure(ours(model, decode_step(model)), prompt, new_tokens, repeats)

@@ -115,7 +115,8 @@ RECIPES = [
 # the layout switches: (the quickstart's value, GPT-2's value); the last three are nanochat's
 SWITCHES = {"pos_embedding": ("rope", "learned"), "norm": ("rmsnorm", "layernorm"),
             "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True),
-            "bias": (False, True), "embed_norm": (True, False), "logit_softcap": (15.0, 0.0)}
+            "bigram_embedding": (True, False), "bias": (False, True), "embed_norm": (True, False),
+            "logit_softcap": (15.0, 0.0)}
 GPT2_LAYOUT = {name: gpt2 for name, (_, gpt2) in SWITCHES.items()}
 
 

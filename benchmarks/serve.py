@@ -39,7 +39,8 @@ import typer
 from benchmarks import check_paths
 from machine.device import cpu_name
 from machine.errors import UserError, reported, run_command
-from model import GPT, GPTConfig
+from measure.decoding import preset_config
+from model import GPT
 from weights.checkpoint import FORMAT, VERSION, save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +51,7 @@ WORDS = "the king of Denmark spoke to his court of love and war in the night".sp
 def write_model(folder: Path) -> Path:
     """GPT-2 small with random weights as this project's checkpoint, GPT-2's tokenizer."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name("gpt2"))
+    model = GPT(preset_config("gpt2"))
     path = folder / "gpt2" / "best.pt"
     path.parent.mkdir()
     save_checkpoint({"format": FORMAT, "version": VERSION, "model_args": vars(model.config),

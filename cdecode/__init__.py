@@ -38,11 +38,12 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
     lib = build_library(SOURCE, WEIGHT_DEFINES[dtype], "the C decode step",
                         instead="choose --decode eager", march=march)
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
-    # the C signature: logits, tokens, pos, rows, T, wte, wte_scales, wpe, rope_cos, rope_sin,
-    # blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B, n_layer,
-    # n_head, n_embd, vocab_size, max_len, layout, n_threads
-    lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptrs, ptr, ptr,
-                                ptr, ptr, ptrs, ptrs, ptr, *[i32] * 6, ctypes.POINTER(Layout), i32]
+    # the C signature: logits, tokens, pos, rows, T, wte, wte_scales, wpe, wtb, ids, rope_cos,
+    # rope_sin, blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B,
+    # n_layer, n_head, n_embd, vocab_size, max_len, layout, n_threads
+    lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptrs,
+                                ptr, ptr, ptr, ptr, ptrs, ptrs, ptr, *[i32] * 6,
+                                ctypes.POINTER(Layout), i32]
     lib.decode_step.restype = None
     return lib
 
@@ -107,6 +108,7 @@ class CDecodeStep:
         self.wte_scales = params.get("transformer.wte.scales")  # None unless int8
         # each None below becomes C's NULL, for a layout switch that leaves the tensor out
         self.wpe = params.get("transformer.wpe.weight")
+        self.wtb = params.get("transformer.wtb.weight")  # the bigram table
         self.rope_cos, self.rope_sin = params.get("rope_cos"), params.get("rope_sin")
         self.ln_f_w = params.get("transformer.ln_f.weight")  # None with rmsnorm
         self.ln_f_b = params.get("transformer.ln_f.bias")  # None in a model without biases
@@ -128,8 +130,8 @@ class CDecodeStep:
                     if name.endswith(".scales")}
         expected = [(self.wte, matrix), (self.wte_scales, torch.float32),
                     (self.lm_head, matrix), (self.lm_head_scales, torch.float32),
-                    (self.wpe, self.dtype), (self.rope_cos, self.dtype), (self.rope_sin, self.dtype),
-                    (self.ln_f_w, self.dtype), (self.ln_f_b, self.dtype)]
+                    (self.wpe, self.dtype), (self.wtb, self.dtype), (self.rope_cos, self.dtype),
+                    (self.rope_sin, self.dtype), (self.ln_f_w, self.dtype), (self.ln_f_b, self.dtype)]
         expected += [(t, matrix if name in matrices else
                       torch.float32 if name.endswith(".scales") else self.dtype)
                      for t, name in zip(self.block_params, names * self.config.n_layer, strict=True)]
@@ -173,7 +175,8 @@ class CDecodeStep:
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)
         self.lib.decode_step(
             address(logits), address(tokens), starts, rows_array, T, address(self.wte),
-            address(self.wte_scales), address(self.wpe), address(self.rope_cos),
+            address(self.wte_scales), address(self.wpe), address(self.wtb),
+            address(kv_cache.ids), address(self.rope_cos),
             address(self.rope_sin), self.blocks, address(self.ln_f_w), address(self.ln_f_b),
             address(self.lm_head), address(self.lm_head_scales),
             pointers(kv_cache.k), pointers(kv_cache.v),

@@ -25,13 +25,13 @@ that path.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +40,7 @@ from machine.errors import InputError
 from machine.files import write_bytes_atomic
 from machine.perf import memory_room, sync
 from measure.memory import memory_mb, reset_peak_memory
-from model import GPT, LAYOUTS, GPTConfig
+from model import GPT, GPTConfig
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_folder, model_from_checkpoint
 from weights.quantize import cast_weights, weight_bytes
@@ -132,10 +132,32 @@ def measure(run: Tokens, prompt: torch.Tensor, n_new: int, repeats: int) -> dict
     return row
 
 
+# the named shapes that a benchmark builds with random weights, and the layouts it gives
+# them: GPT-2's; the modern one (RoPE, RMSNorm, QK norm, relu^2, an untied head); nanochat's
+PRESETS = {
+    "baby_gpt": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(vocab_size=50257, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    "nanochat-d12": dict(vocab_size=65536, block_size=2048, n_layer=12, n_head=6, n_embd=768),
+}
+MODERN = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", tie_embeddings=False)
+LAYOUTS = {"gpt2": {}, "modern": MODERN, "nanochat": {
+    **MODERN, "bias": False, "embed_norm": True, "logit_softcap": 15.0, "norm_eps": 1e-6}}
+
+
+def preset_config(name: str, **switches: Any) -> GPTConfig:
+    """A named shape from PRESETS, e.g. preset_config("gpt2"), with the switches given."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(PRESETS)}")
+    return GPTConfig(**{**PRESETS[name], **switches})
+
+
 def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
                     n_kv_head: int, init_from: str | None = None) -> tuple[GPT, str]:
     """The model to time and a line saying what it is: a Hugging Face folder's model, a
-    checkpoint's, or a preset's shape with random weights, in `layout` (model.LAYOUTS) and
+    checkpoint's, or a preset's shape with random weights, in `layout` (LAYOUTS) and
     with n_kv_head key/value heads (0 means n_head)."""
     if init_from:
         return load_folder(init_from)[0], init_from
@@ -143,9 +165,7 @@ def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
         return model_from_checkpoint(load_checkpoint(checkpoint)), str(checkpoint)
     torch.manual_seed(0)
     try:
-        shape = {**dataclasses.asdict(GPTConfig.from_name(preset)), **LAYOUTS[layout],
-                 "n_kv_head": n_kv_head}
-        config = GPTConfig(**shape)
+        config = preset_config(preset, **LAYOUTS[layout], n_kv_head=n_kv_head)
     except ValueError as e:  # an unknown preset, or an n_kv_head that does not divide n_head
         raise InputError(f"--preset {preset}: {e}") from None
     model = GPT(config).eval()

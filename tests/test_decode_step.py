@@ -15,7 +15,7 @@ from generate import ModelStep, decode_step, generate, stream
 from machine.device import cpu_flags
 from model import GPT, GPTConfig
 from tests.forked import python
-from tests.layouts import LAYOUTS
+from tests.layouts import LAYOUTS, with_bigrams
 from tests.output import error_line
 from weights.quantize import quantize_int8
 
@@ -27,7 +27,7 @@ def small_gpt(**overrides) -> GPT:
     # dot product runs: 72 = 64 + 8 and head_dim 18 = 16 + 2
     torch.manual_seed(0)
     shape = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=72)
-    return GPT(GPTConfig(**{**shape, **overrides})).eval()
+    return with_bigrams(GPT(GPTConfig(**{**shape, **overrides})).eval())
 
 
 X86 = platform.machine() == "x86_64"

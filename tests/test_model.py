@@ -9,13 +9,13 @@ from torch.nn import functional as F
 
 from machine.cpu_kernels import ReLUSquared, RMSNormFunction
 from model import GPT, GPTConfig, apply_rope, explicit_attention, sdpa_attention
-from tests.layouts import LAYOUTS
+from tests.layouts import LAYOUTS, with_bigrams
 
 
 def layout_model(layout: str) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                         **LAYOUTS[layout])).eval()
+    return with_bigrams(GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                                      **LAYOUTS[layout])).eval())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

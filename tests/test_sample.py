@@ -30,7 +30,7 @@ from machine.errors import InputError
 from model import GPT, GPTConfig
 from sample import attention_target, print_samples
 from tests.forked import python
-from tests.layouts import LAYOUTS
+from tests.layouts import LAYOUTS, with_bigrams
 from tests.output import error_line
 from weights.loading import LoadError, resolve_checkpoint
 
@@ -129,15 +129,16 @@ def test_a_bigram_model_with_block_size_1_generates_past_its_window():
         assert uncached[0, n] == logits[0, -1].argmax()
 
 
-# torch.compile runs only on gpt2's layout and nanochat's, which hold every switch between
-# them, because a cold compile is slow and the switches' own code is the eager model's
+# torch.compile runs only on gpt2's layout, nanochat's and the bigram table's, which hold
+# every switch between them, because a cold compile is slow and the switches' own code is
+# the eager model's
 @pytest.mark.parametrize("decode, layout", [
     pytest.param(decode, layout, id=f"{decode}-{layout}") for decode in DECODE_BACKENDS
-    for layout in LAYOUTS if decode != "compile" or layout in ("gpt2", "nanochat")])
+    for layout in LAYOUTS if decode != "compile" or layout in ("gpt2", "nanochat", "bigram")])
 def test_every_decode_backend_gives_the_uncached_tokens_past_block_size(decode, layout):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                          **LAYOUTS[layout])).eval()
+    model = with_bigrams(GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                                       **LAYOUTS[layout])).eval())
     # 3 sequences of 4 + 40 tokens with block_size 16, so the window jumps and is prefilled
     # again
     prompts = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))

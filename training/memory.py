@@ -39,6 +39,7 @@ def parameter_counts(config: GPTConfig) -> tuple[int, int, int]:
     norm = C * (1 + config.bias) if config.norm == "layernorm" else 0  # RMSNorm has none
     positions = config.block_size * C if config.pos_embedding == "learned" else 0
     tables = config.vocab_size * C * (1 if config.tie_embeddings else 2)  # wte, lm_head
+    tables += (config.vocab_size + 1) * C if config.bigram_embedding else 0  # and a row for "none"
     return matrices + biases + 2 * norm, matrices, tables + positions + norm
 
 

@@ -5,16 +5,17 @@ Usage:
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
 
 Two recipes, chosen by TrainConfig.optimizer:
-- "adamw", GPT-2's: AdamW at learning_rate on every parameter but an untied token table.
+- "adamw", GPT-2's: AdamW at learning_rate, and at embedding_lr on the token tables.
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
-  inside the blocks, and AdamW on the rest: an untied token table at embedding_lr, and the
-  head and any position table, biases and norm gains at learning_rate (the quickstart has
-  none of the last three). Muon orthogonalizes each matrix's smoothed gradient, so that every
-  direction of the update moves at the same rate. That suits the hidden matrices and not
-  the embeddings, whose rows are looked up one at a time.
+  inside the blocks, and AdamW on the rest: the token tables (an untied wte and the bigram
+  table, where the model has them) at embedding_lr, and the head and any position table,
+  biases and norm gains at learning_rate (the quickstart has none of the last three). Muon
+  orthogonalizes each matrix's smoothed gradient, so that every direction of the update
+  moves at the same rate. That suits the hidden matrices and not the embeddings, whose rows
+  are looked up one at a time.
 
 Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
-biases and gains, which a pull towards zero only hurts, nor to an untied token table (see
+biases and gains, which a pull towards zero only hurts, nor to the token tables (see
 below). Each group follows train.py's schedule (get_lr_scale) as a fraction of its peak_lr.
 """
 
@@ -42,20 +43,21 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     is the run's compute dtype; Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # An untied token table is a lookup whose rows move only where their tokens appear. It
-    # learns faster with a far larger lr than the head's (as in nanochat), and without weight
-    # decay, which grows with the lr and would pull its rows to zero. The head, whose every
-    # row the softmax reaches at every position, keeps learning_rate like the other weights.
-    table = model.transformer.wte.weight if not model.config.tie_embeddings else None
-    rest = [p for p in trained if p not in hidden and p is not table]
+    # An untied token table, like the bigram table, is a lookup whose rows move only where their
+    # tokens appear. It learns faster with a far larger lr than the head's (as in nanochat), and
+    # without weight decay, which grows with the lr and would pull its rows to zero. The head,
+    # whose every row the softmax reaches at every position, keeps learning_rate like the other weights.
+    lookups = {"wte": not model.config.tie_embeddings, "wtb": "wtb" in model.transformer}
+    tables = [model.transformer[name].weight for name, looked_up in lookups.items() if looked_up]
+    rest = [p for p in trained if p not in hidden | set(tables)]
     adamw_groups = [
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
          "peak_lr": cfg.learning_rate},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0,
          "peak_lr": cfg.learning_rate},
     ]
-    if table is not None and table.requires_grad:
-        adamw_groups.append({"params": [table], "weight_decay": 0.0,
+    if tables := [t for t in tables if t.requires_grad]:
+        adamw_groups.append({"params": tables, "weight_decay": 0.0,
                              "peak_lr": cfg.embedding_lr or cfg.learning_rate})
     # the fused kernel updates all plain tensors in one pass; FSDP's sharded ones cannot use it
     sharded = any(is_dtensor(p) for p in trained)

@@ -41,7 +41,7 @@ from weights.lazy import Lazy, build, cropped, expected, state_dict_mismatch
 
 # what a NanoChat model always is, in model.py's switches
 LAYOUT = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", bias=False,
-              embed_norm=True)
+              embed_norm=True, bigram_embedding=False)
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "max_position_embeddings")
 
