@@ -143,7 +143,7 @@ def test_broken_checkpoints_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer, layout", [("adamw", "gpt2"), ("muon", "gpt2"),
-                                               ("muon", "modern")])
+                                               ("muon", "modern"), ("muon", "bigram")])
 def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tiny_config, one_thread, optimizer,
                                                           layout):
     # the schedule is pinned by lr_decay_iters, so stopping at 20 does not change it
