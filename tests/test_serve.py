@@ -703,13 +703,14 @@ def test_ignore_eos_goes_on_to_max_tokens(chat_server):
 
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory, char_data) -> Path:
-    """The tiny model with a context of 128 tokens, room for a conversation of turns."""
+    """The tiny model with a context of 128 tokens, room for a conversation of turns, and a
+    bigram table, whose reader of a reused prefix must find the predecessor in the cache."""
     from train import train
     from training.config import load_config
     out = tmp_path_factory.mktemp("long")
     train(load_config(REPO / "config" / "tiny.toml", {
         "data_dir": str(char_data), "out_dir": str(out), "run_name": "long", "block_size": 128,
-        "max_iters": 30, "sample_tokens": 0, "log_attention": False}))
+        "max_iters": 30, "sample_tokens": 0, "log_attention": False, "bigram_embedding": True}))
     return out / "long"
 
 
