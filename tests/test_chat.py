@@ -211,6 +211,31 @@ def test_sft_grows_the_vocabulary_and_learns_from_the_replies(sft_run, trained_r
     assert list(run.glob("events.out.tfevents.*"))
 
 
+def test_a_bigram_table_grows_with_the_vocabulary_and_keeps_its_last_row_last(tiny_config,
+                                                                               chat_data):
+    # the README's chat fine-tuning of the quickstart, whose bigram table has a row for each
+    # token and a last one for "no predecessor"
+    from train import train
+    from weights.checkpoint import load_checkpoint as load
+    from weights.loading import grow_vocabulary
+    base = train(tiny_config.updated(max_iters=4, eval_interval=4, bigram_embedding=True,
+                                     sample_tokens=0, log_attention=False))
+    model = GPT(GPTConfig(**load(base.run_dir / "last.pt")["model_args"]))
+    with torch.no_grad():
+        model.transformer.wtb.weight.normal_()
+    old, V = model.transformer.wtb.weight, model.config.vocab_size
+    new = grow_vocabulary(model, V + 5).transformer.wtb.weight
+    assert new.shape == (V + 6, old.shape[1])
+    torch.testing.assert_close(new[:V], old[:V], rtol=0, atol=0)
+    torch.testing.assert_close(new[V:V + 5], old[:V].mean(0).expand(5, -1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(new[-1], old[-1], rtol=0, atol=0)
+    sft = train(tiny_config.updated(init_from=str(base.run_dir), data_dir=str(chat_data),
+                                    run_name="sft", max_iters=4, eval_interval=4,
+                                    sample_tokens=0, log_attention=False))
+    grown = load(sft.run_dir / "last.pt")["model"]["transformer.wtb.weight"]
+    assert grown.shape == (V + len(CHAT_SPECIALS) + 1, old.shape[1])
+
+
 def test_an_sft_run_resumes_from_its_last_checkpoint(sft_run, trained_run, chat_data, tmp_path):
     run, _ = sft_run
     copy = tmp_path / "chat_sft"

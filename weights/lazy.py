@@ -95,10 +95,11 @@ def cropped(config: GPTConfig, state: dict[str, Lazy],
 
 def grown(config: GPTConfig, state: dict[str, Lazy],
           vocab_size: int) -> tuple[GPTConfig, dict[str, Lazy]]:
-    """Rows added to the token table (and an untied head) for the ids from the vocabulary's
-    size up to vocab_size. Each new row starts at the mean of the old ones, which gives
-    an embedding and a logit like an average token's, so that the new tokens neither
-    dominate the first steps nor start unreachable."""
+    """Rows added to the token table (and an untied head and the bigram table) for the ids
+    from the vocabulary's size up to vocab_size. Each new row starts at the mean of the old
+    ones, which gives an embedding and a logit like an average token's, so that the new
+    tokens neither dominate the first steps nor start unreachable. The bigram table's last
+    row, which stands for no predecessor, stays the last."""
     def grow(rows: torch.Tensor) -> torch.Tensor:
         extra = rows.float().mean(dim=0, keepdim=True).to(rows.dtype)
         return torch.cat([rows, extra.expand(vocab_size - len(rows), -1)])
@@ -106,4 +107,8 @@ def grown(config: GPTConfig, state: dict[str, Lazy],
     for name in ("transformer.wte.weight", "lm_head.weight"):
         if name in state:
             state[name] = state[name].then(grow, torch.Size([vocab_size, state[name].shape[1]]))
+    if (bigrams := state.get("transformer.wtb.weight")) is not None:
+        state["transformer.wtb.weight"] = bigrams.then(
+            lambda rows: torch.cat([grow(rows[:-1]), rows[-1:]]),
+            torch.Size([vocab_size + 1, bigrams.shape[1]]))
     return replace(config, vocab_size=vocab_size), state
