@@ -255,10 +255,10 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
-        if "wtb" in self.transformer:  # what each token's predecessor adds, from the bigram table
-            none = self.config.vocab_size
-            before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None
-                      else kv_cache.predecessors(idx, input_pos, none))
+        if "wtb" in self.transformer:  # the bigram table's row for each token's predecessor
+            none = self.config.vocab_size  # the last row, which stands for "no predecessor"
+            before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None  # idx shifted by one
+                      else kv_cache.update_ids(idx, input_pos, none))
             x = x + self.transformer.wtb(before)
         if "wpe" in self.transformer:  # GPT-2's positions, a learned vector added to each token
             x = x + self.transformer.wpe(input_pos)
@@ -279,9 +279,9 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
 
     def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter and its whole initial value, GPT-2's: N(0, 0.02), zero biases, LayerNorm
-        at the identity, and the projections into the residual stream scaled down with depth,
-        because each block adds two terms to the stream. A tied table keeps lm_head's value."""
+        """Each parameter and its whole initial value: GPT-2's N(0, 0.02), zero biases, LayerNorm at
+        the identity, the projections into the residual stream scaled down with depth because each
+        block adds two terms to it, and the bigram table at zero. A tied table keeps lm_head's value."""
         generator = torch.Generator().manual_seed(self.init_seed)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
@@ -294,8 +294,7 @@ class GPT(nn.Module):
                     yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """The parameter count, by default without the tables that are only looked up: wpe, the
-        bigram table, and wte unless the head shares it."""
+        """The parameter count, by default without the lookup tables (wpe, wtb, an untied wte)."""
         tables = [self.transformer[name].weight for name in ("wpe", "wtb") if name in self.transformer]
         tables += [] if self.config.tie_embeddings else [self.transformer.wte.weight]
         return sum(p.numel() for p in self.parameters()) - non_embedding * sum(t.numel() for t in tables)
@@ -315,9 +314,9 @@ class GPT(nn.Module):
 
 
 class KVCache:
-    """Every layer's keys and values, preallocated and written in place at the positions each
-    forward is given (the caller keeps the position), and read whole under a mask, so that a
-    decode step has one shape at every position."""
+    """Every layer's keys and values, and each position's token id (for the bigram table),
+    written in place at the positions each forward is given (the caller keeps the position)
+    and read whole under a mask, so that a decode step has one shape at every position."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -326,21 +325,24 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
-        self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # for the bigram table
+        self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store (B, n_kv_head, T, head_dim) keys and values at input_pos, (T,) for every row or
         (B, T) with each row's own (a server's batch). Return all the keys and values and the
         mask of the keys each query may see, (T, max_len) or (B, 1, T, max_len)."""
-        rows = torch.arange(k.size(0), device=k.device)[:, None]  # broadcast with input_pos to (B, T)
-        # indexing rows and positions together puts their dims first: (B, T, heads, hd)
-        self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
-        self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
+        if input_pos.dim() == 1:
+            self.k[layer][:, :, input_pos] = k
+            self.v[layer][:, :, input_pos] = v
+        else:  # indexing rows and positions together puts their dims first: (B, T, heads, hd)
+            rows = torch.arange(k.size(0), device=k.device)[:, None]
+            self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
+            self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
         mask = input_pos[..., None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
         return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
 
-    def predecessors(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor:
+    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor:
         """Store the (B, T) token ids at input_pos, as update() stores keys, and return the id of
         the token before each (for the first, an earlier call's), or `none` at position 0."""
         rows = torch.arange(idx.size(0), device=idx.device)[:, None]

@@ -422,14 +422,16 @@ typedef struct {
  * tokens: (B, T); pos, rows: (B,), rows distinct; blocks: n_layer * N_BLOCK_PARAMS
  * pointers; k_cache, v_cache: one pointer per layer. wte_scales: the int8 token table's row
  * scales, NULL for a float one. wpe: the learned position table, or NULL. wtb: the bigram
- * table, or NULL; ids: the cache's (cache rows, max_len) token ids, which the bigram table
- * reads each token's predecessor from. rope_cos, rope_sin: model.py's rope tables, or NULL.
+ * table, or NULL; ids: the cache's (cache rows, max_len) token ids, which the step writes
+ * and from which it reads the predecessor of each call's first token. rope_cos, rope_sin:
+ * model.py's rope tables, or NULL.
  * lm_head (and its scales): an untied output layer, or NULL for wte's.
  * work: scratch of B * T * (5 * n_embd + max(n_embd, hidden) + n_head * max_len) floats. */
 void decode_step(float *logits, const int64_t *tokens, const int64_t *pos,
                  const int64_t *rows, int T,
                  const weight_t *wte, const float *wte_scales, const param_t *wpe,
-                 const param_t *wtb, int64_t *ids, const param_t *rope_cos, const param_t *rope_sin,
+                 const param_t *wtb, int64_t *ids,
+                 const param_t *rope_cos, const param_t *rope_sin,
                  const void *const *blocks, const param_t *ln_f_w, const param_t *ln_f_b,
                  const weight_t *lm_head, const float *lm_head_scales,
                  param_t *const *k_cache, param_t *const *v_cache, float *work,
@@ -450,13 +452,15 @@ void decode_step(float *logits, const int64_t *tokens, const int64_t *pos,
             const weight_t *tok_emb = wte + (size_t)tokens[r] * C;
             float scale = wte_scales ? wte_scales[tokens[r]] : 1.0f;
             int64_t at = pos[r / T] + r % T, *row_ids = ids + (size_t)rows[r / T] * max_len;
-            /* the token before this one is this call's, or for the first an earlier call's,
-             * which the cache holds; at position 0 there is none, the table's last row */
+            /* The first token's predecessor comes from an earlier call, through the cache's
+             * ids, and the others' from this call. Position 0 has none, so it reads the
+             * table's last row. */
             int64_t before = r % T ? tokens[r - 1] : at ? row_ids[at - 1] : vocab_size;
             row_ids[at] = tokens[r];
             for (int i = 0; i < C; i++) {
                 float p = wpe ? load(wpe, (size_t)at * C + i) : 0.0f;
                 float bigram = wtb ? load(wtb, (size_t)before * C + i) : 0.0f;
+                /* added in model.py's order, so that the sums round alike */
                 x[(size_t)r * C + i] = (load_weight(tok_emb, i) * scale + bigram) + p;
             }
             if (layout->embed_norm) rms_norm(x + (size_t)r * C, C, eps);

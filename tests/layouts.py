@@ -1,7 +1,7 @@
 """The model layouts that the tests run over: each switch of model.py's GPTConfig on its own,
-all of them together (the modern layout), and nanochat's layout, which adds its own details
-at once (a norm after the embedding, capped logits, a different MLP width, norm epsilon and
-rope base)."""
+all but the bigram table together (the modern layout), and nanochat's layout, which adds its
+own details at once (a norm after the embedding, capped logits, a different MLP width, norm
+epsilon and rope base)."""
 
 import torch
 

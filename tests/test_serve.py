@@ -704,7 +704,8 @@ def test_ignore_eos_goes_on_to_max_tokens(chat_server):
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory, char_data) -> Path:
     """The tiny model with a context of 128 tokens, room for a conversation of turns, and a
-    bigram table, whose reader of a reused prefix must find the predecessor in the cache."""
+    bigram table, so that a prefill after a reused prefix must read its first token's
+    predecessor from the cache."""
     from train import train
     from training.config import load_config
     out = tmp_path_factory.mktemp("long")

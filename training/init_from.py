@@ -40,8 +40,8 @@ def base_model(cfg: TrainConfig, meta: dict,
         if (folder / "config.json").is_file() and model_type(folder) == "gpt2" \
                 and not cfg.model_config(meta["vocab_size"]).is_gpt2:
             raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
-                              "qk_norm, mlp, tie_embeddings and n_kv_head at their defaults "
-                              "to fine-tune it")
+                              "qk_norm, mlp, tie_embeddings, embed_norm, bigram_embedding, "
+                              "logit_softcap and n_kv_head at their defaults to fine-tune it")
         config, state, tokenizer, source = base_weights(folder, None, cfg.model.dropout)
     except (FolderError, LoadError, CheckpointError, HubError) as e:
         raise ConfigError(f"init_from: {e}") from None

@@ -5,18 +5,17 @@ Usage:
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
 
 Two recipes, chosen by TrainConfig.optimizer:
-- "adamw", GPT-2's: AdamW at learning_rate, and at embedding_lr on the token tables.
+- "adamw", GPT-2's: AdamW at learning_rate, and at embedding_lr on the lookup tables (an
+  untied wte, the bigram table).
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
-  inside the blocks, and AdamW on the rest: the token tables (an untied wte and the bigram
-  table, where the model has them) at embedding_lr, and the head and any position table,
-  biases and norm gains at learning_rate (the quickstart has none of the last three). Muon
-  orthogonalizes each matrix's smoothed gradient, so that every direction of the update
-  moves at the same rate. That suits the hidden matrices and not the embeddings, whose rows
-  are looked up one at a time.
+  inside the blocks, and AdamW on the rest: the lookup tables at embedding_lr, and the head
+  and any position table, biases and norm gains at learning_rate. Muon orthogonalizes each
+  matrix's smoothed gradient, so that every direction of the update moves at the same rate,
+  which suits the hidden matrices and not the embeddings, whose rows are looked up one at a time.
 
 Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
-biases and gains, which a pull towards zero only hurts, nor to the token tables (see
-below). Each group follows train.py's schedule (get_lr_scale) as a fraction of its peak_lr.
+biases and gains, which a pull towards zero only hurts, nor to the lookup tables (see below).
+Each group follows train.py's schedule (get_lr_scale) as a fraction of its peak_lr.
 """
 
 from __future__ import annotations
@@ -43,13 +42,13 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     is the run's compute dtype; Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # An untied token table, like the bigram table, is a lookup whose rows move only where their
-    # tokens appear. It learns faster with a far larger lr than the head's (as in nanochat), and
-    # without weight decay, which grows with the lr and would pull its rows to zero. The head,
+    # An untied token table and the bigram table are lookups whose rows move only where their
+    # tokens appear. They learn faster with a far larger lr than the head's (as in nanochat), and
+    # without weight decay, which grows with the lr and would pull their rows to zero. The head,
     # whose every row the softmax reaches at every position, keeps learning_rate like the other weights.
-    lookups = {"wte": not model.config.tie_embeddings, "wtb": "wtb" in model.transformer}
-    tables = [model.transformer[name].weight for name, looked_up in lookups.items() if looked_up]
-    rest = [p for p in trained if p not in hidden | set(tables)]
+    tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
+    tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
+    rest = [p for p in trained if p not in hidden.union(tables)]  # about 20 parameters, once
     adamw_groups = [
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
          "peak_lr": cfg.learning_rate},
