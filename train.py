@@ -108,7 +108,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
         # Muon on the blocks' matrices: Nesterov momentum, made orthogonal (every direction moves
-        # at the same rate), at muon_lr; AdamW on the rest (the head; the token table at embedding_lr)
+        # at the same rate), at muon_lr; AdamW on the rest (the head; the lookup tables at embedding_lr)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

@@ -40,6 +40,7 @@ from tests.forked import python
 from tests.output import error_line
 from tests.shared import conversation
 from weights.checkpoint import load_checkpoint
+from weights.loading import grow_vocabulary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,11 +217,9 @@ def test_a_bigram_table_grows_with_the_vocabulary_and_keeps_its_last_row_last(ti
     # the README's chat fine-tuning of the quickstart, whose bigram table has a row for each
     # token and a last one for "no predecessor"
     from train import train
-    from weights.checkpoint import load_checkpoint as load
-    from weights.loading import grow_vocabulary
     base = train(tiny_config.updated(max_iters=4, eval_interval=4, bigram_embedding=True,
                                      sample_tokens=0, log_attention=False))
-    model = GPT(GPTConfig(**load(base.run_dir / "last.pt")["model_args"]))
+    model = GPT(GPTConfig(**load_checkpoint(base.run_dir / "last.pt")["model_args"]))
     with torch.no_grad():
         model.transformer.wtb.weight.normal_()
     old, V = model.transformer.wtb.weight, model.config.vocab_size
@@ -232,7 +231,7 @@ def test_a_bigram_table_grows_with_the_vocabulary_and_keeps_its_last_row_last(ti
     sft = train(tiny_config.updated(init_from=str(base.run_dir), data_dir=str(chat_data),
                                     run_name="sft", max_iters=4, eval_interval=4,
                                     sample_tokens=0, log_attention=False))
-    grown = load(sft.run_dir / "last.pt")["model"]["transformer.wtb.weight"]
+    grown = load_checkpoint(sft.run_dir / "last.pt")["model"]["transformer.wtb.weight"]
     assert grown.shape == (V + len(CHAT_SPECIALS) + 1, old.shape[1])
 
 

@@ -65,7 +65,7 @@ class TrainConfig:
     learning_rate: float = opt(1e-3, "peak AdamW learning rate")
     min_lr: float = opt(1e-4, "AdamW learning rate at the end of the cosine decay; every "
                         "group decays to the same fraction of its peak")
-    embedding_lr: float = opt(0.0, "peak AdamW learning rate of the token tables: wte when the "
+    embedding_lr: float = opt(0.0, "peak AdamW learning rate of the lookup tables: wte when the "
                               "head is untied (tie_embeddings false), and the bigram table; "
                               "0 means learning_rate")
     muon_lr: float = opt(0.02, "peak Muon learning rate (optimizer = muon)")

@@ -48,7 +48,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     # whose every row the softmax reaches at every position, keeps learning_rate like the other weights.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
-    rest = [p for p in trained if p not in hidden.union(tables)]  # about 20 parameters, once
+    rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
     adamw_groups = [
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
          "peak_lr": cfg.learning_rate},

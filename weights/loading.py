@@ -246,8 +246,9 @@ def base_weights(path: str | Path, block_size: int | None = None, dropout: float
 
 
 def grow_vocabulary(model: GPT, vocab_size: int) -> GPT:
-    """The model with rows added to its token table (and to an untied head) for the ids from its
-    vocabulary size up to vocab_size, each the mean of the old rows (weights.lazy.grown)."""
+    """The model with rows added to its token table (and to an untied head and the bigram
+    table) for the ids from its vocabulary size up to vocab_size, each the mean of the old
+    rows (weights.lazy.grown)."""
     grown_model = build(*grown(model.config, mapped(model.state_dict()), vocab_size))
     return grown_model.train(model.training)
 
