@@ -42,6 +42,7 @@ from machine.errors import UserError
 
 QUICKSTART = Path("config/quickstart.toml")
 CLASSIC = Path("config/quickstart_adamw.toml")
+BABY, BABY_ADAMW = Path("config/baby_gpt.toml"), Path("config/baby_gpt_adamw.toml")
 EVALUATION = re.compile(r"^(?:iter|step) (\d+): train loss [\d.]+, val loss ([\d.]+|nan|inf)")
 DTYPE_LINE = re.compile(r"^dtype (\w+) \(")
 
@@ -52,6 +53,9 @@ NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=Fa
                "--eval_iters=50", "--eval_interval=100", "--log_interval=10", "--block_size=64",
                "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
                "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+# On a GPU, nanoGPT's baby GPT as its config file gives it: compiled, bf16, evaluated every 250
+# iterations on 200 batches of 64, as config/baby_gpt.toml and baby_gpt_adamw.toml are
+NANOGPT_GPU = ["config/train_shakespeare_char.py", "--log_interval=10"]
 
 
 @dataclass(frozen=True)
@@ -78,17 +82,25 @@ class Recipe:
 
 @dataclass(frozen=True)
 class NanoGPT:
-    """nanoGPT's own train.py in its checkout, on its README's CPU settings."""
+    """nanoGPT's own train.py in its checkout: its README's CPU settings, or on a GPU its baby GPT."""
     path: Path
-    name: str = "nanoGPT, its README's CPU recipe"
+    gpu: bool = False
     baseline: bool = True
 
+    @property
+    def name(self) -> str:
+        return "nanoGPT, its baby GPT" if self.gpu else "nanoGPT, its README's CPU recipe"
+
+    @property
+    def dtype(self) -> str:  # what nanoGPT computes in, since it does not print it
+        return "bfloat16" if self.gpu else "float32"
+
     def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
-        return [sys.executable, "train.py", *NANOGPT_CPU, f"--out_dir={out_dir / run_name}"], \
-            self.path
+        settings = NANOGPT_GPU if self.gpu else NANOGPT_CPU
+        return [sys.executable, "train.py", *settings, f"--out_dir={out_dir / run_name}"], self.path
 
 
-def check_nanogpt(path: Path) -> NanoGPT:
+def check_nanogpt(path: Path, gpu: bool = False) -> NanoGPT:
     """A nanoGPT checkout with its character-level Shakespeare prepared, or one line saying
     what is missing."""
     if not (path / "train.py").is_file() or not (path / "model.py").is_file():
@@ -97,7 +109,7 @@ def check_nanogpt(path: Path) -> NanoGPT:
     if not (data / "train.bin").is_file() or not (data / "val.bin").is_file():
         raise UserError(f"--nanogpt {path}: its data is not prepared; put the same text in "
                         f"{data}/input.txt and run python {data}/prepare.py")
-    return NanoGPT(path)
+    return NanoGPT(path, gpu)
 
 
 # The classic recipe is nanoGPT's settings run by train.py, in fp32 as nanoGPT runs on a CPU,
@@ -109,6 +121,12 @@ RECIPES = [
                                            "eval_iters": 50}, baseline=True),
     Recipe("the quickstart as shipped (dtype auto)", QUICKSTART),
     Recipe("the quickstart in fp32", QUICKSTART, {"dtype": "float32"}),
+]
+# On a GPU, the baby GPT presets (bf16, compiled), stopped at the target: nanoGPT's model and
+# recipe (without biases, as nanoGPT's has none), and the modern layout with Muon
+GPU_RECIPES = [
+    Recipe("baby_gpt_adamw, no biases", BABY_ADAMW, {"bias": False}, baseline=True),
+    Recipe("baby_gpt (modern layout, muon)", BABY, baseline=True),
 ]
 
 
@@ -159,8 +177,7 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
         raise RuntimeError(f"recipe {recipe.name!r} failed with exit code {proc.returncode}:\n{tail}")
     evaluations = [EVALUATION.match(text) for _, text in lines]
     vals = [float(m.group(2)) for m in evaluations if m]
-    dtype = next((m.group(1) for m in map(DTYPE_LINE.match, (t for _, t in lines)) if m),
-                 "float32")  # nanoGPT computes in fp32 on a CPU
+    dtype = next((m.group(1) for m in map(DTYPE_LINE.match, (t for _, t in lines)) if m), None)
     spans = log_point_times(lines)[1:]  # the first holds the first steps' warm-up
     return {
         "ms_per_iter": 1000 * statistics.median(spans) if spans else None,
@@ -169,7 +186,10 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
         # a baseline stopped at the target has no final loss of its own
         "final_val_loss": vals[-1] if vals and not (recipe.baseline and hit) else None,
         "wall_s": time.perf_counter() - t0,
-        "dtype": dtype,
+        "dtype": dtype or recipe.dtype,  # train.py prints its dtype, and nanoGPT does not
+        # every evaluation as (iteration, seconds from the start, val loss), for other targets
+        "evaluations": [(int(m.group(1)), round(t - t0, 2), float(m.group(2)))
+                        for t, m in zip((t for t, _ in lines), evaluations, strict=True) if m],
     }
 
 
@@ -195,9 +215,10 @@ def time_to_loss(recipes: list[Recipe | NanoGPT], data_dir: Path, target: float,
         done = runs[recipe.name]
         rows.append({"recipe": recipe.name,
                      **{key: median_or_none([d[key] for d in done]) for key in done[0]
-                        if key != "dtype"},
+                        if key not in ("dtype", "evaluations")},
                      "dtype": "/".join(sorted({d["dtype"] for d in done})),
-                     "rounds": [d["seconds_to_target"] for d in done]})
+                     "rounds": [d["seconds_to_target"] for d in done],
+                     "evaluations": [d["evaluations"] for d in done]})
     base = rows[0]["seconds_to_target"]
     for row in rows:
         mine = row["seconds_to_target"]
@@ -206,12 +227,13 @@ def time_to_loss(recipes: list[Recipe | NanoGPT], data_dir: Path, target: float,
 
 
 def machine_line() -> str:
-    """The CPU, the flags that decide its speed here, the threads and torch, for a figure's
-    label."""
+    """The CPU, the flags that decide its speed here, the threads, the GPU if any, and torch,
+    for a figure's label."""
     flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
              if f in cpu_flags()]
+    gpu = f"GPU: {torch.cuda.get_device_name()}; " if torch.cuda.is_available() else ""
     return (f"CPU: {cpu_name()}; flags: {' '.join(flags) or 'none of avx2, avx512'}; "
-            f"{torch.get_num_threads()} threads; torch {torch.__version__}")
+            f"{torch.get_num_threads()} threads; {gpu}torch {torch.__version__}")
 
 
 def print_rows(rows: list[dict], target: float) -> None:

@@ -48,7 +48,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.autograd import DeviceType
 
 from benchmarks import check_paths
-from benchmarks.race import RECIPES, ablation_recipes, check_nanogpt, machine_line, print_rows, time_to_loss
+from benchmarks.race import (
+    GPU_RECIPES,
+    RECIPES,
+    ablation_recipes,
+    check_nanogpt,
+    machine_line,
+    print_rows,
+    time_to_loss,
+)
 from data.documents import read_text
 from data.prepare import prepare_text
 from machine.device import resolve_device
@@ -202,9 +210,10 @@ def main(
         if time_to_loss_target is not None:
             if input is None:
                 raise UserError("--time-to-loss races on a text: add --input FILE")
-            recipes = ablation_recipes() if ablate else RECIPES
+            gpu = torch.cuda.is_available()  # on a GPU, the baby GPT presets race instead
+            recipes = ablation_recipes() if ablate else GPU_RECIPES if gpu else RECIPES
             if nanogpt is not None:
-                recipes = [check_nanogpt(nanogpt), *recipes]
+                recipes = [check_nanogpt(nanogpt, gpu), *recipes]
             return race(input, recipes, time_to_loss_target, repeats, json_path)
         overrides = {"max_iters": max_iters, "eval_interval": eval_interval,
                      "eval_iters": eval_iters, "dtype": dtype, "device": device,

@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from data.loader import batch_sampler, load_meta, load_split
 from data.sources import DataError
+from machine.errors import UserError
 from machine.perf import datasheet_peak_flops, peak_flops
 from model import GPT, GPTConfig
 from tests.forked import python
@@ -418,6 +419,34 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     # final loss of its own
     assert stopped["iters_to_target"] == fast["iters_to_target"]
     assert stopped["final_val_loss"] is None
+    # every evaluation of every round, as (iteration, seconds from the start, val loss)
+    (evaluations,) = fast["evaluations"]
+    assert [it for it, _, _ in evaluations] == [10, 20, 30, 40]
+    assert [loss for _, _, loss in evaluations][-1] == fast["final_val_loss"]
+    assert (fast["iters_to_target"], fast["seconds_to_target"]) in [
+        (it, pytest.approx(seconds, abs=0.01)) for it, seconds, _ in evaluations]
+    assert [it for it, _, _ in stopped["evaluations"][0]][-1] == stopped["iters_to_target"]
+
+
+def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path):
+    from benchmarks.race import NANOGPT_CPU, check_nanogpt
+    with pytest.raises(UserError, match="no nanoGPT checkout there"):
+        check_nanogpt(tmp_path)
+    for name in ("train.py", "model.py"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(UserError, match="its data is not prepared"):
+        check_nanogpt(tmp_path)
+    data = tmp_path / "data" / "shakespeare_char"
+    data.mkdir(parents=True)
+    for name in ("train.bin", "val.bin"):
+        (data / name).write_bytes(b"")
+    cpu, gpu = check_nanogpt(tmp_path), check_nanogpt(tmp_path, gpu=True)
+    (cpu_args, cwd), (gpu_args, _) = (n.command(tmp_path, Path("/out"), "r") for n in (cpu, gpu))
+    assert cwd == tmp_path and cpu_args[-1] == gpu_args[-1] == "--out_dir=/out/r"
+    assert cpu_args[2:-1] == NANOGPT_CPU and "--device=cpu" in cpu_args
+    # on a GPU, its baby GPT as its config file gives it, compiled, in bf16
+    assert gpu_args[2:-1] == ["config/train_shakespeare_char.py", "--log_interval=10"]
+    assert (cpu.dtype, gpu.dtype) == ("float32", "bfloat16")
 
 
 def test_a_checkpoint_from_before_the_layout_switches_loads_as_gpt2(trained_run, tmp_path):
