@@ -127,7 +127,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             del saved  # its tensors are copied into the model and optimizers, so free them
         model = raw_model  # what the step calls: maybe compiled, maybe wrapped for torchrun
         if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
-            model = torch.compile(model)
+            # One GPU replays each forward and backward as a CUDA graph, because launching each kernel
+            # from Python would hold a small model back; not with accumulation, whose gradients must
+            # outlive the next replay, nor under torchrun, which communicates in the backward.
+            graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
+            model = torch.compile(model, mode="reduce-overhead" if graphs else None)
         if dist.enabled and not sharded:
             model = distributed.ddp(model, device)
         # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
@@ -203,10 +207,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard gets the loss, the lr (learning_rate times the schedule; the other peaks
-                # follow the same schedule), the grad norm, tokens/s and MFU. A terminal's progress bar
-                # shows the loss, tokens/s and MFU; a file or a pipe gets a line "iter 10/1000: loss
-                # 3.1612, 41,000 tokens/s, MFU 35.2%, 00:50 left". whole() gathers FSDP's norm.
+                # TensorBoard gets the loss, the lr (learning_rate's schedule), the grad norm (whole() gathers
+                # FSDP's), tokens/s and MFU, which a terminal's bar or a file's line "iter 10/1000: ..." shows
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -259,9 +261,8 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
 
 def load_data(cfg: TrainConfig, dist: distributed.Dist,
               ) -> tuple[dict, dict[str, Tokens], Tokenizer]:
-    """The dataset's meta.json, its splits memory-mapped, and its tokenizer; a built-in
-    dataset is prepared on first use. Rank 0 prepares and reads it first, while the other
-    processes wait, so a missing or damaged dataset is reported once, by rank 0."""
+    """The dataset's meta.json, its memory-mapped splits and its tokenizer. A built-in dataset is
+    prepared on first use, by rank 0 while the others wait, so that a problem is reported once."""
     data_dir = Path(cfg.data_dir)
     read = None  # rank 0's memmaps; the other processes open their own
 
@@ -319,9 +320,8 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any,
                   dist: distributed.Dist | None = None) -> dict[str, float]:
-    """The mean loss over eval_iters batches of each split (call it in eval mode). The batches
-    are the same at every evaluation (a fixed seed), so the curve shows the model changing,
-    not the sample. Under torchrun the processes share the batches out."""
+    """The mean loss over the same eval_iters batches of each split at every evaluation (call it in
+    eval mode), so that the curve shows the model change; under torchrun the processes share them."""
     dist = dist or distributed.Dist()
     out = {}
     for split, draw in samplers.items():
