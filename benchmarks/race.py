@@ -4,6 +4,7 @@ timed from the process's start to its first evaluation at or below a target val 
 Usage:
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
     python -m benchmarks.train --time-to-loss 1.95 --input input.txt --nanogpt ../nanoGPT
+    python -m benchmarks.train --time-to-loss 1.48 --input input.txt --nanogpt ../nanoGPT  # a GPU
 
     from benchmarks.race import Recipe, time_to_loss
     rows = time_to_loss([Recipe("tiny", Path("config/tiny.toml"), {})], data_dir, 2.6, 1)
@@ -17,7 +18,8 @@ below it arrives. The pace (ms/iter) is the median time between consecutive log 
 The recipes take turns, `repeats` rounds of them, so that a slow minute of a shared machine
 falls on all of them alike. A baseline (nanoGPT's recipe, and ours of the same settings) is
 stopped once it reaches the target, since only its time to the target is compared; the
-other recipes run to their end, so that their final val loss is known too.
+other recipes run to their end, so that their final val loss is known too. On a GPU the
+baby GPT presets race nanoGPT's own baby GPT instead (GPU_RECIPES), all stopped at the target.
 """
 
 from __future__ import annotations

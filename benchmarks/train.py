@@ -26,6 +26,7 @@ cost makes that run slower, so its ms/iter are not the figures to report.
 --time-to-loss races training recipes instead (benchmarks/race.py): the classic recipe
 (nanoGPT's settings), the quickstart as shipped and in fp32, or with --ablate what each
 switch of the model's layout buys; with --nanogpt, nanoGPT itself first, as the baseline.
+On a GPU, the baby GPT presets race, and nanoGPT runs its own baby GPT.
 Each runs as its own process, timed from its start to its first evaluation at or below the
 target val loss; the table gives the medians of --repeats alternating rounds.
 """
