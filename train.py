@@ -127,9 +127,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             del saved  # its tensors are copied into the model and optimizers, so free them
         model = raw_model  # what the step calls: maybe compiled, maybe wrapped for torchrun
         if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
-            # One GPU replays each forward and backward as a CUDA graph, because launching each kernel
-            # from Python would hold a small model back; not with accumulation, whose gradients must
-            # outlive the next replay, nor under torchrun, which communicates in the backward.
+            # One GPU replays each compiled pass as a CUDA graph, because launching each kernel from
+            # Python would hold a small model back; not with accumulation, whose gradients must outlive
+            # the next replay, nor under torchrun, whose reduction in the backward is untried with graphs.
             graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
             model = torch.compile(model, mode="reduce-overhead" if graphs else None)
         if dist.enabled and not sharded:
@@ -207,8 +207,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard gets the loss, the lr (learning_rate's schedule), the grad norm (whole() gathers
-                # FSDP's), tokens/s and MFU, which a terminal's bar or a file's line "iter 10/1000: ..." shows
+                # TensorBoard and the terminal get what log.point lists; the lr is learning_rate's (the
+                # other groups follow the same schedule), and whole() gathers FSDP's grad norm
                 log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
                           distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0

@@ -62,7 +62,7 @@ gpt2="--config config/gpt2_small.toml --set data_dir=\"$BPE\""
 
 for name in $STEPS; do case $name in
 nanogpt_baby)  # timed by when its log lines arrive (benchmarks/wallclock.py), as the race times it
-    step nanogpt_baby 100 $PYTHON -m benchmarks.wallclock --tokens-per-iter 16384 -- bash -c \
+    [ -n "$NANOGPT" ] && step nanogpt_baby 100 $PYTHON -m benchmarks.wallclock --tokens-per-iter 16384 -- bash -c \
         'nanogpt config/train_shakespeare_char.py --max_iters=300 --lr_decay_iters=300 \
         --eval_interval=300 --eval_iters=20 --log_interval=10 --out_dir=/tmp/ng_baby' ;;
 baby_adamw)  # nanoGPT's recipe run by train.py

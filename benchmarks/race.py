@@ -16,10 +16,11 @@ below it arrives. The pace (ms/iter) is the median time between consecutive log 
 (benchmarks/wallclock.py), leaving the evaluations out.
 
 The recipes take turns, `repeats` rounds of them, so that a slow minute of a shared machine
-falls on all of them alike. A baseline (nanoGPT's recipe, and ours of the same settings) is
-stopped once it reaches the target, since only its time to the target is compared; the
-other recipes run to their end, so that their final val loss is known too. On a GPU the
-baby GPT presets race nanoGPT's own baby GPT instead (GPU_RECIPES), all stopped at the target.
+falls on all of them alike. The baselines (nanoGPT's recipe, and ours of the same settings)
+stop once they reach the target, since only their time to it is compared; the other recipes
+run to their end, so that their final val loss is known too. On a GPU the baby GPT presets
+race nanoGPT's own baby GPT instead (GPU_RECIPES), all stopped at the target. The first
+recipe is the one the others' speed-ups are measured against.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Recipe:
     name: str
     config: Path
     overrides: dict[str, Any] = field(default_factory=dict)
-    baseline: bool = False  # stopped at the target, because only its time to it is compared
+    stop_at_target: bool = False  # because only its time to the target is compared
 
     def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
         """The command line and the folder it runs in."""
@@ -87,15 +88,18 @@ class NanoGPT:
     """nanoGPT's own train.py in its checkout: its README's CPU settings, or on a GPU its baby GPT."""
     path: Path
     gpu: bool = False
-    baseline: bool = True
+    stop_at_target: bool = True
 
     @property
     def name(self) -> str:
         return "nanoGPT, its baby GPT" if self.gpu else "nanoGPT, its README's CPU recipe"
 
     @property
-    def dtype(self) -> str:  # what nanoGPT computes in, since it does not print it
-        return "bfloat16" if self.gpu else "float32"
+    def dtype(self) -> str:
+        """What nanoGPT computes in, by its train.py's rule."""
+        if not self.gpu:
+            return "float32"
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
     def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
         settings = NANOGPT_GPU if self.gpu else NANOGPT_CPU
@@ -120,17 +124,17 @@ def check_nanogpt(path: Path, gpu: bool = False) -> NanoGPT:
 # bf16 runs it, each evaluated at its own interval.
 RECIPES = [
     Recipe("adamw classic fp32", CLASSIC, {"dtype": "float32", "eval_interval": 100,
-                                           "eval_iters": 50}, baseline=True),
+                                           "eval_iters": 50}, stop_at_target=True),
     Recipe("the quickstart as shipped (dtype auto)", QUICKSTART),
     Recipe("the quickstart in fp32", QUICKSTART, {"dtype": "float32"}),
 ]
 # On a GPU, the baby GPT presets (bf16), stopped at the target: nanoGPT's model and recipe
-# (without biases, as nanoGPT's has none), and the modern layout with Muon, compiled as the
-# presets are and not, because a short race can be decided by the compiler's start
+# (without biases, as nanoGPT's has none), and the modern layout with Muon both compiled, as
+# the preset ships, and not compiled, because the compiler's cold start can decide a short race
 GPU_RECIPES = [
-    Recipe("baby_gpt_adamw, no biases", BABY_ADAMW, {"bias": False}, baseline=True),
-    Recipe("baby_gpt (modern layout, muon)", BABY, baseline=True),
-    Recipe("baby_gpt, not compiled", BABY, {"compile": False}, baseline=True),
+    Recipe("baby_gpt_adamw, no biases", BABY_ADAMW, {"bias": False}, stop_at_target=True),
+    Recipe("baby_gpt (modern layout, muon)", BABY, stop_at_target=True),
+    Recipe("baby_gpt, not compiled", BABY, {"compile": False}, stop_at_target=True),
 ]
 
 
@@ -174,9 +178,9 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
             match = EVALUATION.match(line)
             if match and hit is None and float(match.group(2)) <= target:
                 hit = (int(match.group(1)), lines[-1][0] - t0)
-                if recipe.baseline:
+                if recipe.stop_at_target:
                     proc.terminate()
-    if proc.returncode != 0 and not (recipe.baseline and hit):
+    if proc.returncode != 0 and not (recipe.stop_at_target and hit):
         tail = "\n".join(text for _, text in lines[-5:])
         raise RuntimeError(f"recipe {recipe.name!r} failed with exit code {proc.returncode}:\n{tail}")
     evaluations = [EVALUATION.match(text) for _, text in lines]
@@ -187,10 +191,11 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
         "ms_per_iter": 1000 * statistics.median(spans) if spans else None,
         "iters_to_target": hit[0] if hit else None,
         "seconds_to_target": hit[1] if hit else None,
-        # a baseline stopped at the target has no final loss of its own
-        "final_val_loss": vals[-1] if vals and not (recipe.baseline and hit) else None,
+        # a run stopped at the target has no final loss of its own
+        "final_val_loss": vals[-1] if vals and not (recipe.stop_at_target and hit) else None,
         "wall_s": time.perf_counter() - t0,
-        "dtype": dtype or recipe.dtype,  # train.py prints its dtype, and nanoGPT does not
+        # train.py prints the dtype it chose; nanoGPT does not, so its own rule gives it
+        "dtype": dtype or (recipe.dtype if isinstance(recipe, NanoGPT) else "unknown"),
         # every evaluation as (iteration, seconds from the start, val loss), for other targets
         "evaluations": [(int(m.group(1)), round(t - t0, 2), float(m.group(2)))
                         for t, m in zip((t for t, _ in lines), evaluations, strict=True) if m],

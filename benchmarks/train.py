@@ -212,6 +212,9 @@ def main(
             if input is None:
                 raise UserError("--time-to-loss races on a text: add --input FILE")
             gpu = torch.cuda.is_available()  # on a GPU, the baby GPT presets race instead
+            if gpu and ablate:
+                raise UserError("--ablate races the quickstart's switches as a CPU runs them; "
+                                "hide the GPU with CUDA_VISIBLE_DEVICES=\"\"")
             recipes = ablation_recipes() if ablate else GPU_RECIPES if gpu else RECIPES
             if nanogpt is not None:
                 recipes = [check_nanogpt(nanogpt, gpu), *recipes]

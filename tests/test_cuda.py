@@ -49,12 +49,23 @@ def test_half_precision_training_follows_fp32(tiny_config, optimizer):
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_compiled_training_follows_eager(tiny_config, accumulation):
+def test_compiled_training_follows_eager(tiny_config, accumulation, monkeypatch):
     # without accumulation the compiled step replays as CUDA graphs, with it as plain kernels
     short = {"max_iters": 20, "eval_interval": 10, "gradient_accumulation_steps": accumulation}
     eager = val_losses(train_on_gpu(tiny_config, **short).run_dir)
+    from torch._dynamo.utils import counters  # the compiler's, imported only where a GPU is
+    modes, real_compile = [], torch.compile
+
+    def compile_noting_mode(fn, **options):  # the model's mode (check_compile compiles a function first)
+        if isinstance(fn, torch.nn.Module):
+            modes.append(options.get("mode"))
+        return real_compile(fn, **options)
+    monkeypatch.setattr(torch, "compile", compile_noting_mode)
+    skips = counters["inductor"]["cudagraph_skips"]
     compiled = val_losses(train_on_gpu(tiny_config, **short, compile=True).run_dir)
     assert compiled == pytest.approx(eager, abs=1e-2)
+    assert modes == ["reduce-overhead" if accumulation == 1 else None]
+    assert counters["inductor"]["cudagraph_skips"] == skips  # the compiler used the graphs it was asked for
 
 
 def test_torchrun_trains_one_process_under_nccl(tmp_path, char_data):

@@ -405,7 +405,7 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     short = {"eval_interval": 10, "max_iters": 40}
     recipes = [Recipe("slow", tiny, {**short, "learning_rate": 3e-4, "min_lr": 3e-5}),
                Recipe("fast", tiny, {**short, "optimizer": "muon"}),
-               Recipe("stopped", tiny, {**short, "optimizer": "muon"}, baseline=True)]
+               Recipe("stopped", tiny, {**short, "optimizer": "muon"}, stop_at_target=True)]
     rows = time_to_loss(recipes, char_data, target=2.6, repeats=1)
     assert [row["recipe"] for row in rows] == ["slow", "fast", "stopped"]
     slow, fast, stopped = rows
@@ -415,7 +415,7 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     assert fast["final_val_loss"] < 2.6 < slow["final_val_loss"]
     assert slow["ms_per_iter"] > 0 and fast["ms_per_iter"] > 0
     assert slow["dtype"] == fast["dtype"] == "float32"  # the dtype each run computed in (tiny's)
-    # a baseline stops at the target, so it takes the same iterations to reach it and has no
+    # a run stopped at the target takes the same iterations to reach it and has no
     # final loss of its own
     assert stopped["iters_to_target"] == fast["iters_to_target"]
     assert stopped["final_val_loss"] is None
