@@ -127,7 +127,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             del saved  # its tensors are copied into the model and optimizers, so free them
         model = raw_model  # what the step calls: maybe compiled, maybe wrapped for torchrun
         if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
-            # One GPU replays each compiled pass as a CUDA graph, because launching each kernel from
+            # On one GPU each compiled pass replays as a CUDA graph, because launching its kernels from
             # Python would hold a small model back; not with accumulation, whose gradients must outlive
             # the next replay, nor under torchrun, whose reduction in the backward is untried with graphs.
             graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
@@ -321,7 +321,7 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
                   device: torch.device, autocast: Any,
                   dist: distributed.Dist | None = None) -> dict[str, float]:
     """The mean loss over the same eval_iters batches of each split at every evaluation (call it in
-    eval mode), so that the curve shows the model change; under torchrun the processes share them."""
+    eval mode), so that the curve shows how the model changes; under torchrun the processes share them."""
     dist = dist or distributed.Dist()
     out = {}
     for split, draw in samplers.items():

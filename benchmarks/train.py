@@ -197,8 +197,8 @@ def main(
     ablate: Annotated[bool, typer.Option(
         help="With --time-to-loss: race the layout switches (ablation_recipes) instead.")] = False,
     nanogpt: Annotated[Path | None, typer.Option(
-        help="With --time-to-loss: race nanoGPT's README CPU recipe too, from this checkout, "
-             "as the baseline.")] = None,
+        help="With --time-to-loss: race nanoGPT too, from this checkout, as the baseline (its "
+             "README's CPU recipe, or on a GPU its baby GPT).")] = None,
     settings: Annotated[list[str] | None, typer.Option(
         "--set", help="KEY=VALUE: any other setting, the value in TOML (bias=false).")] = None,
     profile: Annotated[bool, typer.Option(
