@@ -11,19 +11,19 @@
 #   PYTHON=python3 TEXT=input.txt bash benchmarks/gpu.sh                       # where python is python3
 #
 # The steps: nanogpt_baby (needs NANOGPT), baby_adamw, baby_profiles, race, gpt2_small,
-# gpt2_profile, decode, serve, test_cuda. On a machine without internet, prepare beforehand
-# where there is: BPE (a folder of Shakespeare in GPT-2 BPE tokens, python -m data.prepare
-# FILE --tokenizer gpt2 --out FOLDER; default data/shakespeare_bpe), the asset cache
-# ($GPTLAB_CACHE, which that fills), and for NANOGPT a checkout whose data/shakespeare_char
-# and data/shakespeare hold train.bin and val.bin of the same texts. The log goes to
-# $OUT/log.txt (default: gpu-log.txt).
+# gpt2_profile, decode, serve, test_cuda, cpu_tests. On a machine without internet, prepare
+# beforehand where there is: BPE (a folder of Shakespeare in GPT-2 BPE tokens, python -m
+# data.prepare FILE --tokenizer gpt2 --out FOLDER; default data/shakespeare_bpe), the asset
+# cache ($GPTLAB_CACHE, which that fills), and for NANOGPT a checkout whose
+# data/shakespeare_char and data/shakespeare hold train.bin and val.bin of the same texts.
+# The log goes to $OUT/log.txt (default: gpu-log.txt).
 set -u
 cd "$(dirname "$0")/.."
 : "${TEXT:?set TEXT to a text file for the character-level runs}"
 BUDGET=${BUDGET:-540}
 PYTHON=${PYTHON:-python}
 BPE=${BPE:-data/shakespeare_bpe}
-STEPS=${*:-nanogpt_baby baby_adamw baby_profiles race gpt2_small gpt2_profile decode serve test_cuda}
+STEPS=${*:-nanogpt_baby baby_adamw baby_profiles race gpt2_small gpt2_profile decode serve test_cuda cpu_tests}
 LOG=${OUT:+$OUT/log.txt}
 LOG=${LOG:-gpu-log.txt}
 START=$(date +%s)
@@ -98,6 +98,9 @@ serve)
         --slots 64 --device cuda --max-tokens 64 ;;
 test_cuda)
     step test_cuda 200 $PYTHON -m pytest -q -n 6 -p no:cacheprovider tests/test_cuda.py ;;
+cpu_tests)  # the CPU suite's model, optimizer and training tests, under the GPU machine's torch
+    step cpu_tests 300 $PYTHON -m pytest -q -n 8 -p no:cacheprovider tests/test_model.py \
+        tests/test_optimizer.py tests/test_train.py tests/test_decode_step.py ;;
 *) echo "unknown step $name; the steps are in the usage above" >&2; exit 2 ;;
 esac; done
 echo "=== done in $(( $(date +%s) - START )) s" | tee -a "$LOG"
