@@ -138,6 +138,13 @@ GPU_RECIPES = [
 ]
 
 
+# What a CPU without AVX-512 runs, on one that has it: torch's own kernels, MKL's matrix
+# products, oneDNN and this project's C kernels (machine/cbuild.py) held to AVX2. dtype auto
+# reads the CPU's bf16 flags, not these limits, so a race under them leaves out its row.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CFLAGS": "-mno-avx512f"}
+
+
 # the layout switches: (the quickstart's value, GPT-2's value); the last three are nanochat's
 SWITCHES = {"pos_embedding": ("rope", "learned"), "norm": ("rmsnorm", "layernorm"),
             "qk_norm": (True, False), "mlp": ("relu2", "gelu"), "tie_embeddings": (False, True),
@@ -165,10 +172,12 @@ def ablation_recipes() -> list[Recipe]:
 
 
 def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name: str,
-               target: float) -> dict[str, Any]:
-    """Run one recipe in a fresh process and return its figures, timed from the process's start."""
+               target: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one recipe in a fresh process, with `env` added to its environment, and return its
+    figures, timed from the process's start."""
     args, cwd = recipe.command(data_dir, out_dir, run_name)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line arrives when it is printed
+    # each line arrives when it is printed
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     lines, hit = [], None
     t0 = time.perf_counter()
     with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -208,14 +217,14 @@ def median_or_none(values: list[float | None]) -> float | None:
 
 
 def time_to_loss(recipes: list[Recipe | NanoGPT], data_dir: Path, target: float,
-                 repeats: int) -> list[dict]:
+                 repeats: int, env: dict[str, str] | None = None) -> list[dict]:
     """Each recipe's median figures over `repeats` alternating rounds, and its speed-up in
-    time to the target over the first recipe's."""
+    time to the target over the first recipe's; every run has `env` in its environment."""
     runs: dict[str, list[dict]] = {r.name: [] for r in recipes}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(repeats):
             for i, recipe in enumerate(recipes):
-                figures = run_recipe(recipe, data_dir, Path(tmp), f"r{round_}-{i}", target)
+                figures = run_recipe(recipe, data_dir, Path(tmp), f"r{round_}-{i}", target, env)
                 runs[recipe.name].append(figures)
                 print(f"  round {round_ + 1}, {recipe.name}: {json.dumps(figures)}",
                       file=sys.stderr)

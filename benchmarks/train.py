@@ -8,6 +8,7 @@ Usage:
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt --ablate
     python -m benchmarks.train --time-to-loss 1.95 --input input.txt --nanogpt ../nanoGPT
+    python -m benchmarks.train --time-to-loss 1.95 --input input.txt --nanogpt ../nanoGPT --avx2
 
 One preset (by default config/quickstart.toml) is trained in this process into a temporary
 folder, on the text of --input (prepared char-level there) or else on the preset's own
@@ -26,7 +27,8 @@ cost makes that run slower, so its ms/iter are not the figures to report.
 --time-to-loss races training recipes instead (benchmarks/race.py): the classic recipe
 (nanoGPT's settings), the quickstart as shipped and in fp32, or with --ablate what each
 switch of the model's layout buys; with --nanogpt, nanoGPT itself first, as the baseline.
-On a GPU, the baby GPT presets race, and nanoGPT runs its own baby GPT.
+On a GPU, the baby GPT presets race, and nanoGPT runs its own baby GPT. --avx2 races the
+float32 recipes as a CPU without AVX-512 runs them (benchmarks/race.py's AVX2_ONLY).
 Each runs as its own process, timed from its start to its first evaluation at or below the
 target val loss; the table gives the medians of --repeats alternating rounds.
 """
@@ -50,6 +52,7 @@ from torch.autograd import DeviceType
 
 from benchmarks import check_paths
 from benchmarks.race import (
+    AVX2_ONLY,
     GPU_RECIPES,
     RECIPES,
     ablation_recipes,
@@ -77,13 +80,14 @@ def read_scalars(run_dir: Path) -> dict[str, list[Any]]:
     return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
 
 
-def race(input: Path, recipes: list, target: float, repeats: int,
-         json_path: Path | None) -> None:
-    """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`."""
-    print(machine_line())
+def race(input: Path, recipes: list, target: float, repeats: int, json_path: Path | None,
+         env: dict[str, str] | None = None) -> None:
+    """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`, each
+    run with `env` in its environment."""
+    print(machine_line() + ("; held to AVX2" if env == AVX2_ONLY else ""))
     with tempfile.TemporaryDirectory() as tmp:
         prepare_text(read_text(input), "char", tmp, source=str(input))
-        rows = time_to_loss(recipes, Path(tmp), target, repeats)
+        rows = time_to_loss(recipes, Path(tmp), target, repeats, env)
     print_rows(rows, target)
     if json_path:
         write_bytes_atomic(json_path, (json.dumps(rows, indent=2) + "\n").encode())
@@ -201,6 +205,9 @@ def main(
              "README's CPU recipe, or on a GPU its baby GPT).")] = None,
     settings: Annotated[list[str] | None, typer.Option(
         "--set", help="KEY=VALUE: any other setting, the value in TOML (bias=false).")] = None,
+    avx2: Annotated[bool, typer.Option(
+        help="With --time-to-loss: hold every trainer to AVX2 (torch, MKL, oneDNN, the C "
+             "kernels), as a CPU without AVX-512 runs them; only the float32 recipes race.")] = False,
     profile: Annotated[bool, typer.Option(
         help="Under torch's profiler: print where the time went (see the module's doc).")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
@@ -212,13 +219,19 @@ def main(
             if input is None:
                 raise UserError("--time-to-loss races on a text: add --input FILE")
             gpu = torch.cuda.is_available()  # on a GPU, the baby GPT presets race instead
-            if gpu and ablate:
-                raise UserError("--ablate races the quickstart's switches as a CPU runs them; "
-                                "hide the GPU with CUDA_VISIBLE_DEVICES=\"\"")
+            if gpu and (ablate or avx2):
+                raise UserError(f"--{'ablate' if ablate else 'avx2'} races the quickstart as a CPU "
+                                f"runs it; hide the GPU with CUDA_VISIBLE_DEVICES=\"\"")
+            if ablate and avx2:
+                raise UserError("--avx2 races the recipes of a fixed dtype, and the layout "
+                                "switches' rows take dtype auto; give one of --ablate and --avx2")
             recipes = ablation_recipes() if ablate else GPU_RECIPES if gpu else RECIPES
+            if avx2:  # dtype auto would choose bf16 by this CPU's flags, so only fixed dtypes race
+                recipes = [r for r in recipes if "dtype" in r.overrides]
             if nanogpt is not None:
                 recipes = [check_nanogpt(nanogpt, gpu), *recipes]
-            return race(input, recipes, time_to_loss_target, repeats, json_path)
+            return race(input, recipes, time_to_loss_target, repeats, json_path,
+                        AVX2_ONLY if avx2 else None)
         overrides = {"max_iters": max_iters, "eval_interval": eval_interval,
                      "eval_iters": eval_iters, "dtype": dtype, "device": device,
                      "compile": compile}

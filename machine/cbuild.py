@@ -5,10 +5,11 @@ Usage:
     lib = build_library(Path("cdecode/decode_step.c"), ["-DWEIGHT_BF16"], "the C decode step",
                         instead="choose --decode eager")
 
-The C compiler (`cc`, or $CC) builds a file once for this CPU (-march=native) and with
-OpenMP where it can, into $GPTLAB_CACHE/<the file's stem>/ (default ~/.cache/gptlab), with
-its sha256 beside it, so a damaged copy is built again. A build that had to leave out -march
-or OpenMP says so on stderr each time it is loaded. PyTorch ships its own OpenMP runtime
+The C compiler (`cc`, or $CC) builds a file once for this CPU (-march=native), with
+$GPTLAB_CFLAGS after its own flags, and with OpenMP where it can, into $GPTLAB_CACHE/<the
+file's stem>/ (default ~/.cache/gptlab), with its sha256 beside it, so a damaged copy is
+built again. A build that had to leave out -march or OpenMP says so on stderr each time it
+is loaded. PyTorch ships its own OpenMP runtime
 under the same name as the system's, so a library built here shares PyTorch's threads.
 """
 
@@ -62,6 +63,10 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
     attempts = {"": [*base, *arch, "-fopenmp"],
                 f"without -march={march}": [*base, "-fopenmp"],
                 f"without -march={march} or OpenMP (one thread)": base}
+    # a user's flags come last, so that they can take back what -march allows
+    # (GPTLAB_CFLAGS=-mno-avx512f builds for a CPU without AVX-512, on one that has it)
+    extra = os.environ.get("GPTLAB_CFLAGS", "").split()
+    attempts = {without: [*flags, *extra] for without, flags in attempts.items()}
     # the key includes the CPU's architecture and flags, because -march=native builds for
     # this one and a cache folder may be shared between machines
     cpu = f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"

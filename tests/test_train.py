@@ -429,7 +429,7 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
 
 
 def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path):
-    from benchmarks.race import NANOGPT_CPU, check_nanogpt, run_recipe
+    from benchmarks.race import AVX2_ONLY, NANOGPT_CPU, check_nanogpt, run_recipe
     with pytest.raises(UserError, match="no nanoGPT checkout there"):
         check_nanogpt(tmp_path)
     for name in ("train.py", "model.py"):
@@ -447,15 +447,16 @@ def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path):
     # on a GPU, its baby GPT as its config file gives it
     assert gpu_args[2:-1] == ["config/train_shakespeare_char.py", "--log_interval=10"]
     # the race reads nanoGPT's log as it prints it (a stand-in here, since CI has no nanoGPT):
-    # evaluations are "step N" lines, and it is stopped at the target
+    # evaluations are "step N" lines, and it is stopped at the target; --avx2's limits reach it
     (tmp_path / "train.py").write_text(
-        "import sys, time\n"
+        "import os, sys, time\n"
+        "if os.environ.get('MKL_ENABLE_INSTRUCTIONS') != 'AVX2': sys.exit('not held to AVX2')\n"
         "for it in range(0, 1000, 10):\n"
         "    if it % 20 == 0:\n"
         "        print(f'step {it}: train loss {4.2 - it / 20:.4f}, val loss {4.2 - it / 20:.4f}')\n"
         "    print(f'iter {it}: loss 3.0, time 10.00ms, mfu 1.00%', flush=True)\n"
         "    time.sleep(0.2)\n")
-    figures = run_recipe(cpu, tmp_path, tmp_path / "out", "r", target=2.6)
+    figures = run_recipe(cpu, tmp_path, tmp_path / "out", "r", target=2.6, env=AVX2_ONLY)
     assert figures["iters_to_target"] == 40 and figures["final_val_loss"] is None
     assert [(it, loss) for it, _, loss in figures["evaluations"]] == [(0, 4.2), (20, 3.2), (40, 2.2)]
     assert figures["dtype"] == "float32"  # nanoGPT's own choice on a CPU, as it prints none
