@@ -138,11 +138,12 @@ GPU_RECIPES = [
 ]
 
 
-# What a CPU without AVX-512 runs, on one that has it: torch's own kernels, MKL's matrix
-# products, oneDNN and this project's C kernels (machine/cbuild.py) held to AVX2. dtype auto
-# reads the CPU's bf16 flags, not these limits, so a race under them leaves out its row.
+# What a CPU without AVX-512 runs, on an x86 one that has it: torch's own kernels, MKL's
+# matrix products, oneDNN and this project's C kernels (machine/cbuild.py) held to AVX2, in
+# place of any such settings of the caller's. dtype auto reads the CPU's bf16 flags, not these
+# limits, so a race under them leaves out dtype auto's row.
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CFLAGS": "-mno-avx512f"}
+             "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CFLAGS": "-march=x86-64-v3"}
 
 
 # the layout switches: (the quickstart's value, GPT-2's value); the last three are nanochat's
@@ -209,6 +210,19 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
         "evaluations": [(int(m.group(1)), round(t - t0, 2), float(m.group(2)))
                         for t, m in zip((t for t, _ in lines), evaluations, strict=True) if m],
     }
+
+
+def build_c_kernels(env: dict[str, str] | None = None) -> None:
+    """Build the C kernels and the C decode step as a CPU's runs will load them, in a process
+    with `env`, so that no run's time holds a build, and a build that fails (no compiler, or
+    flags it refuses) stops the race rather than leaving the runs to PyTorch's slower operations."""
+    script = ("import torch; from machine.cpu_kernels import kernels; from cdecode import build; "
+              "build(torch.float32); raise SystemExit(kernels() is None)")
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, **(env or {})},
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UserError(f"the C kernels could not be built for the race: {last}")
 
 
 def median_or_none(values: list[float | None]) -> float | None:

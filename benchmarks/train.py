@@ -36,6 +36,7 @@ target val loss; the table gives the medians of --repeats alternating rounds.
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import tempfile
 import tomllib
@@ -56,6 +57,7 @@ from benchmarks.race import (
     GPU_RECIPES,
     RECIPES,
     ablation_recipes,
+    build_c_kernels,
     check_nanogpt,
     machine_line,
     print_rows,
@@ -81,13 +83,15 @@ def read_scalars(run_dir: Path) -> dict[str, list[Any]]:
 
 
 def race(input: Path, recipes: list, target: float, repeats: int, json_path: Path | None,
-         env: dict[str, str] | None = None) -> None:
-    """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`, each
-    run with `env` in its environment."""
-    print(machine_line() + ("; held to AVX2" if env == AVX2_ONLY else ""))
+         avx2: bool = False) -> None:
+    """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`, with
+    avx2, each held to AVX2 (AVX2_ONLY)."""
+    print(machine_line() + ("; held to AVX2" if avx2 else ""))
+    if not torch.cuda.is_available():
+        build_c_kernels(AVX2_ONLY if avx2 else None)
     with tempfile.TemporaryDirectory() as tmp:
         prepare_text(read_text(input), "char", tmp, source=str(input))
-        rows = time_to_loss(recipes, Path(tmp), target, repeats, env)
+        rows = time_to_loss(recipes, Path(tmp), target, repeats, AVX2_ONLY if avx2 else None)
     print_rows(rows, target)
     if json_path:
         write_bytes_atomic(json_path, (json.dumps(rows, indent=2) + "\n").encode())
@@ -223,15 +227,17 @@ def main(
                 raise UserError(f"--{'ablate' if ablate else 'avx2'} races the quickstart as a CPU "
                                 f"runs it; hide the GPU with CUDA_VISIBLE_DEVICES=\"\"")
             if ablate and avx2:
-                raise UserError("--avx2 races the recipes of a fixed dtype, and the layout "
-                                "switches' rows take dtype auto; give one of --ablate and --avx2")
+                raise UserError("--avx2 races the float32 recipes, and the layout switches' rows "
+                                "take dtype auto; give one of --ablate and --avx2")
+            if avx2 and platform.machine() not in ("x86_64", "AMD64"):
+                raise UserError(f"--avx2 holds an x86 CPU to AVX2, and this one is "
+                                f"{platform.machine()}; race without it")
             recipes = ablation_recipes() if ablate else GPU_RECIPES if gpu else RECIPES
-            if avx2:  # dtype auto would choose bf16 by this CPU's flags, so only fixed dtypes race
-                recipes = [r for r in recipes if "dtype" in r.overrides]
+            if avx2:  # dtype auto would choose bf16 by this CPU's flags, so only float32 races
+                recipes = [r for r in recipes if r.overrides.get("dtype") == "float32"]
             if nanogpt is not None:
                 recipes = [check_nanogpt(nanogpt, gpu), *recipes]
-            return race(input, recipes, time_to_loss_target, repeats, json_path,
-                        AVX2_ONLY if avx2 else None)
+            return race(input, recipes, time_to_loss_target, repeats, json_path, avx2)
         overrides = {"max_iters": max_iters, "eval_interval": eval_interval,
                      "eval_iters": eval_iters, "dtype": dtype, "device": device,
                      "compile": compile}

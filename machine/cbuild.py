@@ -9,8 +9,8 @@ The C compiler (`cc`, or $CC) builds a file once for this CPU (-march=native), w
 $GPTLAB_CFLAGS after its own flags, and with OpenMP where it can, into $GPTLAB_CACHE/<the
 file's stem>/ (default ~/.cache/gptlab), with its sha256 beside it, so a damaged copy is
 built again. A build that had to leave out -march or OpenMP says so on stderr each time it
-is loaded. PyTorch ships its own OpenMP runtime
-under the same name as the system's, so a library built here shares PyTorch's threads.
+is loaded. PyTorch ships its own OpenMP runtime under the same name as the system's, so a
+library built here shares PyTorch's threads.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -63,9 +64,9 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
     attempts = {"": [*base, *arch, "-fopenmp"],
                 f"without -march={march}": [*base, "-fopenmp"],
                 f"without -march={march} or OpenMP (one thread)": base}
-    # a user's flags come last, so that they can take back what -march allows
-    # (GPTLAB_CFLAGS=-mno-avx512f builds for a CPU without AVX-512, on one that has it)
-    extra = os.environ.get("GPTLAB_CFLAGS", "").split()
+    # a user's flags come last, so that a -march among them wins over this CPU's
+    # (GPTLAB_CFLAGS=-march=x86-64-v3 builds for an AVX2 CPU, on one with AVX-512)
+    extra = shlex.split(os.environ.get("GPTLAB_CFLAGS", ""))
     attempts = {without: [*flags, *extra] for without, flags in attempts.items()}
     # the key includes the CPU's architecture and flags, because -march=native builds for
     # this one and a cache folder may be shared between machines
@@ -111,7 +112,9 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
                                  f"full or a file size limit is set); free space")
         if lacks is None:
             last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
-            raise BuildError(f"{cc} could not build {source.name}: {last_line}")
+            given = os.environ.get("GPTLAB_CFLAGS")
+            raise BuildError(f"{cc} could not build {source.name}: {last_line}"
+                             + (f"; check GPTLAB_CFLAGS ({given})" if given else ""))
         if lacks:
             write_bytes_atomic(note, lacks.encode())
         # written whole or not at all, so that another process never loads half a library

@@ -264,8 +264,7 @@ def test_without_a_compiler_the_cli_says_so(tmp_path):
 
 
 def test_gptlab_cflags_reach_the_compiler_after_its_own_flags(tmp_path, monkeypatch):
-    from machine.cbuild import build_library
-    from machine.device import cpu_flags
+    from machine.cbuild import BuildError, build_library
     source = tmp_path / "flags.c"
     source.write_text("#ifndef CHOSEN\n#define CHOSEN 0\n#endif\nint chosen(void) { return CHOSEN; }\n"
                       "#ifdef __AVX512F__\nint avx512(void) { return 1; }\n"
@@ -275,12 +274,14 @@ def test_gptlab_cflags_reach_the_compiler_after_its_own_flags(tmp_path, monkeypa
     def built(cflags: str):
         monkeypatch.setenv("GPTLAB_CFLAGS", cflags)
         return build_library(source, [], "a test library", instead="skip it")
-    x86 = platform.machine() == "x86_64"
-    plain, flagged = built(""), built("-DCHOSEN=7" + " -mno-avx512f" * x86)
+    plain, flagged = built(""), built("-DCHOSEN=7" + " -march=x86-64-v3" * X86)
     assert (plain.chosen(), flagged.chosen()) == (0, 7)
-    # after -march=native, so that they can build for a CPU without AVX-512 on one with it
+    # after -march=native, so that their -march wins: an AVX2 build on a CPU with AVX-512
     assert plain.avx512() == ("avx512f" in cpu_flags())
     assert flagged.avx512() == 0
+    monkeypatch.setenv("GPTLAB_CFLAGS", "-mno-such-flag")
+    with pytest.raises(BuildError, match=r"could not build flags\.c: .*; check GPTLAB_CFLAGS \(-mno-such"):
+        build_library(source, [], "a test library", instead="skip it")
 
 
 def test_a_build_without_openmp_or_march_says_so_and_still_computes_the_same(tmp_path):

@@ -428,7 +428,7 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     assert [it for it, _, _ in stopped["evaluations"][0]][-1] == stopped["iters_to_target"]
 
 
-def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path):
+def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monkeypatch):
     from benchmarks.race import AVX2_ONLY, NANOGPT_CPU, check_nanogpt, run_recipe
     with pytest.raises(UserError, match="no nanoGPT checkout there"):
         check_nanogpt(tmp_path)
@@ -450,17 +450,32 @@ def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path):
     # evaluations are "step N" lines, and it is stopped at the target; --avx2's limits reach it
     (tmp_path / "train.py").write_text(
         "import os, sys, time\n"
-        "if os.environ.get('MKL_ENABLE_INSTRUCTIONS') != 'AVX2': sys.exit('not held to AVX2')\n"
+        f"if any(os.environ.get(k) != v for k, v in {AVX2_ONLY!r}.items()): sys.exit('not AVX2')\n"
         "for it in range(0, 1000, 10):\n"
         "    if it % 20 == 0:\n"
         "        print(f'step {it}: train loss {4.2 - it / 20:.4f}, val loss {4.2 - it / 20:.4f}')\n"
         "    print(f'iter {it}: loss 3.0, time 10.00ms, mfu 1.00%', flush=True)\n"
         "    time.sleep(0.2)\n")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")  # the race's limits replace the caller's
     figures = run_recipe(cpu, tmp_path, tmp_path / "out", "r", target=2.6, env=AVX2_ONLY)
     assert figures["iters_to_target"] == 40 and figures["final_val_loss"] is None
     assert [(it, loss) for it, _, loss in figures["evaluations"]] == [(0, 4.2), (20, 3.2), (40, 2.2)]
     assert figures["dtype"] == "float32"  # nanoGPT's own choice on a CPU, as it prints none
     assert figures["wall_s"] < 10  # stopped at the target, long before its 1000 iterations
+
+
+def test_the_race_refuses_what_it_cannot_race_in_one_line(tmp_path):
+    from benchmarks.race import build_c_kernels
+    text = tmp_path / "input.txt"
+    text.write_text("to be or not to be\n" * 50)
+    result = python(["-m", "benchmarks.train", "--time-to-loss", "2", "--input", str(text),
+                     "--ablate", "--avx2"])
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: --avx2 races the float32 recipes, and the layout "
+                                     "switches' rows take dtype auto; give one of --ablate and --avx2")
+    # a build of the C kernels that fails stops the race before any run
+    with pytest.raises(UserError, match="the C kernels could not be built for the race: .*GPTLAB_CFLAGS"):
+        build_c_kernels({"GPTLAB_CFLAGS": "-mno-such-flag", "GPTLAB_CACHE": str(tmp_path / "cache")})
 
 
 def test_a_checkpoint_from_before_the_layout_switches_loads_as_gpt2(trained_run, tmp_path):
