@@ -128,8 +128,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         model = raw_model  # what the step calls: maybe compiled, maybe wrapped for torchrun
         if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
             # On one GPU each compiled pass replays as a CUDA graph, because launching its kernels from
-            # Python would hold a small model back; not with accumulation, whose gradients must outlive
-            # the next replay, nor under torchrun, whose reduction in the backward is untried with graphs.
+            # Python would hold a small model back. Graphs are left out with accumulation, whose gradients
+            # must outlive the next replay, and under torchrun, which reduces gradients in the backward.
             graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
             model = torch.compile(model, mode="reduce-overhead" if graphs else None)
         if dist.enabled and not sharded:

@@ -56,8 +56,8 @@ NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=Fa
                "--eval_iters=50", "--eval_interval=100", "--log_interval=10", "--block_size=64",
                "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
                "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
-# On a GPU, nanoGPT's baby GPT as its config file gives it: compiled, bf16, evaluated every 250
-# iterations on 200 batches of 64, as config/baby_gpt.toml and baby_gpt_adamw.toml are
+# On a GPU, nanoGPT runs its baby GPT as its config file gives it (compiled, in bf16, evaluated
+# every 250 iterations on 200 batches of 64), as config/baby_gpt.toml and baby_gpt_adamw.toml are.
 NANOGPT_GPU = ["config/train_shakespeare_char.py", "--log_interval=10"]
 
 
@@ -67,7 +67,7 @@ class Recipe:
     name: str
     config: Path
     overrides: dict[str, Any] = field(default_factory=dict)
-    stop_at_target: bool = False  # because only its time to the target is compared
+    stop_at_target: bool = False  # a baseline stops there, because only its time to it is compared
 
     def command(self, data_dir: Path, out_dir: Path, run_name: str) -> tuple[list[str], Path]:
         """The command line and the folder it runs in."""
@@ -128,9 +128,9 @@ RECIPES = [
     Recipe("the quickstart as shipped (dtype auto)", QUICKSTART),
     Recipe("the quickstart in fp32", QUICKSTART, {"dtype": "float32"}),
 ]
-# On a GPU, the baby GPT presets (bf16), stopped at the target: nanoGPT's model and recipe
-# (without biases, as nanoGPT's has none), and the modern layout with Muon both compiled, as
-# the preset ships, and not compiled, because the compiler's cold start can decide a short race
+# On a GPU, the baby GPT presets race in bf16 and stop at the target. One is nanoGPT's model and
+# recipe (without biases, as nanoGPT's has none); the modern layout with Muon races both compiled,
+# as the preset ships, and not compiled, because the compiler's cold start can decide a short race.
 GPU_RECIPES = [
     Recipe("baby_gpt_adamw, no biases", BABY_ADAMW, {"bias": False}, stop_at_target=True),
     Recipe("baby_gpt (modern layout, muon)", BABY, stop_at_target=True),
@@ -138,10 +138,10 @@ GPU_RECIPES = [
 ]
 
 
-# What a CPU without AVX-512 runs, on an x86 one that has it: torch's own kernels, MKL's
-# matrix products, oneDNN and this project's C kernels (machine/cbuild.py) held to AVX2, in
-# place of any such settings of the caller's. dtype auto reads the CPU's bf16 flags, not these
-# limits, so a race under them leaves out dtype auto's row.
+# These settings make an x86 CPU with AVX-512 run as one without it: they hold torch's own
+# kernels, MKL's matrix products, oneDNN and this project's C kernels (machine/cbuild.py) to
+# AVX2, and replace any such settings of the caller's. dtype auto reads the CPU's bf16 flags,
+# not these limits, so a race under them leaves out dtype auto's row.
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CFLAGS": "-march=x86-64-v3"}
 

@@ -87,11 +87,12 @@ def race(input: Path, recipes: list, target: float, repeats: int, json_path: Pat
     """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`, with
     avx2, each held to AVX2 (AVX2_ONLY)."""
     print(machine_line() + ("; held to AVX2" if avx2 else ""))
+    env = AVX2_ONLY if avx2 else None
     if not torch.cuda.is_available():
-        build_c_kernels(AVX2_ONLY if avx2 else None)
+        build_c_kernels(env)
     with tempfile.TemporaryDirectory() as tmp:
         prepare_text(read_text(input), "char", tmp, source=str(input))
-        rows = time_to_loss(recipes, Path(tmp), target, repeats, AVX2_ONLY if avx2 else None)
+        rows = time_to_loss(recipes, Path(tmp), target, repeats, env)
     print_rows(rows, target)
     if json_path:
         write_bytes_atomic(json_path, (json.dumps(rows, indent=2) + "\n").encode())
