@@ -286,13 +286,29 @@ def test_resuming_below_the_checkpoints_iteration_says_so(tiny_config):
 
 
 def test_a_signal_while_the_run_starts_still_saves_a_resumable_checkpoint(tmp_path, char_data):
-    # the handlers are set before the run folder exists, so a SIGTERM during setup or the
-    # first evaluation is answered after the first step, with a checkpoint and the resume hint
-    proc = start_training("--data-dir", str(char_data), "--out-dir", str(tmp_path),
+    # The handlers are set before the data is read, so a SIGTERM during setup is answered after
+    # the first step, with a checkpoint and the resume hint. The dataset's meta.json is a FIFO,
+    # which holds the run inside its setup until the test has sent the signal, on a machine of
+    # any speed.
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    meta = (data / "meta.json").read_bytes()
+    (data / "meta.json").unlink()
+    os.mkfifo(data / "meta.json")
+    proc = start_training("--data-dir", str(data), "--out-dir", str(tmp_path),
                           "--max-iters", "100000", "--sample-tokens", "0")
-    wait_for_line(proc, "dtype ")  # printed after setup, before the first evaluation
+    deadline = time.monotonic() + 120
+    while True:  # opening the FIFO to write succeeds once the run has it open to read
+        try:
+            fifo = os.open(data / "meta.json", os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:  # ENXIO: no reader yet
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    assert os.write(fifo, meta) == len(meta)
+    os.close(fifo)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "stopped by SIGTERM at iter 1; saved" in stderr and "--resume" in stderr
     assert load_checkpoint(tmp_path / "tiny" / "last.pt")["iter_num"] == 1
