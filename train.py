@@ -150,17 +150,17 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     f"train; raise --max-iters to train it further")
 
         def evaluate(it: int) -> dict[str, float]:
-            """Both splits' losses, logged as soon as they are known, then a text sample and
-            the attention pictures."""
-            model.eval()  # no dropout while measuring or sampling
-            losses = estimate_loss(model, samplers, cfg, device, autocast, dist)
+            """Both splits' losses, logged as soon as known, then a sample and attention pictures."""
+            raw_model.eval()  # no dropout while measuring or sampling
+            # uncompiled, because compiling a graph for eval mode too costs more time than it saves
+            losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
             log.losses(it, losses)  # "iter 100: train loss 1.8754, val loss 1.9436"
             if not math.isfinite(losses["val"]):
                 raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
                                     f"checkpoint is kept: lower learning_rate or set grad_clip")
             log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist),
                          raw_model)
-            model.train()
+            raw_model.train()
             return losses
 
         # --- the loop ---------------------------------------------------------------------

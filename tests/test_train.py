@@ -426,6 +426,8 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     assert (fast["iters_to_target"], fast["seconds_to_target"]) in [
         (it, pytest.approx(seconds, abs=0.01)) for it, seconds, _ in evaluations]
     assert [it for it, _, _ in stopped["evaluations"][0]][-1] == stopped["iters_to_target"]
+    # the start: the first log point (iteration 10) is printed before its evaluation
+    assert 0 < fast["first_log_s"] <= evaluations[0][1]
 
 
 def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monkeypatch):
@@ -462,6 +464,8 @@ def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monk
     assert [(it, loss) for it, _, loss in figures["evaluations"]] == [(0, 4.2), (20, 3.2), (40, 2.2)]
     assert figures["dtype"] == "float32"  # nanoGPT's own choice on a CPU, as it prints none
     assert figures["wall_s"] < 10  # stopped at the target, long before its 1000 iterations
+    # nanoGPT's first log point comes after its evaluation at iteration 0 and before the next
+    assert figures["evaluations"][0][1] <= figures["first_log_s"] < figures["evaluations"][1][1]
 
 
 def test_the_race_refuses_what_it_cannot_race_in_one_line(tmp_path):
