@@ -100,7 +100,7 @@ test_cuda)
     step test_cuda 200 $PYTHON -m pytest -q -n 6 -p no:cacheprovider tests/test_cuda.py ;;
 cpu_tests)  # the CPU suite's model, optimizer and training tests, under the GPU machine's torch
     step cpu_tests 300 $PYTHON -m pytest -q -n 8 -p no:cacheprovider tests/test_model.py \
-        tests/test_optimizer.py tests/test_train.py tests/test_decode_step.py ;;
+        tests/test_optimizer.py tests/test_train.py tests/test_decode_step.py tests/test_processes.py ;;
 *) echo "unknown step $name; the steps are in the usage above" >&2; exit 2 ;;
 esac; done
 echo "=== done in $(( $(date +%s) - START )) s" | tee -a "$LOG"

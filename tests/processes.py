@@ -66,9 +66,11 @@ def session_processes() -> list[psutil.Process]:
 
 
 def is_helper(p: psutil.Process) -> bool:
-    """Whether `p` is a helper that this process's libraries keep until this process exits."""
+    """Whether `p` is a helper that this process's libraries keep until this process exits:
+    its child, or a child's child (torch's compile workers are forked by a pool process of their own)."""
     try:
-        return p.ppid() == os.getpid() and any(h in command_line(p) for h in HELPERS)
+        return (any(h in command_line(p) for h in HELPERS)
+                and os.getpid() in [parent.pid for parent in p.parents()[:2]])
     except psutil.NoSuchProcess:
         return True
 

@@ -3,6 +3,8 @@ included: training in bf16 and in fp16 (with the gradient scaler) follows fp32, 
 follows eager, torchrun trains under NCCL (FSDP too), a checkpoint written on the GPU runs
 on the CPU, and cached decoding gives the uncached tokens past block_size."""
 
+import json
+import math
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -28,6 +30,12 @@ def val_losses(run_dir: Path) -> list[float]:
     return [e.value for e in read_scalars(run_dir)["loss/val"]]
 
 
+def uniform_guess(data_dir: Path | str) -> float:
+    """The loss of a model that gives each of the data's tokens the same probability."""
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    return math.log(meta["tokenizer"]["vocab_size"])
+
+
 def train_on_gpu(cfg: TrainConfig, **changes) -> TrainResult:
     """The tiny preset on the GPU for 60 iterations (each call writes a new run folder)."""
     return train(cfg.updated(**{"device": "cuda", "max_iters": 60, "eval_interval": 30,
@@ -40,7 +48,7 @@ def test_half_precision_training_follows_fp32(tiny_config, optimizer):
     for dtype in ("bfloat16", "float16"):
         result = train_on_gpu(tiny_config, optimizer=optimizer, dtype=dtype)
         half = val_losses(result.run_dir)
-        assert half[-1] < half[0] - 1.0  # it learns (from about 3.6, the uniform guess)
+        assert half[-1] < min(half[0], uniform_guess(tiny_config.data_dir) - 1.0)  # it learns
         assert abs(half[-1] - fp32[-1]) < 0.1, (dtype, half, fp32)
         ckpt = load_checkpoint(result.run_dir / "last.pt")
         assert ckpt["dtype"] == dtype
@@ -94,7 +102,7 @@ def test_fsdp_trains_under_nccl_in_bf16_compiled_or_not(tmp_path, char_data, com
     assert result.returncode == 0, result.stderr[-2000:]
     assert "done: 20 iters" in result.stdout
     losses = val_losses(tmp_path / "tiny")
-    assert losses[-1] < losses[0] - 0.5
+    assert losses[-1] < min(losses[0], uniform_guess(char_data) - 0.5)  # it learns
 
 
 @contextmanager
