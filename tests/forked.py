@@ -142,7 +142,12 @@ def run(argv: list[str]) -> None:
 def serve() -> None:
     import importlib
     for name in PRELOADED:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            # a library this Python lacks (fastapi on the GPU machines) is reported by the
+            # command that needs it, and the other commands still run
+            pass
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)

@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from data.loader import batch_sampler, load_meta, load_split
 from data.sources import DataError
+from machine.device import resolve_device
 from machine.errors import UserError
 from machine.perf import datasheet_peak_flops, peak_flops
 from model import GPT, GPTConfig
@@ -96,9 +97,11 @@ def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     splits = {s: batch_sampler(load_split(tiny_config.data_dir, s), meta,
                                tiny_config.model.block_size, tiny_config.batch_size)
               for s in ("train", "val")}
-    dtype = getattr(torch, ckpt["dtype"])  # evaluated again in the precision the run used
-    losses = estimate_loss(model, splits, tiny_config, torch.device("cpu"),
-                           torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32))
+    # evaluated again on the device and in the precision that the run used (on a GPU machine
+    # the preset's device auto is the GPU, whose sums differ from the CPU's in the last bits)
+    device, dtype = resolve_device(tiny_config.device), getattr(torch, ckpt["dtype"])
+    losses = estimate_loss(model.to(device), splits, tiny_config, device,
+                           torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
     assert losses["val"] == ckpt["val_loss"] == result.final_losses["val"]
     assert (result.run_dir / "best.pt").is_file()
 

@@ -82,10 +82,12 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
         for group, setting in zip(opt.param_groups, settings, strict=True):
             group.update(setting)
     scaler.load_state_dict(saved.scaler)
-    torch.set_rng_state(saved.rng["torch"])
-    if device.type == "cuda" and "cuda" in saved.rng:
-        torch.cuda.set_rng_state(saved.rng["cuda"].cpu(), device)
-    batches.restore(saved.rng["batches"])
+    # a generator's state is a CPU tensor, even the GPU's, and the checkpoint was read onto the device
+    rng = {name: state.cpu() for name, state in saved.rng.items()}
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    batches.restore(rng["batches"])
     return saved.iter_num, saved.best_val_loss
 
 
