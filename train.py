@@ -152,7 +152,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         def evaluate(it: int) -> dict[str, float]:
             """Both splits' losses, logged as soon as known, then a sample and attention pictures."""
             raw_model.eval()  # no dropout while measuring or sampling
-            # uncompiled, because compiling a graph for eval mode too costs more time than it saves
+            # uncompiled, so that a compiled run compiles one graph at its start, not a second for eval mode
             losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
             log.losses(it, losses)  # "iter 100: train loss 1.8754, val loss 1.9436"
             if not math.isfinite(losses["val"]):
