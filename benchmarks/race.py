@@ -13,7 +13,9 @@ Every trainer is timed by one clock: the moment each line of its output arrives.
 evaluation is a line "iter N: train loss X, val loss Y" (train.py) or "step N: train loss
 X, val loss Y" (nanoGPT), and the time to the target is when the first such line at or
 below it arrives. The pace (ms/iter) is the median time between consecutive log lines
-(benchmarks/wallclock.py), leaving the evaluations out.
+(benchmarks/wallclock.py), leaving the evaluations out; an evaluation's cost is the time
+between the log lines on either side of it, less its steps' at that pace; and the start is
+the time to the first log line.
 
 The recipes take turns, `repeats` rounds of them, so that a slow minute of a shared machine
 falls on all of them alike. The baselines (nanoGPT's recipe, and ours of the same settings)
@@ -198,8 +200,9 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
     dtype = next((m.group(1) for m in map(DTYPE_LINE.match, (t for _, t in lines)) if m), None)
     spans = log_point_times(lines)[1:]  # the first holds the first steps' warm-up
     first_step = next((t - t0 for t, text in lines if LOG_POINT.match(text)), None)
+    pace = statistics.median(spans) if spans else None
     return {
-        "ms_per_iter": 1000 * statistics.median(spans) if spans else None,
+        "ms_per_iter": 1000 * pace if pace else None,
         "iters_to_target": hit[0] if hit else None,
         "seconds_to_target": hit[1] if hit else None,
         # a run stopped at the target has no final loss of its own
@@ -208,12 +211,31 @@ def run_recipe(recipe: Recipe | NanoGPT, data_dir: Path, out_dir: Path, run_name
         # the start, to the first log point: importing, reading the data, building, compiling,
         # the first steps, and nanoGPT's evaluation at iteration 0
         "first_log_s": round(first_step, 2) if first_step is not None else None,
+        "evaluation_s": evaluation_seconds(lines, pace) if pace else None,
         # train.py prints the dtype it chose; nanoGPT does not, so its own rule gives it
         "dtype": dtype or (recipe.dtype if isinstance(recipe, NanoGPT) else "unknown"),
         # every evaluation as (iteration, seconds from the start, val loss), for other targets
         "evaluations": [(int(m.group(1)), round(t - t0, 2), float(m.group(2)))
                         for t, m in zip((t for t, _ in lines), evaluations, strict=True) if m],
     }
+
+
+def evaluation_seconds(lines: list[tuple[float, str]], pace: float) -> float | None:
+    """The median time an evaluation adds to a run: the time between the log points on either
+    side of its line, less that of the steps between them at `pace` seconds an iteration. It
+    holds whatever the trainer does there (the losses, and ours the sample, the pictures and
+    the checkpoint)."""
+    points = [(t, int(m.group(1))) for t, text in lines
+              if (m := LOG_POINT.match(text)) and not EVALUATION.match(text)]
+    costs = []
+    for t, text in lines:
+        if EVALUATION.match(text):
+            before = [p for p in points if p[0] < t]
+            after = [p for p in points if p[0] > t]
+            if before and after:
+                (t0, it0), (t1, it1) = before[-1], after[0]
+                costs.append(t1 - t0 - (it1 - it0) * pace)
+    return round(statistics.median(costs), 2) if costs else None
 
 
 def build_c_kernels(env: dict[str, str] | None = None) -> None:
@@ -278,12 +300,12 @@ def print_rows(rows: list[dict], target: float) -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    print(f"| recipe | dtype | first log point (s) | ms/iter | iters to val <= {target} | "
-          f"seconds to it | final val | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| recipe | dtype | first log point (s) | ms/iter | s an evaluation | "
+          f"iters to val <= {target} | seconds to it | final val | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['recipe']} | {row['dtype']} | {fmt(row['first_log_s'], '.1f')} | "
-              f"{fmt(row['ms_per_iter'], '.1f')} | "
+              f"{fmt(row['ms_per_iter'], '.1f')} | {fmt(row['evaluation_s'], '.2f')} | "
               f"{fmt(row['iters_to_target'], '.0f')} | {fmt(row['seconds_to_target'], '.1f')} | "
               f"{fmt(row['final_val_loss'], '.3f')} | "
               f"{'-' if row['speedup'] is None else format(row['speedup'], '.2f') + 'x'} |")

@@ -429,7 +429,7 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
     assert (fast["iters_to_target"], fast["seconds_to_target"]) in [
         (it, pytest.approx(seconds, abs=0.01)) for it, seconds, _ in evaluations]
     assert [it for it, _, _ in stopped["evaluations"][0]][-1] == stopped["iters_to_target"]
-    # the start: the first log point (iteration 10) is printed before its evaluation
+    # the start: the first log point (iteration 5) is printed before the first evaluation
     assert 0 < fast["first_log_s"] <= evaluations[0][1]
 
 
@@ -459,6 +459,7 @@ def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monk
         "for it in range(0, 1000, 10):\n"
         "    if it % 20 == 0:\n"
         "        print(f'step {it}: train loss {4.2 - it / 20:.4f}, val loss {4.2 - it / 20:.4f}')\n"
+        "        time.sleep(0.3)\n"
         "    print(f'iter {it}: loss 3.0, time 10.00ms, mfu 1.00%', flush=True)\n"
         "    time.sleep(0.2)\n")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "SSE4_2")  # the race's limits replace the caller's
@@ -469,6 +470,8 @@ def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monk
     assert figures["wall_s"] < 10  # stopped at the target, long before its 1000 iterations
     # nanoGPT's first log point comes after its evaluation at iteration 0 and before the next
     assert figures["evaluations"][0][1] <= figures["first_log_s"] < figures["evaluations"][1][1]
+    # each of the stand-in's evaluations adds 0.3 s to its steps' 0.02 s an iteration
+    assert figures["evaluation_s"] == pytest.approx(0.3, abs=0.1)
 
 
 def test_the_race_refuses_what_it_cannot_race_in_one_line(tmp_path):
