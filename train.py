@@ -150,9 +150,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     f"train; raise --max-iters to train it further")
 
         def evaluate(it: int) -> dict[str, float]:
-            """Both splits' losses, logged as soon as known, then a sample and attention pictures."""
+            """Log and return both splits' losses, then log a sample and the attention pictures."""
             raw_model.eval()  # no dropout while measuring or sampling
-            # uncompiled, so that a compiled run compiles one graph at its start, not a second for eval mode
+            # uncompiled, so that a compiled run compiles one graph, not a second one at its first evaluation
             losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
             log.losses(it, losses)  # "iter 100: train loss 1.8754, val loss 1.9436"
             if not math.isfinite(losses["val"]):

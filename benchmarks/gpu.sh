@@ -77,7 +77,7 @@ baby_profiles)  # and the modern layout with AdamW, to tell Muon's cost from the
 race)  # each process timed from its start to its first evaluation at or below 1.48, which
     # nanoGPT's baby GPT reached on an H200 (its best was 1.4725 there, at iteration 1750)
     nano=${NANOGPT:+--nanogpt $NANOGPT}
-    step race 420 $PYTHON -m benchmarks.train --time-to-loss 1.48 --input "$TEXT" $nano \
+    step race 330 $PYTHON -m benchmarks.train --time-to-loss 1.48 --input "$TEXT" $nano \
         --repeats 1 ;;
 gpt2_small)
     step gpt2_small 130 $bench $gpt2 --max-iters 60 --eval-interval 60 --eval-iters 5

@@ -66,8 +66,8 @@ def session_processes() -> list[psutil.Process]:
 
 
 def is_helper(p: psutil.Process) -> bool:
-    """Whether `p` is a helper that this process's libraries keep until this process exits:
-    its child, or a child's child (torch's compile workers are forked by a pool process of their own)."""
+    """Whether `p` is a helper that this process's libraries keep until this process exits. It
+    may be a child's child, because torch's compile workers are forked by a pool process of their own."""
     try:
         return (any(h in command_line(p) for h in HELPERS)
                 and os.getpid() in [parent.pid for parent in p.parents()[:2]])

@@ -430,7 +430,27 @@ def test_time_to_loss_race_times_each_recipe_from_process_start(char_data):
         (it, pytest.approx(seconds, abs=0.01)) for it, seconds, _ in evaluations]
     assert [it for it, _, _ in stopped["evaluations"][0]][-1] == stopped["iters_to_target"]
     # the start: the first log point (iteration 5) is printed before the first evaluation
-    assert 0 < fast["first_log_s"] <= evaluations[0][1]
+    assert 0 < fast["first_log_s"] < evaluations[0][1]
+
+
+def test_an_evaluations_cost_is_the_time_around_it_less_the_steps():
+    from benchmarks.race import evaluation_seconds
+    # train.py: log point N, then the evaluation at N, then the next log point 5 steps later;
+    # at 0.1 s an iteration, the evaluations at 10 and 20 take 1 s and 2 s, and the one at 30
+    # (the last) has no log point after it
+    ours = [(0.5, "iter 5/30: loss 3.0"), (1.0, "iter 10/30: loss 2.9"),
+            (1.8, "iter 10: train loss 2.9, val loss 2.8"), (2.5, "iter 15/30: loss 2.8"),
+            (3.0, "iter 20/30: loss 2.7"), (4.4, "iter 20: train loss 2.7, val loss 2.6"),
+            (5.5, "iter 25/30: loss 2.6"), (6.0, "iter 30/30: loss 2.5"),
+            (6.5, "iter 30: train loss 2.5, val loss 2.4")]
+    assert evaluation_seconds(ours, 0.1) == 1.5  # the median of 1 and 2
+    # nanoGPT: its evaluation at N comes before step N, so after the log point N - 10; the one
+    # at iteration 0 has no log point before it
+    nanogpt = [(0.0, "step 0: train loss 4.2, val loss 4.2"), (3.0, "iter 0: loss 4.1"),
+               (4.0, "iter 10: loss 3.5"), (5.5, "step 20: train loss 3.2, val loss 3.2"),
+               (5.5, "iter 20: loss 3.1"), (6.5, "iter 30: loss 2.9")]
+    assert evaluation_seconds(nanogpt, 0.1) == 0.5
+    assert evaluation_seconds(ours[-1:], 0.1) is None  # no evaluation between log points
 
 
 def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monkeypatch):
@@ -470,8 +490,9 @@ def test_the_race_runs_nanogpt_on_its_own_settings_for_the_device(tmp_path, monk
     assert figures["wall_s"] < 10  # stopped at the target, long before its 1000 iterations
     # nanoGPT's first log point comes after its evaluation at iteration 0 and before the next
     assert figures["evaluations"][0][1] <= figures["first_log_s"] < figures["evaluations"][1][1]
-    # each of the stand-in's evaluations adds 0.3 s to its steps' 0.02 s an iteration
-    assert figures["evaluation_s"] == pytest.approx(0.3, abs=0.1)
+    # the stand-in's evaluation at 20 adds 0.3 s to its steps' 0.02 s an iteration (the bounds
+    # leave room for a busy machine's delays in reading its lines)
+    assert 0.15 < figures["evaluation_s"] < 0.8
 
 
 def test_the_race_refuses_what_it_cannot_race_in_one_line(tmp_path):
