@@ -228,16 +228,16 @@ def evaluation_seconds(lines: list[tuple[float, str]], pace: float) -> float | N
     holds whatever the trainer does there (the losses, and ours the sample, the pictures and
     the checkpoint). Only evaluations with a log point on both sides count, so not nanoGPT's
     at iteration 0, nor the last of a run or the one at the target."""
-    points = [(i, t, int(m.group(1))) for i, (t, text) in enumerate(lines)
-              if (m := LOG_POINT.match(text)) and not EVALUATION.match(text)]
-    costs = []
-    for i, (_, text) in enumerate(lines):
+    costs, last, before = [], None, None  # the last log point, and the one before an evaluation
+    for t, text in lines:
         if EVALUATION.match(text):
-            before = [(t, it) for j, t, it in points if j < i]
-            after = [(t, it) for j, t, it in points if j > i]
-            if before and after:
-                (t0, it0), (t1, it1) = before[-1], after[0]
-                costs.append(t1 - t0 - (it1 - it0) * pace)
+            before = last
+        elif match := LOG_POINT.match(text):
+            point = (t, int(match.group(1)))
+            if before is not None:
+                costs.append(point[0] - before[0] - (point[1] - before[1]) * pace)
+                before = None
+            last = point
     return round(statistics.median(costs), 2) if costs else None
 
 
