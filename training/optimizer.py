@@ -116,7 +116,9 @@ class Muon(Uncompiled, torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            updates = [self.blended(p, group["momentum"], group["nesterov"]) for p in params]
+            if not params:
+                continue
+            updates = self.blended(params, group["momentum"], group["nesterov"])
             blocks = [self.row_blocks.get(p, 1) for p in params]
 
             def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
@@ -131,23 +133,29 @@ class Muon(Uncompiled, torch.optim.Muon):
             else:
                 orthogonal = by_shape(updates, blocks, newton_schulz)
             lr = group["lr"]
-            for p, update, b in zip(params, orthogonal, blocks, strict=True):
-                # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr
-                # is scaled by sqrt(rows/cols)
-                scale = math.sqrt(max(1.0, p.shape[0] / b / p.shape[1]))
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * scale)
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr is
+            # scaled by sqrt(rows/cols); the matrices of one scale are updated in one call
+            by_scale: dict[float, list[int]] = {}
+            for i, (p, b) in enumerate(zip(params, blocks, strict=True)):
+                by_scale.setdefault(math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])), []).append(i)
+            for scale, indices in by_scale.items():
+                torch._foreach_add_([params[i] for i in indices], [orthogonal[i] for i in indices],
+                                    alpha=-lr * scale)
         return loss
 
-    def blended(self, p: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
-        """Move p's momentum buffer towards its gradient, buf = m buf + (1 - m) g, and return
-        the update: buf, or with Nesterov momentum (1 - m) g + m buf."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buf = state["momentum_buffer"]
-        buf.lerp_(p.grad, 1 - momentum)
-        return p.grad.lerp(buf, momentum) if nesterov else buf
+    def blended(self, params: list[torch.Tensor], momentum: float, nesterov: bool) -> list[torch.Tensor]:
+        """Move each momentum buffer towards its gradient, buf = m buf + (1 - m) g, and return
+        the updates: the buffers, or with Nesterov momentum (1 - m) g + m buf. Each operation
+        runs on all the matrices in one call, because a GPU would otherwise launch a kernel
+        per matrix and per operation."""
+        grads = [p.grad for p in params]
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        return list(torch._foreach_lerp(grads, bufs, momentum)) if nesterov else bufs
 
 
 def by_shape(matrices: list[torch.Tensor], blocks: list[int],
