@@ -99,8 +99,8 @@ class Muon(Uncompiled, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on all the matrices of
     one shape in one batched product, and for a matrix in row_blocks, on each of its equal
     blocks of rows apart. torch's own Muon runs the iteration in bf16, which most x86 CPUs
-    emulate far more slowly than fp32, and on one matrix at a time. The rest is torch's, so
-    without row_blocks a step equals torch.optim.Muon's to rounding."""
+    emulate far more slowly than fp32, and on one matrix at a time. The rest is torch's
+    arithmetic, so without row_blocks a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -129,31 +129,23 @@ class Muon(Uncompiled, torch.optim.Muon):
             if any(is_dtensor(p) for p in params):
                 from training.fsdp import each_on_one_process
                 each = [lambda g, b=b: newton_schulz(g, b) for b in blocks]  # with its own blocks
-                orthogonal = each_on_one_process(updates, each)
+                updates = each_on_one_process(updates, each)
             else:
-                orthogonal = by_shape(updates, blocks, newton_schulz)
-            lr = group["lr"]
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr is
-            # scaled by sqrt(rows/cols); the matrices of one scale are updated in one call
-            by_scale: dict[float, list[int]] = {}
-            for i, (p, b) in enumerate(zip(params, blocks, strict=True)):
-                by_scale.setdefault(math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])), []).append(i)
-            for scale, indices in by_scale.items():
-                torch._foreach_add_([params[i] for i in indices], [orthogonal[i] for i in indices],
-                                    alpha=-lr * scale)
+                updates = by_shape(updates, blocks, newton_schulz)
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
+            for p, update, b in zip(params, updates, blocks, strict=True):
+                # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr
+                # is scaled by sqrt(rows/cols)
+                p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])))
         return loss
 
     def blended(self, params: list[torch.Tensor], momentum: float, nesterov: bool) -> list[torch.Tensor]:
-        """Move each momentum buffer towards its gradient, buf = m buf + (1 - m) g, and return
-        the updates: the buffers, or with Nesterov momentum (1 - m) g + m buf. Each operation
-        runs on all the matrices in one call, because a GPU would otherwise launch a kernel
-        per matrix and per operation."""
-        grads = [p.grad for p in params]
+        """Move each momentum buffer towards its gradient, buf = m buf + (1 - m) g, all in one call,
+        and return the updates: the buffers, or with Nesterov momentum (1 - m) g + m buf."""
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        bufs, grads = [self.state[p]["momentum_buffer"] for p in params], [p.grad for p in params]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         return list(torch._foreach_lerp(grads, bufs, momentum)) if nesterov else bufs
 
