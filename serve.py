@@ -169,9 +169,9 @@ def main(
     service = Service(engine, tokenizer, model_name(source, init_from), model.config.block_size,
                       max_tokens, temperature, top_k, top_p, api_key)
     shown = f"[{host}]" if ":" in host else host
-    print(f"serving {service.name} ({source}, {parallel} slots of {model.config.block_size} "
-          f"tokens) at http://{shown}:{sock.getsockname()[1]}/ : the chat page there, "
-          f"OpenAI's API under /v1", file=sys.stderr, flush=True)
+    slots = f"{parallel} slot{'s' * (parallel > 1)} of {model.config.block_size} tokens"
+    print(f"serving {service.name} ({source}, {slots}) at http://{shown}:{sock.getsockname()[1]}/ : "
+          f"the chat page there, OpenAI's API under /v1", file=sys.stderr, flush=True)
     run_server(service, sock)
 
 

@@ -83,8 +83,7 @@ def transformers_generate(model: GPT) -> Tokens | None:
     if not model.config.is_gpt2 and nanochat_problem(model.config):
         return None
     export = export_hf_gpt2 if model.config.is_gpt2 else export_hf_nanochat
-    # silence its progress bars and its notes (GPT-2's end-of-text id lies outside a
-    # character vocabulary)
+    # silence its progress bars and its notes
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:

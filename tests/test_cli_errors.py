@@ -468,6 +468,9 @@ CASES = {
     "json into a missing folder": ([*EVALUATE, "--json", "{tmp}/no/x.json"], TEXT, 1,
                                    "error: --json {tmp}/no/x.json: {tmp}/no is not a folder"),
     "export into /proc": (["export.py", "{ckpt}", "/proc/gptlab"], nothing, 1, "/proc/gptlab"),
+    "export of a run that does not exist": (["export.py", "{tmp}/runs/nosuch", "{tmp}/hf-out"], nothing, 1,
+                                            "error: no checkpoint (best.pt or last.pt) in {tmp}/runs/nosuch; "
+                                            "runs in {tmp}/runs/ that have one: none"),
     "export over a folder": (["export.py", "{ckpt}", "{tmp}/keep"], write("keep/notes.txt", b"mine"),
                              1, "--force"),
     # layouts that cannot be built

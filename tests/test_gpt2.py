@@ -73,9 +73,10 @@ def test_greedy_generation_equals_transformers_generate(tmp_path):
 def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path, shape):
     hf_model(tmp_path / "src", **shape)
     ours = load_hf_gpt2(tmp_path / "src")
-    export_hf_gpt2(ours, tmp_path / "out")
+    export_hf_gpt2(ours, tmp_path / "out", end_of_text=shape["vocab_size"] - 1)  # GPT-2's is its last
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    assert reloaded.config.bos_token_id == reloaded.config.eos_token_id == shape["vocab_size"] - 1
     idx = torch.randint(0, shape["vocab_size"], (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)
@@ -185,6 +186,8 @@ def test_export_cli_turns_our_checkpoint_into_a_transformers_model(tmp_path, tra
     assert result.returncode == 0, result.stderr
     ours = model_from_checkpoint(load_checkpoint(best))
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    # a character vocabulary has no end-of-text token, so none is named (not GPT-2's 50256)
+    assert theirs.config.bos_token_id is None and theirs.config.eos_token_id is None
     idx = torch.randint(0, ours.config.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)

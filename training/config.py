@@ -48,8 +48,8 @@ def opt(default: Any, help: str) -> Any:
 class TrainConfig:
     # data
     data_dir: str = opt("data/shakespeare_char", "prepared dataset folder (shards and "
-                        "meta.json, from data.prepare); data/shakespeare_char and "
-                        "data/shakespeare_bpe are prepared automatically when missing")
+                        "meta.json, from data.prepare); the built-in data/shakespeare_char, "
+                        "shakespeare_bpe and shakespeare_bpe2048 are prepared when missing")
     init_from: str = opt("", "the model to fine-tune: a run folder, a checkpoint, or a "
                          "Hugging Face GPT-2 or NanoChat folder or Hub id; it sets the model "
                          "(the model fields are then ignored) and block_size crops its context")

@@ -100,8 +100,9 @@ def gpt2_problem(cfg: GPTConfig) -> str | None:
 
 
 def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
-                   extra: dict[str, bytes] | None = None) -> Path:
-    """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads.
+                   extra: dict[str, bytes] | None = None, end_of_text: int | None = None) -> Path:
+    """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads, with
+    end_of_text (the tokenizer's, if it has one) as the first and the last token's id.
     A new folder appears whole or not at all (written beside it, then renamed); a folder
     that holds anything is refused unless `force`, and then its two files are replaced."""
     problem = gpt2_problem(model.config)
@@ -123,8 +124,9 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
         "initializer_range": 0.02, "tie_word_embeddings": True,
     }
-    if cfg.vocab_size == 50257:  # GPT-2's own vocabulary, so name its end-of-text token
-        hf.update(bos_token_id=50256, eos_token_id=50256)
+    # named even when there is none, because transformers reads a missing id as GPT-2's 50256,
+    # which a smaller vocabulary does not have
+    hf.update(bos_token_id=end_of_text, eos_token_id=end_of_text)
     files = {"model.safetensors": save(state, metadata={"format": "pt"}), **(extra or {}),
              "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # last, as write_folder expects
     return write_folder(folder, files, force)
