@@ -102,7 +102,7 @@ def gpt2_problem(cfg: GPTConfig) -> str | None:
 def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
                    extra: dict[str, bytes] | None = None, end_of_text: int | None = None) -> Path:
     """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads, with
-    end_of_text (the tokenizer's, if it has one) as the first and the last token's id.
+    end_of_text (the tokenizer's end-of-text id, if it has one) as the id that begins and ends a text.
     A new folder appears whole or not at all (written beside it, then renamed); a folder
     that holds anything is refused unless `force`, and then its two files are replaced."""
     problem = gpt2_problem(model.config)
