@@ -2,7 +2,7 @@
 config.json, and tokenizer.json for whichever tokenizer the model was trained with.
 
 Usage:
-    python export.py runs/quickstart out/hf-quickstart               # best.pt of a run (or: quickstart)
+    python export.py runs/quickstart_adamw out/hf-adamw              # best.pt of a run (or: quickstart_adamw)
     python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force # replace that export
     python export.py runs/nano/last.pt out/hf-nano --format nanochat
     python export.py runs/big --plain          # last.pt and best.pt of an FSDP run's shards
@@ -42,9 +42,10 @@ def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Pa
     if format not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
     path = Path(source)
-    # a file, or a name ending in .pt, is a checkpoint; anything else names a run (its folder, or
-    # a bare name in runs/), which a missing run answers with the runs there are
-    run, checkpoint = (None, source) if path.is_file() or path.suffix == ".pt" else (source, None)
+    # a file, or a missing name ending in .pt, is a checkpoint; anything else names a run (its
+    # folder, or a bare name in runs/), which a missing run answers with the runs there are
+    is_checkpoint = path.is_file() or (path.suffix == ".pt" and not path.is_dir())
+    run, checkpoint = (None, source) if is_checkpoint else (source, None)
     model, tokenizer, _ = load_model(run, checkpoint)
     problems = {"gpt2": gpt2_problem(model.config), "nanochat": nanochat_problem(model.config)}
     if format == "auto":
@@ -110,7 +111,7 @@ def make_plain(source: str) -> list[Path]:
 
 def main(checkpoint: Annotated[str, typer.Argument(
              help="A checkpoint (.pt written by train.py), or a run (its folder, or its name in "
-                  "runs/), whose best.pt is exported.")],
+                  "runs/), whose best.pt is exported; with --plain, a run's folder or a .dcp.")],
          folder: Annotated[Path | None, typer.Argument(
              help="The folder to write (none with --plain).")] = None,
          format: Annotated[str, typer.Option(

@@ -77,6 +77,10 @@ def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path, sh
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
     assert reloaded.config.bos_token_id == reloaded.config.eos_token_id == shape["vocab_size"] - 1
+    # unless told otherwise, GPT-2's vocabulary gets GPT-2's end of text, and another none
+    export_hf_gpt2(ours, tmp_path / "default")
+    config = json.loads((tmp_path / "default" / "config.json").read_text())
+    assert config["eos_token_id"] == (50256 if shape["vocab_size"] == 50257 else None)
     idx = torch.randint(0, shape["vocab_size"], (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(idx).logits, ours(idx)[0], rtol=1e-5, atol=1e-5)

@@ -102,7 +102,8 @@ def gpt2_problem(cfg: GPTConfig) -> str | None:
 def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
                    extra: dict[str, bytes] | None = None, end_of_text: int | None = None) -> Path:
     """Write config.json and model.safetensors that transformers' GPT2LMHeadModel loads, with
-    end_of_text (the tokenizer's end-of-text id, if it has one) as the id that begins and ends a text.
+    end_of_text (the tokenizer's end-of-text id, if it has one; by default GPT-2's 50256 for
+    GPT-2's vocabulary, else none) as the id that begins and ends a text.
     A new folder appears whole or not at all (written beside it, then renamed); a folder
     that holds anything is refused unless `force`, and then its two files are replaced."""
     problem = gpt2_problem(model.config)
@@ -124,6 +125,8 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
         "initializer_range": 0.02, "tie_word_embeddings": True,
     }
+    if end_of_text is None and cfg.vocab_size == 50257:  # GPT-2's own vocabulary
+        end_of_text = 50256
     # named even when there is none, because transformers reads a missing id as GPT-2's 50256,
     # which a smaller vocabulary does not have
     hf.update(bos_token_id=end_of_text, eos_token_id=end_of_text)
