@@ -2,7 +2,7 @@
 config.json, and tokenizer.json for whichever tokenizer the model was trained with.
 
 Usage:
-    python export.py runs/quickstart_adamw out/hf-adamw              # best.pt of a run (or: quickstart_adamw)
+    python export.py runs/quickstart_adamw out/hf-adamw              # best.pt of a run, by folder or name
     python export.py runs/shakespeare_bpe/best.pt out/hf-gpt2 --force # replace that export
     python export.py runs/nano/last.pt out/hf-nano --format nanochat
     python export.py runs/big --plain          # last.pt and best.pt of an FSDP run's shards

@@ -82,7 +82,8 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
         for group, setting in zip(opt.param_groups, settings, strict=True):
             group.update(setting)
     scaler.load_state_dict(saved.scaler)
-    # a generator's state is a CPU tensor, even the GPU's, and the checkpoint was read onto the device
+    # The checkpoint was read onto the device, but torch takes every generator's state as a CPU
+    # tensor, the GPU's too.
     rng = {name: state.cpu() for name, state in saved.rng.items()}
     torch.set_rng_state(rng["torch"])
     if device.type == "cuda" and "cuda" in rng:

@@ -127,8 +127,8 @@ def export_hf_gpt2(model: GPT, folder: str | Path, force: bool = False,
     }
     if end_of_text is None and cfg.vocab_size == 50257:  # GPT-2's own vocabulary
         end_of_text = 50256
-    # named even when there is none, because transformers reads a missing id as GPT-2's 50256,
-    # which a smaller vocabulary does not have
+    # The ids are written even where there is none (as null), because transformers reads a
+    # missing id as GPT-2's 50256, which a smaller vocabulary does not have.
     hf.update(bos_token_id=end_of_text, eos_token_id=end_of_text)
     files = {"model.safetensors": save(state, metadata={"format": "pt"}), **(extra or {}),
              "config.json": (json.dumps(hf, indent=2) + "\n").encode()}  # last, as write_folder expects
