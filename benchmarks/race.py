@@ -245,10 +245,11 @@ def build_c_kernels(env: dict[str, str] | None = None) -> None:
     """Build the C kernels and the C decode step as a CPU's runs will load them, in a process
     with `env`, so that no run's time holds a build, and a build that fails (no compiler, or
     flags it refuses) stops the race rather than leaving the runs to PyTorch's slower operations."""
-    script = ("import torch\nfrom cdecode import build\nfrom machine.cbuild import BuildError\n"
+    script = ("import torch\nfrom cdecode import build\nfrom machine.errors import UserError\n"
               "from machine.cpu_kernels import kernels\n"
-              "try:\n    build(torch.float32)\nexcept BuildError as e:\n    raise SystemExit(str(e))\n"
-              "raise SystemExit(kernels() is None)")  # kernels() says why on stderr
+              "try:\n    build(torch.float32)\n    ok = kernels() is not None\n"
+              "except UserError as e:\n    raise SystemExit(str(e))\n"
+              "raise SystemExit(not ok)")  # kernels() says why on stderr
     result = subprocess.run([sys.executable, "-c", script], env={**os.environ, **(env or {})},
                             capture_output=True, text=True)
     if result.returncode != 0:

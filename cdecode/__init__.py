@@ -7,8 +7,10 @@ Usage:
 
 generate.py's decode="auto" (the default) runs this step on a CPU whenever it builds. The
 C compiler builds the file once per weight dtype, for this CPU, and keeps it in the cache
-(machine/cbuild.py). A build that fails, or a cache folder that cannot be used, is a
-BuildError, so the default step falls back to eager. The step reads the model's own
+(machine/cbuild.py). A machine without a compiler, or a cache folder that cannot be used, is
+a BuildError, so the default step falls back to eager; flags that build something else (a
+library for another weight type than the model's, GPTLAB_CFLAGS=-E) are a CompilerError,
+one line, because a fallback would hide them. The step reads the model's own
 parameter and cache tensors in place, so it sees later weight updates, but the model must
 not be moved or cast after the step is built.
 """
@@ -35,8 +37,17 @@ WEIGHT_DEFINES = {torch.float32: [], torch.bfloat16: ["-DWEIGHT_BF16"],
 def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
     """decode_step.c built for weights of `dtype` (machine/cbuild.py keeps the build) and
     loaded. march: the instruction set to build for, as gcc's -march names it."""
+    wanted = str(dtype).removeprefix("torch.")
+
+    def reads_the_weights(lib: ctypes.CDLL) -> str | None:
+        # a library built for another weight type would read every weight as that type and
+        # answer noise (GPTLAB_CFLAGS=-DWEIGHT_BF16 with a float32 model printed blank lines)
+        built = ctypes.c_char_p.in_dll(lib, "weight_type").value.decode(errors="replace")
+        return None if built == wanted else f"for {built} weights, not {wanted}"
     lib = build_library(SOURCE, WEIGHT_DEFINES[dtype], "the C decode step",
-                        instead="choose --decode eager", march=march)
+                        instead="choose --decode eager", march=march, check=reads_the_weights,
+                        exports=("decode_step", "n_block_params", "block_param_names",
+                                 "weight_type"))
     ptr, ptrs, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
     # the C signature: logits, tokens, pos, rows, T, wte, wte_scales, wpe, wtb, ids, rope_cos,
     # rope_sin, blocks, ln_f_w, ln_f_b, lm_head, lm_head_scales, k_cache, v_cache, work, B,

@@ -17,15 +17,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* weight_type names the type this build reads, as torch names it, so that Python can refuse
+ * a build whose flags chose another type than the model's weights have */
 #if defined(WEIGHT_BF16)
 typedef uint16_t weight_t;
 typedef uint16_t param_t;
+const char *const weight_type = "bfloat16";
 #elif defined(WEIGHT_INT8)
 typedef int8_t weight_t;
 typedef float param_t;
+const char *const weight_type = "int8";
 #else
 typedef float weight_t;
 typedef float param_t;
+const char *const weight_type = "float32";
 #endif
 
 /* bfloat16 is the top half of a float32, so widening is a shift; store() rounds to nearest */

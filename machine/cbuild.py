@@ -3,14 +3,17 @@
 Usage:
     from machine.cbuild import BuildError, build_library
     lib = build_library(Path("cdecode/decode_step.c"), ["-DWEIGHT_BF16"], "the C decode step",
-                        instead="choose --decode eager")
+                        instead="choose --decode eager", exports=("decode_step",))
 
 The C compiler (`cc`, or $CC) builds a file once for this CPU (-march=native), with
 $GPTLAB_CFLAGS after its own flags, and with OpenMP where it can, into $GPTLAB_CACHE/<the
-file's stem>/ (default ~/.cache/gptlab), with its sha256 beside it, so a damaged copy is
+file's stem>/ (machine/files.cache_dir), with its sha256 beside it, so a damaged copy is
 built again. A build that had to leave out -march or OpenMP says so on stderr each time it
-is loaded. PyTorch ships its own OpenMP runtime under the same name as the system's, so a
-library built here shares PyTorch's threads.
+is loaded. A new build is loaded and checked for the symbols its caller needs before it is
+cached, so a compiler or flags that make something else (GPTLAB_CFLAGS=-E, CC=true) are one
+line naming them (CompilerError), and nothing is cached. PyTorch ships its own OpenMP
+runtime under the same name as the system's, so a library built here shares PyTorch's
+threads.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from machine.device import cpu_flags
@@ -32,7 +36,16 @@ from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 
 
 class BuildError(UserError):
-    """A C file cannot be built or loaded here; the message says what to do."""
+    """A C file cannot be built or loaded on this machine (no compiler, a cache folder that
+    cannot be used); the message says what to do, and a caller may fall back to code that
+    needs no C."""
+
+
+class CompilerError(UserError):
+    """The compiler or the flags given to it (CC, GPTLAB_CFLAGS) made something other than
+    the library: nothing, a file that does not load, or a library without what it must
+    export. No caller falls back from this, because the same settings would build the same
+    wrong thing on every run, and a fallback would hide them."""
 
 
 def compiler(what: str, instead: str) -> str:
@@ -46,12 +59,16 @@ def compiler(what: str, instead: str) -> str:
 
 
 def build_library(source: Path, defines: list[str], what: str, instead: str,
-                  march: str = "native") -> ctypes.CDLL:
+                  march: str = "native", exports: tuple[str, ...] = (),
+                  check: Callable[[ctypes.CDLL], str | None] | None = None) -> ctypes.CDLL:
     """Compile `source` with `defines` (or reuse the cached build) and load it.
 
     what: the library in words, for messages ("the C decode step"); instead: what a user
     without a compiler can do. march: the instruction set to build for, as gcc's -march
-    names it; "native" is this CPU.
+    names it; "native" is this CPU. exports: the symbols the library must have; check: what
+    else is wrong with a loaded library, in words that follow "built <what>" ("for bfloat16
+    weights, not float32"), or None. A cached build that fails either is built again; a new
+    build that fails either is a CompilerError, and is not cached.
     """
     cc = compiler(what, instead)
     base = ["-O3", "-shared", "-fPIC", *defines]
@@ -74,29 +91,31 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
     key = hashlib.sha256(" ".join([cc, *attempts[""], cpu]).encode()
                          + source.read_bytes()).hexdigest()[:16]
     out = cache_dir() / source.stem / f"{key}.so"
-    note = out.with_suffix(".note")  # what a fallback build lacks, kept beside it
     try:
-        # a library damaged in the cache (a copy cut short) can crash the process that
-        # loads it (SIGBUS), so it is checked against the digest written when it was built
-        if not intact(out):
+        lacks = read_build(out, attempts)
+        lib = None if lacks is None else load(out, exports, check)
+        if lib is None:
             if sys.stderr.isatty():  # compiling takes a moment, so tell a watcher
                 print(f"building {what} with {cc} (once: it is kept in {out.parent})",
                       file=sys.stderr, flush=True)
-            compile_library(cc, source, attempts, out, note, what)
-        lib = ctypes.CDLL(str(out))
+            lib, lacks = compile_library(cc, source, attempts, out, what, exports, check)
     except OSError as e:  # GPTLAB_CACHE names a file, a folder this user cannot write, ...
         raise BuildError(cache_unusable(e)) from None
-    if note.exists():
-        print(f"note: {cc} built {what} {note.read_text()}, so it runs slower than it could",
+    if lacks:
+        print(f"note: {cc} built {what} {lacks}, so it runs slower than it could",
               file=sys.stderr)
     return lib
 
 
 def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: Path,
-                    note: Path, what: str) -> None:
-    """Build `source` into `out` with the first flags in `attempts` that work, and say in
-    `note` what that build lacks, if anything."""
+                    what: str, exports: tuple[str, ...],
+                    check: Callable[[ctypes.CDLL], str | None] | None) -> tuple[ctypes.CDLL, str]:
+    """Build `source` with the first flags in `attempts` that work, check that the result
+    loads and has what it must, and only then cache it in `out`, beside its digest and a
+    note of what the build lacks. Returns the library, loaded from where it was built, and
+    what it lacks ("" for nothing)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    given = os.environ.get("GPTLAB_CFLAGS")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         lacks = None
@@ -112,21 +131,96 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
                                  f"full or a file size limit is set); free space")
         if lacks is None:
             last_line = (result.stderr.strip().splitlines() or ["no message"])[-1]
-            given = os.environ.get("GPTLAB_CFLAGS")
-            raise BuildError(f"{cc} could not build {source.name}: {last_line}"
-                             + (f"; check GPTLAB_CFLAGS ({given})" if given else ""))
+            # a user's own flags that fail are theirs to fix; without them, this machine's
+            # compiler cannot build the file, and a caller may do without it
+            error = CompilerError if given else BuildError
+            raise error(f"{cc} could not build {source.name}: {last_line}"
+                        + (f"; check GPTLAB_CFLAGS ({given})" if given else ""))
+        lib = verified(tmp_out, cc, what, exports, check)
+        # The note and the library are written before the digest, which covers both, so
+        # that a process stopped between the writes leaves a build that reads as absent.
+        note = out.with_suffix(".note")
         if lacks:
             write_bytes_atomic(note, lacks.encode())
+        else:
+            note.unlink(missing_ok=True)
         # written whole or not at all, so that another process never loads half a library
         library = tmp_out.read_bytes()
         write_bytes_atomic(out, library)
-        write_bytes_atomic(out.with_suffix(".sha256"), hashlib.sha256(library).hexdigest().encode())
+        write_bytes_atomic(out.with_suffix(".sha256"), digest(library, lacks).encode())
+    # the library stays mapped after its temporary folder is removed
+    return lib, lacks
 
 
-def intact(library: Path) -> bool:
-    """Whether a cached library is there and has the digest recorded when it was built."""
-    digest = library.with_suffix(".sha256")
+def verified(library: Path, cc: str, what: str, exports: tuple[str, ...],
+             check: Callable[[ctypes.CDLL], str | None] | None) -> ctypes.CDLL:
+    """The library a compiler that exited 0 wrote, loaded; CompilerError, naming the settings
+    to check, for nothing written, a file that does not load, or a library that lacks what
+    it must have (GPTLAB_CFLAGS=-E writes preprocessed text, --version or CC=true nothing)."""
+    given, chosen = os.environ.get("GPTLAB_CFLAGS"), os.environ.get("CC")
+    named = [f"GPTLAB_CFLAGS ({given})"] if given else []
+    named += [f"CC ({chosen})"] if chosen else []
+    fix = f"; check {' and '.join(named) or f'the compiler {cc}'}"
+    if not library.is_file():
+        raise CompilerError(f"{cc} exited without an error but wrote no library for {what}{fix}")
     try:
-        return hashlib.sha256(library.read_bytes()).hexdigest() == digest.read_text()
-    except OSError:  # missing, or unreadable
-        return False
+        lib = ctypes.CDLL(str(library))
+    except OSError as e:
+        if library.read_bytes()[:4] == b"\x7fELF" and "failed to map segment" in str(e):
+            raise  # a library the folder will not map (mounted noexec): the cache's fault
+        why = str(e).rsplit(": ", 1)[-1]
+        raise CompilerError(f"{cc} exited without an error but wrote no library that loads "
+                            f"for {what} ({why}){fix}") from None
+    problem = missing(lib, exports, check)
+    if problem:
+        raise CompilerError(f"{cc} built {what} {problem}{fix}")
+    return lib
+
+
+def load(library: Path, exports: tuple[str, ...],
+         check: Callable[[ctypes.CDLL], str | None] | None) -> ctypes.CDLL | None:
+    """A cached library, loaded, or None where it does not load or lacks what it must have,
+    so that it is built again (an older build, or one that another version of this file
+    cached with a valid digest)."""
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError:
+        return None
+    return None if missing(lib, exports, check) else lib
+
+
+def missing(lib: ctypes.CDLL, exports: tuple[str, ...],
+            check: Callable[[ctypes.CDLL], str | None] | None) -> str | None:
+    """What a loaded library lacks, in words that follow "built <what>", or None."""
+    absent = [name for name in exports if not hasattr(lib, name)]
+    if absent:
+        return f"without {', '.join(absent)}"
+    return check(lib) if check else None
+
+
+def digest(library: bytes, lacks: str) -> str:
+    """The sha256 of a build: the library's bytes and its note's, so that neither can change
+    alone. A build that lacks nothing has the digest of its library alone."""
+    return hashlib.sha256(library + lacks.encode()).hexdigest()
+
+
+def read_build(library: Path, reasons: Collection[str]) -> str | None:
+    """What a cached build lacks ("" for nothing, else one of `reasons`), or None where the
+    build is absent or cannot be trusted: the library or its digest missing, a file that
+    cannot be read or is not UTF-8 text where text belongs, a note that names no known
+    reason, or a digest that does not match. This is the one reader of a build's files, so
+    that any damage reads as "build it again" rather than as an error, and a library damaged
+    in the cache (a copy cut short), which can crash the process that loads it (SIGBUS),
+    is never loaded."""
+    try:
+        data = library.read_bytes()
+        recorded = library.with_suffix(".sha256").read_bytes().decode("utf-8")
+        try:
+            lacks = library.with_suffix(".note").read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            lacks = ""
+    except (OSError, UnicodeDecodeError):
+        return None
+    if (lacks and lacks not in reasons) or digest(data, lacks) != recorded.strip():
+        return None
+    return lacks

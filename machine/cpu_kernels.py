@@ -30,18 +30,21 @@ def kernels() -> ctypes.CDLL | None:
     """cpu_kernels.c, built once for this CPU and kept in the cache, or None where it cannot
     be built (a note says so, once)."""
     from machine.cbuild import BuildError, build_library  # imported only when needed
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {"rms_norm_forward": [ptr, ptr, ptr, i64, i64, i64, i64, f32],
+                  "rms_norm_backward": [ptr, ptr, ptr, ptr, i64, i64],
+                  "relu_square_forward": [ptr, ptr, i64],
+                  "relu_square_backward": [ptr, ptr, ptr, i64],
+                  "rotate_pairs": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32]}
     try:
         lib = build_library(Path(__file__).with_name("cpu_kernels.c"), [], "cpu_kernels.c",
-                            instead="let the model run PyTorch's operations, slower")
+                            instead="let the model run PyTorch's operations, slower",
+                            exports=tuple(signatures))
     except BuildError as e:
         print(f"note: {e}; the model runs PyTorch's operations instead", file=sys.stderr)
         return None
-    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.rms_norm_forward.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, f32]
-    lib.rms_norm_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
-    lib.relu_square_forward.argtypes = [ptr, ptr, i64]
-    lib.relu_square_backward.argtypes = [ptr, ptr, ptr, i64]
-    lib.rotate_pairs.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32]
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
     return lib
 
 

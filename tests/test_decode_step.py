@@ -1,6 +1,7 @@
 """The hand-written C decode step (cdecode/decode_step.c) computes what the PyTorch model computes,
 builds from source with the system compiler, and refuses what it cannot run."""
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -264,7 +265,7 @@ def test_without_a_compiler_the_cli_says_so(tmp_path):
 
 
 def test_gptlab_cflags_reach_the_compiler_after_its_own_flags(tmp_path, monkeypatch):
-    from machine.cbuild import BuildError, build_library
+    from machine.cbuild import CompilerError, build_library
     source = tmp_path / "flags.c"
     source.write_text("#ifndef CHOSEN\n#define CHOSEN 0\n#endif\nint chosen(void) { return CHOSEN; }\n"
                       "#ifdef __AVX512F__\nint avx512(void) { return 1; }\n"
@@ -279,8 +280,9 @@ def test_gptlab_cflags_reach_the_compiler_after_its_own_flags(tmp_path, monkeypa
     # after -march=native, so that their -march wins: an AVX2 build on a CPU with AVX-512
     assert plain.avx512() == ("avx512f" in cpu_flags())
     assert flagged.avx512() == 0
+    # the user's own flags are theirs to fix, so a caller does not fall back from them
     monkeypatch.setenv("GPTLAB_CFLAGS", "-mno-such-flag")
-    with pytest.raises(BuildError, match=r"could not build flags\.c: .*; check GPTLAB_CFLAGS \(-mno-such"):
+    with pytest.raises(CompilerError, match=r"could not build flags\.c: .*; check GPTLAB_CFLAGS \(-mno-such"):
         build_library(source, [], "a test library", instead="skip it")
 
 
@@ -304,3 +306,66 @@ def test_a_build_without_openmp_or_march_says_so_and_still_computes_the_same(tmp
     note = (f"note: {cc} built the C decode step without -march=native or OpenMP (one thread), "
             f"so it runs slower than it could")
     assert result.stderr.strip().splitlines() == [note, note]  # built, then loaded from cache
+
+
+def sample_c(checkpoint: Path, cache: Path, decode: str = "c", **env: str):
+    """sample.py with the C step, a build cache of its own and the given variables."""
+    return python(["sample.py", "--checkpoint", str(checkpoint), "--max-new-tokens", "5",
+                   "--decode", decode], env={**os.environ, "GPTLAB_CACHE": str(cache), **env},
+                  timeout=300)
+
+
+def test_a_cached_build_that_cannot_be_read_or_trusted_is_built_again(tmp_path, trained_run):
+    """Files beside a cached build that are not UTF-8, a note that names no known reason, and
+    a library whose digest matches but that lacks decode_step each read as no build: the next
+    run builds again and answers as the first did."""
+    checkpoint, cache = trained_run / "best.pt", tmp_path / "cache"
+    first = sample_c(checkpoint, cache)
+    assert first.returncode == 0, first.stderr
+    [library] = (cache / "decode_step").glob("*.so")
+    digest, note = library.with_suffix(".sha256"), library.with_suffix(".note")
+    stranger = tmp_path / "stranger.c"  # a real library, without the step's symbols
+    stranger.write_text("int something_else(void) { return 1; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", str(stranger), "-o", str(tmp_path / "stranger.so")],
+                   check=True)
+
+    def wrong_library() -> None:
+        data = (tmp_path / "stranger.so").read_bytes()
+        library.write_bytes(data)
+        digest.write_text(hashlib.sha256(data).hexdigest())
+    damages = {"digest not UTF-8": lambda: digest.write_bytes(b"\xff\xfe\x00"),
+               "note not UTF-8": lambda: note.write_bytes(b"without \xff"),
+               "note of no known reason": lambda: note.write_text("without everything"),
+               "matching digest, no decode_step": wrong_library}
+    for name, damage in damages.items():
+        damage()
+        again = sample_c(checkpoint, cache)
+        assert again.returncode == 0 and again.stdout == first.stdout, (name, again.stderr)
+        assert "note:" not in again.stderr, name  # not the bad note's words
+        assert b"decode_step" in library.read_bytes() and not note.exists(), name
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"GPTLAB_CFLAGS": "-E"}, "cc exited without an error but wrote no library that loads for "
+     "the C decode step (invalid ELF header); check GPTLAB_CFLAGS (-E)"),
+    ({"GPTLAB_CFLAGS": "--version"}, "cc exited without an error but wrote no library for the "
+     "C decode step; check GPTLAB_CFLAGS (--version)"),
+    ({"CC": "true"}, "true exited without an error but wrote no library for the C decode step; "
+     "check CC (true)"),
+    ({"GPTLAB_CFLAGS": "-Ddecode_step=renamed"}, "cc built the C decode step without "
+     "decode_step; check GPTLAB_CFLAGS (-Ddecode_step=renamed)"),
+    # a library for another weight type than the model's printed blank lines
+    ({"GPTLAB_CFLAGS": "-DWEIGHT_BF16"}, "cc built the C decode step for bfloat16 weights, not "
+     "float32; check GPTLAB_CFLAGS (-DWEIGHT_BF16)"),
+    ({"GPTLAB_CFLAGS": "-DWEIGHT_INT8"}, "cc built the C decode step for int8 weights, not "
+     "float32; check GPTLAB_CFLAGS (-DWEIGHT_INT8)"),
+])
+def test_a_compiler_or_flags_that_build_something_else_are_one_line(tmp_path, trained_run, env,
+                                                                   words):
+    """The default step does not fall back from these, because the same settings would build
+    the same wrong thing on every run; and nothing is cached."""
+    result = sample_c(trained_run / "best.pt", tmp_path / "cache", decode="auto", **env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert error_line(result.stderr) == f"error: {words}"
+    assert "cache" not in error_line(result.stderr)
+    assert [p.name for p in (tmp_path / "cache" / "decode_step").iterdir()] == []
