@@ -26,6 +26,7 @@ writes them.
 Every field is strict, as in OpenAI's API: a token id, a count or a seed must be an integer
 (not true, 1.0 or "1"), a switch must be a boolean, and a number must be finite. pydantic's
 lax mode would read `prompt: [true, false, 5]` as the tokens 1, 0 and 5, and "yes" as true.
+The body itself is strict JSON, ignored fields included (serving/body.py).
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ class BaseRequest(BaseModel):
     # vLLM's field: logprobs name each token "token_id:N", so that tokens with the same text
     # stay apart
     return_tokens_as_token_ids: bool = False
-    # refused unless they ask for nothing (UNHONOURED)
-    n: Any = None
-    best_of: Any = None
+    # refused unless they ask for nothing (UNHONOURED); a count is an integer, as every
+    # count above is, so n: 1.0 is refused as max_tokens: 1.0 is
+    n: int | None = None
+    best_of: int | None = None
     suffix: Any = None
     response_format: Any = None
     tools: Any = None
@@ -290,8 +292,6 @@ def refusal(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
     path, error = max(found, key=lambda pair: len(pair[0]))  # the first of the deepest
     what = str(error.get("msg", "is invalid")).removeprefix("Value error, ")
     kind = error.get("type", "")
-    if kind == "json_invalid":
-        return "the body is not valid JSON; send a JSON object", None
     if isinstance(body, bytes):  # FastAPI reads JSON only under a JSON content type
         return ("the body is not marked as JSON; send a JSON object with Content-Type: "
                 "application/json"), None

@@ -9,9 +9,10 @@ Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sen
 with "stream": true), GET /v1/models; vLLM's POST /tokenize and /detokenize and GET
 /tokenizer_info, which lm-eval's remote tokenizer reads; GET /health and /metrics
 (Prometheus's text format); and / (serving/chat.html). Every error comes in OpenAI's shape
-(serving/api.py), never a traceback, on every route: bad JSON and bad fields 400, a
-wrong or missing key 401 (with --api-key, on every route but OPEN), an unknown model 404, a
-body over 1 MB 413, a full queue 429 with Retry-After. A client that hangs up cancels its
+(serving/api.py), never a traceback, on every route: a body that is not strict JSON
+(serving/body.py) and bad fields 400, a wrong or missing key 401 (with --api-key, on every
+route but OPEN), an unknown model 404, a body over 1 MB 413, a full queue 429 with
+Retry-After. A client that hangs up cancels its
 request (serving/answer.py); the API key is checked by a plain ASGI middleware (ApiKey),
 which leaves the disconnect visible. Work that grows with a request's body (tokenizing,
 writing a large answer) runs in a thread, so that one large request holds no other back.
@@ -68,6 +69,7 @@ from serving.api import (
     json_object,
     refusal,
 )
+from serving.body import NotJSON, StrictJSONRoute
 from serving.engine import Done, Engine, Job, Piece, QueueFull, Sampling, Scoring
 from serving.limits import BodyLimit
 
@@ -275,6 +277,7 @@ class ApiKey:
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="gptlab", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = StrictJSONRoute  # every body is read as strict JSON, in one place
     app.add_middleware(BodyLimit, limit=1 << 20)
     app.add_middleware(ApiKey, key=service.api_key)  # added last, so it checks the key before any body
     add_error_handlers(app)
@@ -425,9 +428,12 @@ def add_error_handlers(app: FastAPI) -> None:
         if e.status_code in (404, 405):
             message = (f"{request.method} {request.url.path} is not an endpoint of this "
                        f"server; see /v1/chat/completions, /v1/completions, /v1/models")
+        param = None
+        if e.status_code == 400 and isinstance(e.__cause__, NotJSON):  # serving/body.py's
+            message, param = str(e.__cause__), e.__cause__.param
         elif e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not read the body
-            message = unreadable(e.__cause__)
-        return JSONResponse(error_body(message), status_code=e.status_code,
+            message = f"the body cannot be read ({type(e.__cause__).__name__}); send a JSON object"
+        return JSONResponse(error_body(message, param=param), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
@@ -437,11 +443,3 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body("the server failed on this request (its log has the "
                                        "traceback)", "server_error"), status_code=500)
 
-
-def unreadable(cause: BaseException) -> str:
-    """Why FastAPI could not read a body as JSON, where its own message says only that."""
-    if isinstance(cause, UnicodeDecodeError):
-        return "the body is not UTF-8 text; send a JSON object encoded in UTF-8"
-    if isinstance(cause, RecursionError):
-        return "the body nests lists or objects too deeply to read; send a flatter JSON object"
-    return f"the body cannot be read as JSON ({type(cause).__name__}); send a JSON object"

@@ -299,9 +299,15 @@ BAD = [  # (endpoint, body, status, words of the message, param)
      'not "yes"', "stream"),
     ("chat", {"messages": CHAT, "stream_options": {"include_usage": "no"}}, 400,
      'stream_options.include_usage: Input should be a valid boolean, not "no"', "stream_options"),
-    ("chat", {"messages": CHAT, "n": True}, 400, "n: this server returns one choice", "n"),
-    ("chat", '{"messages": [], "temperature": NaN}', 400,
-     "temperature: Input should be a finite number, not NaN", "temperature"),
+    # a count is an integer, as every other count is
+    ("chat", {"messages": CHAT, "n": True}, 400, "n: Input should be a valid integer, not true",
+     "n"),
+    ("chat", {"messages": CHAT, "n": 1.0}, 400, "n: Input should be a valid integer, not 1.0",
+     "n"),
+    ("completions", {"prompt": "ROMEO", "best_of": 1.0}, 400,
+     "best_of: Input should be a valid integer, not 1.0", "best_of"),
+    ("chat", '{"messages": [], "temperature": NaN}', 400, "temperature: NaN is not JSON "
+     "(RFC 8259 has no NaN or Infinity); send a finite number", "temperature"),
     ("chat", {"messages": CHAT, "stop": [None]}, 400,
      "stop[0]: Input should be a valid string, not null", "stop"),
     # more prompts than the slots and the queue hold could never be taken: not a 429
@@ -344,6 +350,60 @@ def test_a_body_not_sent_as_json_is_told_to_say_so(chat_server):
         "content-type": "application/x-www-form-urlencoded"})
     assert code == 400 and answer["error"]["message"] == (
         "the body is not marked as JSON; send a JSON object with Content-Type: application/json")
+
+
+def chat_body(rest: str) -> str:
+    """A chat request's JSON text, with `rest` (JSON text) after its messages and max_tokens."""
+    return '{"messages": [{"role": "user", "content": "ROMEO"}], "max_tokens": 2, ' + rest + "}"
+
+
+@pytest.mark.parametrize("path, body, words, param", [
+    # NaN and Infinity are not JSON, in a field that the server ignores as in one it reads
+    ("/v1/chat/completions", chat_body('"user": NaN'), "user: NaN is not JSON", "user"),
+    ("/v1/chat/completions", chat_body('"metadata": {"a": [1, Infinity]}'),
+     "metadata.a[1]: Infinity is not JSON", "metadata"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "ROMEO", "name": '
+     '-Infinity}], "max_tokens": 2}', "messages[0].name: -Infinity is not JSON", "messages"),
+    ("/v1/chat/completions", chat_body('"stream": true, "stream_options": {"include_usage": '
+                                       'true, "continuous_usage_stats": NaN}'),
+     "stream_options.continuous_usage_stats: NaN is not JSON (RFC 8259 has no NaN or Infinity); "
+     "send a finite number", "stream_options"),
+    ("/tokenize", '{"prompt": "ROMEO", "extra": NaN}', "extra: NaN is not JSON", "extra"),
+    ("/detokenize", '{"tokens": [5], "extra": [1e999]}', "extra[0]: 1e999 is past the range "
+     "of a float; send a finite number", "extra"),
+    ("/v1/completions", '{"prompt": "ROMEO", "user": %s}' % ("9" * 5000), "user: an integer of "
+     "5,000 digits is longer than this server reads", "user"),
+    ("/v1/completions", "NaN", "the body is NaN, not JSON", None),
+    # a key given twice was answered with its last value
+    ("/v1/completions", '{"prompt": "ROMEO", "prompt": "JULIET", "max_tokens": 2}',
+     "prompt is given twice; send each key once", "prompt"),
+    ("/v1/completions", '{"prompt": "ROMEO", "max_tokens": 2, "max_tokens": 3}',
+     "max_tokens is given twice", "max_tokens"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "role": "assistant", "content": '
+     '"ROMEO"}], "max_tokens": 2}', "messages[0].role is given twice", "messages"),
+    ("/v1/chat/completions", chat_body('"stream": true, "stream": false'),
+     "stream is given twice", "stream"),
+    ("/tokenize", '{"prompt": "a", "x": {"y": 1, "y": 2}}', "x.y is given twice", "x"),
+])
+def test_a_body_that_is_not_strict_json_is_refused_naming_the_place(chat_server, path, body,
+                                                                    words, param):
+    code, _, answer = chat_server.request("POST", path, body, {"content-type": "application/json"})
+    assert code == 400 and words in answer["error"]["message"], answer
+    assert answer["error"]["param"] == param
+
+
+def test_free_form_fields_with_json_values_are_still_answered(chat_server):
+    client = chat_server.client()
+    answer = client.chat.completions.create(
+        model="chat_sft", messages=[{"role": "user", "content": "ROMEO", "name": "r"}],
+        max_tokens=2, n=1, user="u", metadata={"a": "b"}, stream=False,
+        extra_body={"extra": [1.5, {"x": 1}]})
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    for path, body in [("/tokenize", '{"prompt": "ROMEO", "extra": 1.5}'),
+                       ("/detokenize", '{"tokens": [5], "extra": {"a": 1, "b": 1}}')]:
+        code, _, reply = chat_server.request("POST", path, body,
+                                             {"content-type": "application/json"})
+        assert code == 200, reply
 
 
 HALF = "half \ud800 a character"  # JSON's "\ud800": a surrogate without its pair

@@ -1,0 +1,132 @@
+"""Request bodies read as strict JSON (RFC 8259), in one place for every route of the server.
+
+Usage:
+    app.router.route_class = StrictJSONRoute    # before the routes are declared
+    strict_json(b'{"n": 1}')                     # {"n": 1}, or NotJSON naming the problem
+
+Python's json module reads more than JSON: NaN, Infinity and -Infinity, a number past a
+float's range as inf, and an object that gives a key twice, of which the last value wins.
+Every body is read here instead, before FastAPI checks its fields, so that a field the
+server ignores (user, metadata, a message's name, an unknown key) is held to JSON as strictly
+as one it reads, and no request is answered from a guess at which of two values was meant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+FINITE = "send a finite number"
+
+
+class NotJSON(ValueError):
+    """A body that is not strict JSON. The message names the place in the body and the fix;
+    param is the top-level field at fault, where there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Misfit:
+    """What the parser leaves where a value is not JSON, so that the place can be named
+    after the parse; `key` is the key given twice, when that is what is wrong."""
+
+    def __init__(self, what: str, key: str | None = None) -> None:
+        self.what, self.key = what, key
+
+
+def strict_json(body: bytes) -> Any:
+    """The JSON value of a request body; NotJSON for a body that is not UTF-8, not JSON, nested
+    deeper than Python reads, or that holds NaN, Infinity, a number out of a float's range or
+    past Python's digits for an integer, or an object that gives a key twice."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise NotJSON("the body is not UTF-8 text; send a JSON object encoded in UTF-8") from None
+    misfits = []  # whether any value needs naming, so that a good body is not walked
+
+    def misfit(what: str, key: str | None = None) -> Misfit:
+        misfits.append(True)
+        return Misfit(what, key)
+
+    def constant(name: str) -> Misfit:
+        return misfit(f"{name} is not JSON (RFC 8259 has no NaN or Infinity); {FINITE}")
+
+    def number(digits: str) -> float | Misfit:
+        value = float(digits)
+        return value if math.isfinite(value) else misfit(
+            f"{digits} is past the range of a float; {FINITE}")
+
+    def integer(digits: str) -> int | Misfit:
+        try:
+            return int(digits)
+        except ValueError:  # past sys.get_int_max_str_digits()
+            return misfit(f"an integer of {len(digits):,} digits is longer than this server "
+                          f"reads; {FINITE} of fewer digits")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict | Misfit:
+        record: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in record:
+                return misfit("is given twice; send each key once", key)
+            record[key] = value
+        return record
+    try:
+        value = json.loads(text, parse_constant=constant, parse_float=number, parse_int=integer,
+                           object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise NotJSON(f"the body is not valid JSON ({e.msg}, line {e.lineno} column "
+                      f"{e.colno}); send a JSON object") from None
+    except RecursionError:
+        raise NotJSON("the body nests lists or objects too deeply to read; send a flatter JSON "
+                      "object") from None
+    if misfits:
+        raise first_misfit(value)
+    return value
+
+
+def first_misfit(value: Any) -> NotJSON:
+    """The error for the first Misfit in `value`, in the order of the body's text, named by
+    its path ("messages[0].role"). The walk keeps its own stack, because a body may nest as
+    deep as the parser reads."""
+    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
+    while stack:
+        here, path = stack.pop()
+        if isinstance(here, Misfit):
+            path = path + [here.key] if here.key is not None else path
+            if not path:
+                return NotJSON(f"the body is {here.what.replace(' is not', ', not', 1)}")
+            name = str(path[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
+                                          for p in path[1:])
+            message = f"{name} {here.what}" if here.key is not None else f"{name}: {here.what}"
+            return NotJSON(message, param=path[0] if isinstance(path[0], str) else None)
+        items = (here.items() if isinstance(here, dict) else
+                 enumerate(here) if isinstance(here, list) else ())
+        stack.extend((item, [*path, key]) for key, item in reversed(list(items)))
+    raise AssertionError("a misfit was recorded but not found")
+
+
+class StrictJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = strict_json(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route whose body FastAPI reads through strict_json. FastAPI reports an error raised
+    while it reads a body as an HTTPException caused by it, which serving/app.py answers
+    with NotJSON's message and param."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+        return strict
