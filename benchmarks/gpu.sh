@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass over the GPU path: training beside nanoGPT, the race to a loss, decoding, the
 # server, the CUDA tests, each step under its own time limit and the whole under BUDGET
-# seconds, so that a GPU lent for a few minutes gives the figures of docs/performance.md's
+# seconds, so that a few minutes on a GPU give the figures of docs/performance.md's
 # "On a CUDA GPU" in one call.
 #
 # Usage:

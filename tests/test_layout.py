@@ -1,9 +1,11 @@
 """The project's shape: packages in layers, imports only downwards (commands -> training /
 weights / measure / generate / data -> model -> machine), no cycles, a model file that holds
-only the model, every file short enough to read, and a plain training run that imports only
-what it uses."""
+only the model, every file short enough to read, a plain training run that imports only
+what it uses, and no file that tells how the project was built rather than what it is."""
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,3 +160,58 @@ def test_a_plain_training_run_reads_only_what_it_uses():
                        "training.init_from", "data.chat", "generate", "cdecode", "viz"}, seen
     lines = sum(len(modules[name].read_text().splitlines()) for name in seen)
     assert lines <= 3500, f"train.py's imports reach {len(seen)} modules, {lines} lines"
+
+
+# Phrases that tell how the project was built rather than what it is: stretches of work,
+# machines lent for them, the device time they had, the issues that asked for them, and the
+# counts of successive readers. Each is narrow, so that "a chat session", "an SSH session",
+# "rounds of the race" or "the most device time" of a GPU kernel never match.
+HISTORY = re.compile("|".join([
+    r"\bthis session\b",
+    r"\b(?:earlier|later|previous|next|last|first|second|third|fourth|fifth|sixth|seventh|eighth) session\b",
+    r"\bthe session (?:before|after)\b",
+    r"\bsession's\b",
+    r"\bthe round's\b",
+    r"\b(?:this|that|next|earlier|previous|last) round\b",
+    r"\b(?:earlier|previous|later) rounds\b",
+    r"\brounds? of work\b",
+    r"\blent (?:for|to)\b",
+    r"\b(?:was|were|been|is|machine|machines|gpu|gpus|cpu|cpus) lent\b",
+    r"\b(?:minutes|hours|left) of device time\b",
+    r"\bissues? #?\d+\b",
+    r"\bthe issue's\b",
+    r"\breader \d\b",
+    r"\b(?:successive|eight|seven|six|five|four|three|two) readers\b",
+]), re.IGNORECASE)
+
+
+def tracked_files() -> list[Path]:
+    """The repository's tracked files outside tests/ (which holds the phrases above)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    names = listed.stdout.splitlines() if listed.returncode == 0 else [
+        str(p.relative_to(REPO)) for p in REPO.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(REPO).parts)]
+    return [REPO / name for name in names if not name.startswith("tests/")]
+
+
+def test_the_history_phrases_match_history_and_not_plain_words():
+    for history in ["measured in this session", "a GPU lent for fifteen minutes",
+                    "the round's sixth session", "as issue 77 asks", "reader 8 needed 559 lines",
+                    "not run in this session's device time", "in earlier rounds"]:
+        assert HISTORY.search(history), history
+    for plain in ["a chat session", "the terminal or SSH session closed", "3 rounds of the race",
+                  "the kernels that took the most device time", "session fixtures",
+                  "sessionStorage.getItem", "rounds to nearest even", "the readers of the file"]:
+        assert not HISTORY.search(plain), plain
+
+
+def test_no_file_speaks_of_how_the_project_was_built():
+    found = []
+    for path in tracked_files():
+        if path.suffix in (".png", ".jpg", ".pt", ".bin") or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if HISTORY.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, ("say what the software is and does; how it was built is in git log:\n"
+                       + "\n".join(found))
