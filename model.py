@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -46,9 +46,8 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension. On a GPU this is torch's fused kernel;
-    elsewhere it is a hand-written forward and backward (machine/cpu_kernels.py), which gives
-    the plain formula's values and gradients, as tests/test_model.py checks."""
+    """x / sqrt(mean(x^2) + eps) over the last dimension: F.rms_norm on a GPU, and on a CPU the
+    same values and gradients in one pass over x (machine/cpu_kernels.py), where torch makes several."""
     return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
 
 
@@ -58,7 +57,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx, self.dropout = layer_idx, config.dropout
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        # q, k and v from one matmul; under GQA, k and v have fewer heads (check_config turned 0 into n_head)
+        # one matmul gives the queries, and the keys and values, which GQA gives fewer heads
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -90,8 +89,7 @@ class CausalSelfAttention(nn.Module):
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention. mask holds the allowed pairs, (T_q, T_k) or (B, 1, T_q, T_k); None
-    means causal. Keys and values may have fewer heads than the queries (GQA)."""
+    """Fused attention over the pairs that mask allows, (T_q, T_k) or (B, 1, T_q, T_k), or causal."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
         # computed in fp32, because torch's CPU kernel is slower on short bf16 sequences, and with
         # autocast off, because it would cast the fp32 inputs straight back
@@ -121,10 +119,9 @@ def rope_tables(config: GPTConfig) -> Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x1_i, x2_i) = (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by
-    its token's angle (rope_tables' rows), so that the dot product of a query and a key depends
-    on how far apart their tokens are, not on where they are."""
-    if can_rotate(x, cos, sin):  # on a CPU, C does this and its gradient in one pass (cpu_kernels.py)
+    """Rotate each pair (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by its token's angle,
+    so that the dot product of a query and a key depends on how far apart their tokens are."""
+    if can_rotate(x, cos, sin):  # on a CPU, the same rotation and its gradient in one pass, in C
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
@@ -142,9 +139,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        # relu(h)^2 with a hand-written backward equal to the formula's (cpu_kernels.py), or GPT-2's GELU
-        h = ReLUSquared.apply(h) if self.relu2 else F.gelu(h, approximate="tanh")
+        h = relu_squared(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's GELU
         return self.dropout(self.c_proj(h))
+
+
+def relu_squared(h: torch.Tensor) -> torch.Tensor:
+    """relu(h)^2, and on a CPU the same values and gradients in one pass over h (cpu_kernels.py)."""
+    return F.relu(h).square() if h.is_cuda else ReLUSquared.apply(h)
 
 
 class Block(nn.Module):
@@ -208,13 +209,16 @@ class GPTConfig:
                 and self.n_kv_head == self.n_head and self.mlp_hidden == 4 * self.n_embd)
 
 
+def weights_generator() -> torch.Generator:
+    """The initial weights' generator, seeded by one draw from torch's (training/fsdp.py draws it too)."""
+    return torch.Generator().manual_seed(int(torch.randint(2**62, (), device="cpu")))
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        # The weights draw from their own generator, seeded by one draw from torch's, so that
-        # building the layers on the meta device (FSDP's way) gives the same initial_values().
-        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
+        generator = weights_generator()  # seeded before the layers draw defaults, which init_weights replaces
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -232,10 +236,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # the head reads tokens with the table that embeds them
             self.transformer.wte.weight = self.lm_head.weight
-        if not self.lm_head.weight.is_meta:
-            with torch.no_grad():
-                for param, value in self.initial_values():
-                    param.copy_(value)
+        self.init_weights(generator)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
@@ -278,23 +279,26 @@ class GPT(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
 
-    def initial_values(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter and its whole initial value: GPT-2's N(0, 0.02), zero biases, LayerNorm at
-        the identity, the projections into the residual stream scaled down with depth because each
-        block adds two terms to it, and the bigram table at zero. A tied table keeps lm_head's value."""
-        generator = torch.Generator().manual_seed(self.init_seed)
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
+        projections into the residual stream (the two c_proj) scaled down with depth, because each
+        block adds two terms to it; the bigram table at zero, so that training starts from the plain
+        model. A tied table is drawn as wte, then drawn again as lm_head, and keeps that value."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
-                if name == "bias" or isinstance(module, nn.LayerNorm):
-                    yield param, torch.full(param.shape, float(name == "weight"))
-                elif module_name == "transformer.wtb":  # zero, so that training starts from the plain model
-                    yield param, torch.zeros(param.shape)
+                if name == "bias" or module_name == "transformer.wtb":
+                    param.zero_()
+                elif isinstance(module, nn.LayerNorm):  # its weight, the gain
+                    param.fill_(1.0)
+                elif module_name.endswith(".c_proj"):  # attn.c_proj and mlp.c_proj
+                    param.normal_(0.0, residual_std, generator=generator)
                 else:
-                    std = 0.02 / math.sqrt(2 * self.config.n_layer) if "c_proj" in module_name else 0.02
-                    yield param, torch.empty(param.shape).normal_(0.0, std, generator=generator)
+                    param.normal_(0.0, 0.02, generator=generator)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """The parameter count, by default without the lookup tables (wpe, wtb, an untied wte)."""
+        """The parameter count, by default without the embedding tables (wpe, wtb, an untied wte)."""
         tables = [self.transformer[name].weight for name in ("wpe", "wtb") if name in self.transformer]
         tables += [] if self.config.tie_embeddings else [self.transformer.wte.weight]
         return sum(p.numel() for p in self.parameters()) - non_embedding * sum(t.numel() for t in tables)
@@ -314,14 +318,13 @@ class GPT(nn.Module):
 
 
 class KVCache:
-    """Every layer's keys and values, and each position's token id (for the bigram table),
-    written in place at the positions each forward is given (the caller keeps the position)
-    and read whole under a mask, so that a decode step has one shape at every position."""
+    """Every layer's keys and values, and each position's token id (for the bigram table), written
+    at the positions the caller gives and read whole under a mask, so a decode step has one shape."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
-        # one tensor per layer, because compiled code copies a whole buffer to write into a view
+        # one tensor per layer, because compiled code that writes into a view copies the whole buffer
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.key_pos = torch.arange(max_len, device=device)  # (max_len,)

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from machine.cpu_kernels import ReLUSquared, RMSNormFunction
-from model import GPT, GPTConfig, apply_rope, explicit_attention, sdpa_attention
+from model import GPT, GPTConfig, apply_rope, explicit_attention, sdpa_attention, weights_generator
 from tests.layouts import LAYOUTS, with_bigrams
 
 
@@ -149,18 +149,23 @@ def test_the_gradients_written_out_equal_autograds(dtype):
 
 
 def test_a_model_built_on_the_meta_device_gets_the_same_initial_values():
-    # FSDP builds the model on the meta device and fills each shard from initial_values
+    # training/fsdp.py builds the model on the meta device, where init_weights draws nothing,
+    # and fills it later from a generator seeded by the same first draw
     config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
     torch.manual_seed(0)
     whole = GPT(config)
     torch.manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        generator = weights_generator()
     with torch.device("meta"):
         meta = GPT(config)
-    # a tied table gets the last value given for it, lm_head's
-    values = {id(param): value for param, value in meta.initial_values()}
+    assert meta.lm_head.weight.is_meta
+    meta.to_empty(device="cpu")
+    meta.transformer.wte.weight = meta.lm_head.weight  # to_empty unties them; fully_shard does not
+    meta.init_weights(generator)
     state = whole.state_dict()
     for name, param in meta.named_parameters():
-        assert torch.equal(values[id(param)], state[name]), name
+        assert torch.equal(param, state[name]), name
 
 
 def test_initial_loss_is_close_to_uniform_guess():

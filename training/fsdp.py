@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
-from model import GPT, GPTConfig, rope_tables
+from model import GPT, GPTConfig, rope_tables, weights_generator
 from training import distributed
 from training.distributed import Dist, is_dtensor
 from weights import sharded
@@ -48,8 +49,10 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
                                   if param_dtype else None)
+    with torch.random.fork_rng(devices=[]):  # the draw that GPT() takes first, taken ahead of it
+        generator = weights_generator()
     with torch.device("meta"):
-        model = GPT(config)  # shapes only, because nothing is allocated or drawn yet
+        model = GPT(config)  # shapes only: nothing is allocated, and init_weights draws nothing
     for block in model.transformer.h:
         if compile:
             block.compile()
@@ -57,9 +60,8 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     with torch.no_grad():
-        # the same values as a model built whole, from the same draws in the same order
-        for param, value in model.initial_values():
-            param.copy_(sharded_like(value, param))
+        with WholeValues():  # the same values as a model built whole, from the same draws
+            model.init_weights(generator)
         if config.pos_embedding == "rope":  # computed, not drawn, and empty after to_empty
             cos, sin = rope_tables(config)
             model.rope_cos.copy_(cos)
@@ -68,6 +70,19 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
             for name, param in model.named_parameters():
                 param.copy_(sharded_like(base[name].load().to(param.dtype), param))
     return model
+
+
+class WholeValues(TorchFunctionMode):
+    """Within this block, an in-place fill of a sharded parameter (GPT.init_weights' normal_,
+    zero_ and fill_) fills a whole tensor on the CPU, as it would in a model built whole, and
+    copies this process's shard of it into the parameter. One whole parameter is held at a time."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.normal_, torch.Tensor.zero_, torch.Tensor.fill_) and is_dtensor(args[0]):
+            whole = func(torch.empty(args[0].shape), *args[1:], **kwargs)
+            return args[0].copy_(sharded_like(whole, args[0]))
+        return func(*args, **kwargs)
 
 
 def sharded_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
