@@ -5,16 +5,18 @@ Usage:
     optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
 
 Two recipes, chosen by TrainConfig.optimizer:
-- "adamw", GPT-2's: AdamW at learning_rate, and at embedding_lr on the lookup tables (an
-  untied wte, the bigram table).
+- "adamw", GPT-2's: AdamW at learning_rate, and at embedding_lr on the lookup tables (wte
+  when the head is untied, and the bigram table wtb).
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
-  inside the blocks, and AdamW on the rest: the lookup tables at embedding_lr, and the head
-  and any position table, biases and norm gains at learning_rate. Muon orthogonalizes each
-  matrix's smoothed gradient, so that every direction of the update moves at the same rate,
-  which suits the hidden matrices and not the embeddings, whose rows are looked up one at a time.
+  inside the blocks, and AdamW on the rest: the lookup tables at embedding_lr, and the head,
+  the position table wpe, the biases and the norm gains at learning_rate. Muon orthogonalizes
+  each matrix's smoothed gradient, so that every direction of the update moves at the same
+  rate, which suits the hidden matrices and not the embeddings, whose rows are looked up one
+  at a time.
 
 Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
-biases and gains, which a pull towards zero only hurts, nor to the lookup tables (see below).
+biases and gains, which a pull towards zero only hurts, nor to the lookup tables at
+embedding_lr (see configure_optimizers); the position table wpe is decayed, as in nanoGPT.
 Each group follows train.py's schedule (get_lr_scale) as a fraction of its peak_lr.
 """
 
@@ -43,9 +45,9 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
     # An untied token table and the bigram table are lookups whose rows move only where their
-    # tokens appear. They learn faster with a far larger lr than the head's (as in nanochat), and
-    # without weight decay, which grows with the lr and would pull their rows to zero. The head,
-    # whose every row the softmax reaches at every position, keeps learning_rate like the other weights.
+    # tokens appear. They learn faster with a far larger lr (as in nanochat), and without weight
+    # decay, which grows with the lr and would pull their rows to zero. The head, which every
+    # position uses whole, and wpe, whose every row trains at every step, stay with the rest.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
@@ -77,11 +79,12 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     return optimizers
 
 
-class Uncompiled:
-    """torch.optim's methods as torch writes them, without the wrapper that keeps
-    torch.compile out of them. That wrapper imports the compiler (torch._dynamo, which is
-    slow to import) the first time it runs, and this trainer never compiles its optimizers,
-    so without it a run reaches its first step sooner."""
+class Unguarded:
+    """torch.optim.Optimizer's methods without the guard that torch wraps around them. The
+    guard keeps torch.compile out of an optimizer, and it imports the compiler (torch._dynamo,
+    about a second) the first time it runs. This trainer never compiles its optimizers, so it
+    calls the functions underneath and reaches its first step sooner. inspect.unwrap follows
+    a wrapper's __wrapped__ attribute to the function that it wraps."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
@@ -89,13 +92,13 @@ class Uncompiled:
     load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
 
 
-class AdamW(Uncompiled, torch.optim.AdamW):
-    """torch.optim.AdamW without torch's wrapper around its step, in no_grad as the wrapper ran it."""
+class AdamW(Unguarded, torch.optim.AdamW):
+    """torch.optim.AdamW without the guards; its step runs in no_grad, as torch's wrapper ran it."""
 
     step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))
 
 
-class Muon(Uncompiled, torch.optim.Muon):
+class Muon(Unguarded, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype, on all the matrices of
     one shape in one batched product, and for a matrix in row_blocks, on each of its equal
     blocks of rows apart. torch's own Muon runs the iteration in bf16, which most x86 CPUs
