@@ -90,7 +90,10 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
     cpu = f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
     key = hashlib.sha256(" ".join([cc, *attempts[""], cpu]).encode()
                          + source.read_bytes()).hexdigest()[:16]
-    out = cache_dir() / source.stem / f"{key}.so"
+    try:
+        out = cache_dir() / source.stem / f"{key}.so"
+    except UserError as e:  # a user without a home, whose fallback folder is not private
+        raise BuildError(str(e)) from None
     try:
         lacks = read_build(out, attempts)
         lib = None if lacks is None else load(out, exports, check)

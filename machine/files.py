@@ -5,7 +5,7 @@ Usage:
     with atomic_write(path) as f:          # a binary file object
         torch.save(state, f)
     write_bytes_atomic(path, data)
-    cache_dir() / "decode_step"            # $GPTLAB_CACHE, default ~/.cache/gptlab
+    cache_dir() / "decode_step"            # $GPTLAB_CACHE, ~/.cache/gptlab, or a private temp folder
     probe_writable(run_dir)                # OSError now rather than after an hour
     held = lock_folder(out, ".lock")       # None while another live process holds it
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -27,10 +28,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from machine.errors import UserError
+
 
 def cache_dir() -> Path:
-    """Where fetched and built files are kept between runs."""
-    return Path(os.environ.get("GPTLAB_CACHE") or Path.home() / ".cache" / "gptlab")
+    """Where fetched and built files are kept between runs: $GPTLAB_CACHE, else
+    ~/.cache/gptlab, else, for a user with no home (as in a container run with --user), a
+    private folder in the temporary folder. That one is checked, because a folder that
+    another user made first could hold a library that the C decode step would load."""
+    if os.environ.get("GPTLAB_CACHE"):
+        return Path(os.environ["GPTLAB_CACHE"])
+    with suppress(RuntimeError):  # Path.home() finds neither HOME nor a passwd entry
+        return Path.home() / ".cache" / "gptlab"
+    folder = Path(tempfile.gettempdir()) / f"gptlab-cache-{os.getuid()}"
+    with suppress(OSError):
+        folder.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(folder) if folder.is_dir() else None  # a link's own mode is 0o777
+    if info is None or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise UserError(f"this user has no home folder for the cache, and {folder} is not a "
+                        f"private folder of its own; set GPTLAB_CACHE to a folder you can write")
+    return folder
 
 
 def cache_unusable(error: OSError) -> str:

@@ -5,7 +5,10 @@ argparse do), no traceback, and nothing written."""
 import json
 import math
 import os
+import pwd
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -578,3 +581,46 @@ def test_the_benchmarks_check_their_input_before_the_work(tmp_path, args, code, 
     # 2 is the parser's report of a value out of its range, which names the option
     assert error_line(result.stderr).startswith(error.format(tmp=tmp_path)), result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+NO_HOME_UID = 54321  # a user with no passwd entry, as `docker run --user 54321` makes one
+
+
+def without_a_home(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    """A command run as a user with no passwd entry and no HOME: uid 54321 inside a user
+    namespace of its own (the files it reads and writes are still this user's outside), with
+    its temporary folder in `tmp`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "GPTLAB_CACHE")}
+    as_nobody = ["unshare", "--user", f"--map-user={NO_HOME_UID}", f"--map-group={NO_HOME_UID}"]
+    return subprocess.run([*as_nobody, sys.executable, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**env, "TMPDIR": str(tmp)})
+
+
+def test_a_user_without_a_home_gets_a_private_cache_folder(tmp_path, trained_run, char_data):
+    """Path.home() raised RuntimeError in train.py, sample.py and evaluate.py for a user with
+    no home; the cache now falls back to a folder of the user's own in the temporary folder,
+    and refuses one that others could write into, since it holds libraries that are loaded."""
+    try:
+        pwd.getpwuid(NO_HOME_UID)
+        pytest.skip(f"uid {NO_HOME_UID} has a passwd entry here")
+    except KeyError:
+        pass
+    probe = without_a_home(["-c", "import pathlib; pathlib.Path.home()"], tmp_path)
+    if "Could not determine home directory" not in probe.stderr:
+        pytest.skip(f"cannot run as a user without a home here: {probe.stderr[-300:]}")
+    train = without_a_home(["train.py", "--config", "config/tiny.toml", "--data-dir",
+                            str(char_data), "--out-dir", str(tmp_path / "runs"), "--max-iters",
+                            "2", "--eval-interval", "2", "--sample-tokens", "0"], tmp_path)
+    assert train.returncode == 0, train.stderr
+    sample = ["sample.py", "--checkpoint", str(trained_run / "best.pt"), "--max-new-tokens", "5",
+              "--decode", "c"]
+    result = without_a_home(sample, tmp_path)
+    assert result.returncode == 0 and result.stdout, result.stderr
+    cache = tmp_path / f"gptlab-cache-{NO_HOME_UID}"
+    assert (cache.stat().st_mode & 0o777) == 0o700 and list((cache / "decode_step").glob("*.so"))
+    cache.chmod(0o777)  # as if another user had made it first, for everyone to write
+    result = without_a_home(sample, tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert error_line(result.stderr) == (
+        f"error: this user has no home folder for the cache, and {cache} is not a private "
+        f"folder of its own; set GPTLAB_CACHE to a folder you can write")
