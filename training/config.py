@@ -96,6 +96,9 @@ class TrainConfig:
                      "where the hardware multiplies it natively (a GPU with bf16, a CPU with "
                      "avx512_bf16 or AMX), else float32")
     compile: bool = opt(False, "torch.compile the model (slow start, faster steps)")
+    threads: int = opt(0, "CPU threads; 0 times the counts over the first steps and keeps the "
+                       "fastest, again whenever the step's time changes (machine/threads.py); "
+                       "OMP_NUM_THREADS also fixes it")
     parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
                                "fsdp (each holds 1/N of it; see docs/distributed.md)")
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")
@@ -129,6 +132,8 @@ class TrainConfig:
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         check_seed(self.seed)
+        if not 0 <= self.threads <= 1024:
+            raise ConfigError(f"threads must be 0 (measure) or a count up to 1024, got {self.threads}")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
 
@@ -221,7 +226,8 @@ SECTIONS = {
                      "lr_decay_iters", "decay_lr", "weight_decay", "beta1", "beta2", "grad_clip"),
     "Evaluation and logging": ("eval_interval", "eval_iters", "log_interval", "sample_prompt",
                                "sample_tokens", "log_attention", "attention_probe"),
-    "The run": ("out_dir", "run_name", "device", "dtype", "compile", "parallel", "seed"),
+    "The run": ("out_dir", "run_name", "device", "dtype", "compile", "threads", "parallel",
+                "seed"),
 }
 CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
 
