@@ -12,6 +12,7 @@ biases, an untied head and capped logits. The names map one to one, except that 
 fuses the query, key and value projections into one c_attn:
 
     transformer.wte               model.embed_tokens
+    transformer.wtb               model.embed_bigrams (the bigram table, see below)
     transformer.h.N.attn.c_attn   model.layers.N.self_attn.{q,k,v}_proj, stacked
     transformer.h.N.attn.c_proj   model.layers.N.self_attn.o_proj
     transformer.h.N.mlp.c_fc      model.layers.N.mlp.fc1
@@ -25,6 +26,12 @@ the other, because the rotated queries and keys then differ only in those signs,
 cancel in every query-key dot product. QK-norm comes before the rotation here and after it in
 transformers; a norm without a gain has the same length before and after a rotation, so
 the order changes nothing.
+
+transformers' NanoChat has no bigram table, so a model trained with one is exported with
+the table as one more tensor and a small modeling file of ours, nanochat_bigram.py, which
+config.json's auto_map names: a NanoChatForCausalLM that adds the table's rows to its token
+embedding, which transformers loads with trust_remote_code=True. model_type stays
+"nanochat", and load_hf_nanochat reads such a folder back, table included.
 """
 
 from __future__ import annotations
@@ -40,8 +47,13 @@ from weights.hf import FolderError, read_config, read_weights, write_folder
 from weights.lazy import Lazy, build, cropped, expected, state_dict_mismatch
 
 # what a NanoChat model always is, in model.py's switches
+# (with a bigram table or without: see BIGRAM_AUTO_MAP)
 LAYOUT = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", bias=False,
-              embed_norm=True, bigram_embedding=False)
+              embed_norm=True)
+# the modeling file that an export with a bigram table carries, and how config.json names it
+BIGRAM_FILE = Path(__file__).with_name("nanochat_bigram.py")
+BIGRAM_CLASS = "NanoChatBigramForCausalLM"
+BIGRAM_AUTO_MAP = {"AutoModelForCausalLM": f"{BIGRAM_FILE.stem}.{BIGRAM_CLASS}"}
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "max_position_embeddings")
 
@@ -75,7 +87,8 @@ def config_from_hf(hf: dict, path: Path, dropout: float = 0.0) -> GPTConfig:
             n_inner=0 if hf["intermediate_size"] == 4 * n_embd else hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
             logit_softcap=hf.get("final_logit_softcapping") or 0.0,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=dropout, **LAYOUT)
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=dropout,
+            bigram_embedding=hf.get("auto_map") == BIGRAM_AUTO_MAP, **LAYOUT)
     except (TypeError, ValueError) as e:
         raise FolderError(f"{path}: {e}") from None
 
@@ -95,6 +108,8 @@ def hf_nanochat_weights(folder: str | Path, dropout: float = 0.0,
         name = key.removeprefix("model.")
         if name == "embed_tokens.weight":
             state["transformer.wte.weight"] = tensor
+        elif name == "embed_bigrams.weight":
+            state["transformer.wtb.weight"] = tensor
         elif key == "lm_head.weight":
             state["lm_head.weight"] = tensor
         elif name.startswith("layers."):
@@ -141,9 +156,12 @@ def nanochat_problem(config: GPTConfig) -> str | None:
 
 def hf_config(cfg: GPTConfig, special: dict[str, int]) -> dict:
     """NanoChat's config.json for a model of this shape; `special` holds the ids of the
-    tokenizer's bos and eos tokens, where it has them."""
+    tokenizer's bos and eos tokens, where it has them. A bigram table adds auto_map, which
+    names the modeling file that holds it."""
+    bigram = {"auto_map": BIGRAM_AUTO_MAP} if cfg.bigram_embedding else {}
     return {
-        "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat",
+        "architectures": [BIGRAM_CLASS if bigram else "NanoChatForCausalLM"], **bigram,
+        "model_type": "nanochat",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd,
         "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
@@ -161,7 +179,8 @@ def export_hf_nanochat(model: GPT, folder: str | Path, force: bool = False,
                        extra: dict[str, bytes] | None = None,
                        special: dict[str, int] | None = None) -> Path:
     """Write config.json and model.safetensors (and the `extra` files, the tokenizer's) that
-    transformers' NanoChatForCausalLM loads, as weights.hf.write_folder writes a folder."""
+    transformers' NanoChatForCausalLM loads, as weights.hf.write_folder writes a folder; with
+    a bigram table, also the modeling file that holds it (nanochat_bigram.py)."""
     cfg = model.config
     problem = nanochat_problem(cfg)
     if problem:
@@ -169,6 +188,9 @@ def export_hf_nanochat(model: GPT, folder: str | Path, force: bool = False,
     hd, state = cfg.head_dim, {}
     weights = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     state["model.embed_tokens.weight"] = weights["transformer.wte.weight"]
+    if cfg.bigram_embedding:
+        state["model.embed_bigrams.weight"] = weights["transformer.wtb.weight"]
+        extra = {**(extra or {}), BIGRAM_FILE.name: BIGRAM_FILE.read_bytes()}
     if not cfg.tie_embeddings:
         state["lm_head.weight"] = weights["lm_head.weight"]
     for i in range(cfg.n_layer):
