@@ -9,7 +9,11 @@ Usage:
 
 The format follows from the layout: GPT-2's for GPT-2's layout (weights/gpt2.py), NanoChat's
 for the modern one (weights/nanochat.py); a layout that neither can hold is refused in one
-line naming the switch. AutoModelForCausalLM and AutoTokenizer load the folder.
+line naming the switch. AutoModelForCausalLM and AutoTokenizer load the folder. A model with
+a bigram table (the quickstart's) is exported in NanoChat's format with the table as one more
+tensor and a small modeling file that adds it (weights/nanochat_bigram.py), so transformers
+loads it with AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True), because
+its own NanoChat has no such table. The command's last line says how to load the folder.
 
 --plain turns a run's sharded checkpoints (last.dcp and best.dcp, which training under FSDP
 writes) into plain ones beside them (last.pt, best.pt), one tensor at a time
@@ -29,8 +33,9 @@ from model import SWITCH_DEFAULTS, GPTConfig
 from weights import sharded
 from weights.checkpoint import link_checkpoint
 from weights.gpt2 import export_hf_gpt2, gpt2_problem
-from weights.hf import ExportError
+from weights.hf import ExportError, read_config
 from weights.loading import load_model
+from weights.nanochat import BIGRAM_FILE as NANOCHAT_BIGRAM_FILE
 from weights.nanochat import LAYOUT as NANOCHAT_LAYOUT
 from weights.nanochat import export_hf_nanochat, nanochat_problem
 
@@ -134,6 +139,12 @@ def main(checkpoint: Annotated[str, typer.Argument(
     names = sorted(p.name for p in written.iterdir())
     typer.echo(f"wrote {written}/ from {checkpoint} in {written_format}'s format: "
                f"{', '.join(names)}")
+    if "auto_map" in read_config(written):  # the bigram table, which only our modeling file holds
+        typer.echo(f"load it with AutoModelForCausalLM.from_pretrained(\"{written}\", "
+                   f"trust_remote_code=True), because the folder's {NANOCHAT_BIGRAM_FILE.name} "
+                   f"adds its bigram table")
+    else:
+        typer.echo(f"load it with AutoModelForCausalLM.from_pretrained(\"{written}\")")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """export.py and --init-from end to end: a model trained here in nanochat's layout is
 exported as a Hugging Face folder with the same loss and tokens in transformers, and the
-folder read back in samples and evaluates as the checkpoint does; each of our tokenizers
-gives AutoTokenizer's ids."""
+folder read back in samples and evaluates as the checkpoint does, with a bigram table too;
+each of our tokenizers gives AutoTokenizer's ids."""
 
 import math
 import subprocess
@@ -23,6 +23,7 @@ from train import train
 from training.config import ConfigError, load_config
 from weights.checkpoint import load_checkpoint
 from weights.gpt2 import gpt2_problem
+from weights.loading import load_model
 from weights.nanochat import nanochat_problem
 
 transformers = pytest.importorskip("transformers")  # test-only dependency
@@ -40,6 +41,18 @@ def nanochat_run(tmp_path_factory, char_data) -> Path:
     cfg = load_config(REPO / "config" / "tiny.toml", {
         "data_dir": str(char_data), "out_dir": str(out), "run_name": "nano", "max_iters": 20,
         "eval_interval": 20, "sample_tokens": 0, "bias": False, "n_kv_head": 1, **layout})
+    return train(cfg).run_dir
+
+
+@pytest.fixture(scope="module")
+def bigram_run(tmp_path_factory, char_data) -> Path:
+    """The same model with the quickstart's bigram table, trained for 20 steps into runs/bigram."""
+    out = tmp_path_factory.mktemp("runs")
+    layout = {k: v for k, v in LAYOUTS["nanochat"].items() if k != "n_inner"}
+    cfg = load_config(REPO / "config" / "tiny.toml", {
+        "data_dir": str(char_data), "out_dir": str(out), "run_name": "bigram", "max_iters": 20,
+        "eval_interval": 20, "sample_tokens": 0, "bias": False, "n_kv_head": 1, **layout,
+        "bigram_embedding": True})
     return train(cfg).run_dir
 
 
@@ -76,6 +89,37 @@ def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanoch
                             do_sample=False)
     expected = tokenizer.decode(greedy[0])
     for source in (["--run", str(nanochat_run)], ["--init-from", str(tmp_path / "hf")]):
+        sampled = run("sample.py", *source, "--prompt", prompt, "--max-new-tokens", "20",
+                      "--temperature", "0")
+        assert sampled.returncode == 0, sampled.stderr
+        assert sampled.stdout == expected + "\n"
+
+
+def test_a_run_with_a_bigram_table_exported_has_its_logits_and_tokens_in_transformers(tmp_path,
+                                                                                     bigram_run):
+    folder = tmp_path / "hf"
+    result = run("export.py", str(bigram_run), str(folder))
+    assert result.returncode == 0, result.stderr
+    assert "in nanochat's format" in result.stdout and "nanochat_bigram.py" in result.stdout
+    assert result.stdout.splitlines()[-1] == (
+        f'load it with AutoModelForCausalLM.from_pretrained("{folder}", trust_remote_code=True), '
+        f"because the folder's nanochat_bigram.py adds its bigram table")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ours, _, _ = load_model(str(bigram_run))
+    assert torch.count_nonzero(ours.transformer.wtb.weight) > 0  # trained away from zero
+    text = make_corpus(20, seed=5)
+    ids = torch.tensor([tokenizer.encode(text[i * 32:(i + 1) * 32]) for i in range(3)])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(ids).logits, ours(ids)[0], rtol=1e-5, atol=1e-5)
+        # read back by --init-from, the folder is the checkpoint's model, table included
+        back, _, _ = load_model(init_from=str(folder))
+        torch.testing.assert_close(back(ids)[0], ours(ids)[0], rtol=0, atol=0)
+    prompt = "ROMEO: "
+    greedy = theirs.generate(torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=20,
+                             do_sample=False)
+    expected = tokenizer.decode(greedy[0])
+    for source in (["--run", str(bigram_run)], ["--init-from", str(folder)]):
         sampled = run("sample.py", *source, "--prompt", prompt, "--max-new-tokens", "20",
                       "--temperature", "0")
         assert sampled.returncode == 0, sampled.stderr
@@ -159,16 +203,12 @@ def test_a_nanochat_folder_is_fine_tuned_on_data_prepared_with_its_tokenizer(tmp
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "config").glob("*.toml")))
 def test_every_presets_model_leaves_the_project(preset, tmp_path):
-    # a small model in each preset's layout exports to one of the two formats, or, with a
-    # bigram table, which neither holds, to NanoChat's once trained with --no-bigram-embedding
-    # as the preset's comment and the refusal say
+    # a small model in each preset's layout exports to one of the two formats; a bigram table
+    # (the quickstart's) goes to NanoChat's, with the modeling file that holds it
     cfg = load_config(REPO / "config" / preset, {"n_layer": 1, "n_embd": 32, "n_head": 2,
                                                  "block_size": 16, "init_from": ""})
     config = cfg.model_config(vocab_size=50)
     if config.bigram_embedding:
-        assert "--no-bigram-embedding" in (REPO / "config" / preset).read_text()
-        assert "bigram_embedding = False" in nanochat_problem(config)
-        config = cfg.updated(bigram_embedding=False).model_config(vocab_size=50)
         assert nanochat_problem(config) is None, preset
     problems = [gpt2_problem(config), nanochat_problem(config)]
     assert None in problems, (preset, problems)
