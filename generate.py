@@ -66,29 +66,25 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     # the tokens the model sees, plus room for the one sampled last; memory does not grow
     # with max_new_tokens, so a generation can go on for as long as it is read
     window = torch.empty(B, block_size + 1, dtype=idx.dtype, device=idx.device)
-    T = min(n, block_size)  # tokens in the window
+    T = min(n, block_size)  # how many tokens the window holds
     window[:, :T] = idx[:, n - T:]
     cache, step = None, None
     if use_kv_cache:
         cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
         step = decode_step(model, decode) if isinstance(decode, str) else decode
-    needs_prefill = True  # the cache holds nothing of the current window yet
-    next_token = None  # the token sampled last, which the next decode step feeds in
+    cached, next_token = 0, None  # how many of the window's tokens the cache holds; the last token
     for _ in range(max_new_tokens):
-        if T > block_size:
+        if T > block_size:  # the window is full, so it jumps: it keeps its most recent tokens
             keep = max(1, block_size // 2)  # at least one, for a bigram model's block_size of 1
             window[:, :keep] = window[:, T - keep:T]  # no overlap, because T - keep >= keep
-            T = keep
-            needs_prefill = True
-        if cache is None:
+            T, cached = keep, 0
+        if cache is None:  # as nanoGPT does: the whole window, every step
             logits, _ = model(window[:, :T], logits_from=-1)
-        elif needs_prefill:  # the window's tokens at positions 0..T-1
+        elif cached == 0:  # prefill: the whole window in one pass, at positions 0..T-1
             logits = prefill(model, step, window[:, :T], cache)
-            needs_prefill = False
-        else:  # decode the token sampled last at its window position; slots past it may
-            # hold keys from before a jump, which the mask hides (a query at p sees 0..p)
-            input_pos = torch.tensor([T - 1], device=idx.device)
-            logits = step(next_token, cache, input_pos)
+        else:  # decode the token sampled last, at T - 1 (the mask hides any older keys past it)
+            logits = step(next_token, cache, torch.tensor([T - 1], device=idx.device))
+        cached = T
         next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
         window[:, T] = next_token[:, 0]
         T += 1
@@ -118,11 +114,14 @@ def prefill(model: GPT, step: DecodeStep, idx: torch.Tensor, cache: KVCache,
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Slots of a generation's KV cache. Every step attends over every slot (see KVCache), so
-    there are just enough for the prompt plus every new token except the last, which is never
-    fed back, rounded up to a power of two so that a compiled step is built for few sizes."""
+    """Slots of a generation's KV cache, over all of which every step attends (see KVCache): the
+    prompt plus every new token except the last, which is never fed back, rounded up to a power
+    of two, so that a compiled step is built for few sizes."""
     filled = prompt_len + max_new_tokens - 1
-    return min(block_size, 1 << (filled - 1).bit_length())  # the power of two >= filled
+    slots = 1
+    while slots < filled:  # the smallest power of two that holds them
+        slots *= 2
+    return min(block_size, slots)
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -130,8 +129,7 @@ def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise InputError for sampling settings that mean nothing."""
     if not 0 <= temperature < float("inf"):  # also refuses nan
-        raise InputError(f"temperature must be >= 0 (0 means greedy) and finite, got "
-                         f"{temperature}")
+        raise InputError(f"temperature must be >= 0 (0 means greedy) and finite, got {temperature}")
     if top_k is not None and top_k < 1:
         raise InputError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -160,17 +158,20 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row of (B, vocab) logits; temperature 0 is greedy. Returns (B, 1)."""
+    """Pick one token per row of (B, vocab) logits, returned as (B, 1), as nanoGPT does (divide
+    by the temperature, keep the top k, sample from the softmax), with top_p, and greedily at
+    temperature 0. Three steps keep extreme temperatures sound. The largest logit is moved to 0,
+    so that a tiny temperature sends the others to -inf (greedy), never to +inf (nan). top_k
+    comes before the division, because a huge temperature can round distinct logits to one
+    value. The temperature is clamped to float32's normal range, because beyond it the division
+    acts as a division by 0 or by inf would."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    # unlike nanoGPT, subtract the largest logit before dividing; the others are then
-    # negative, so a tiny temperature sends them to -inf, never +inf, and sampling is greedy
     logits = logits - logits.amax(dim=-1, keepdim=True)
-    if top_k is not None:  # before dividing, because a huge temperature may round
-        logits = filter_top_k(logits, top_k)  # distinct logits to one value, leaving topk to pick among ties
+    if top_k is not None:
+        logits = filter_top_k(logits, top_k)
     finfo = torch.finfo(torch.float32)
-    # clamped, because past float32's normal range a temperature divides as 0 or inf would (0 / 0 is nan)
     logits = logits / min(max(temperature, finfo.tiny), finfo.max)
     if top_p is not None and top_p < 1.0:
         logits = filter_top_p(logits, top_p)
