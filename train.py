@@ -22,7 +22,8 @@ import math
 import signal
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from training.optimizer import configure_optimizers
 from training.precision import choose_dtype
 from training.runs import (
     Interrupted,
+    Run,
     TrainingError,
     check_resumable_folder,
     run_dir_of,
@@ -69,35 +71,24 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Train the model cfg describes on its data; with resume, go on from the run folder's
     last checkpoint. Under torchrun every process runs this."""
     t_start = time.time()
-    with ExitStack() as stack:  # each context below closes when the run ends, however it ends
+    with ExitStack() as stack:  # each context entered below closes when the run ends, however it ends
         dist = stack.enter_context(distributed.process_group(cfg.device))  # one process: rank 0 of 1
-        # signals are caught from the start, so that a Ctrl-C while the data is prepared is
-        # answered after the first step, with a checkpoint
+        # signals are caught from the start, so that a Ctrl-C pressed while the data is prepared
+        # is answered after the first step, with a checkpoint
         stop = stack.enter_context(stop_signals())
-
-        # --- where this process computes --------------------------------------------------
-        device = resolve_device(cfg.device, dist.local_rank)  # auto: CUDA, else MPS, else the CPU
-        sharded = distributed.check_parallel(cfg, dist)  # whether FSDP shards the model
-        if cfg.compile:  # refuse a compiler that cannot work here before writing anything
-            check_compile(device, instead="drop --compile")
-        torch.manual_seed(cfg.seed)
-        reuse_freed_memory()  # keep freed memory for the next step's activations of the same sizes
-        if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        device, sharded = choose_device(cfg, dist)
+        torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
+        reuse_freed_memory()  # glibc keeps freed memory for the next step's activations, of the same sizes
         if resume:  # a run to continue must exist, which is checked before the data is read
             check_resumable_folder(run_dir_of(cfg))
 
-        # --- the data: token ids in memory-mapped shards ----------------------------------
+        # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
         sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
         probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
                      if cfg.attention_probe else splits["val"][:32].tolist())
-        check_memory(cfg, meta["vocab_size"], device, dist)
-        run = stack.enter_context(run_folder(cfg, resume, dist))
-        stack.enter_context(out_of_memory(cfg, device, dist))
-        log = stack.enter_context(RunLog(run, cfg, dist, tokenizer, probe_ids,
-                                         attention=cfg.log_attention and not sharded))
+        run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer, probe_ids,
+                                                sharded))
 
         # --- the model and its optimizers: new, or as the checkpoint left them -----------
         saved = checkpoint = None
@@ -110,8 +101,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # Muon on the blocks' matrices: Nesterov momentum, made orthogonal (every direction moves
         # at the same rate), at muon_lr; AdamW on the rest (the head; the lookup tables at embedding_lr)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-        # only float16 must scale its loss (or small gradients round to zero); otherwise the scaler is a no-op
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        # float16 alone scales its loss up, because its small gradients would round to zero
+        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
         # y = data[s+1:s+T+1], where T is the model's block_size (for a fine-tuned base, the
         # base's own); the stream below draws with a seeded generator of its own
@@ -125,15 +116,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                               batches, device)
             run.saved(checkpoint, iter_num)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        model = raw_model  # what the step calls: maybe compiled, maybe wrapped for torchrun
-        if cfg.compile and not sharded:  # FSDP compiled each block before sharding it
-            # On one GPU each compiled pass replays as a CUDA graph, because launching its kernels from
-            # Python would hold a small model back. Graphs are left out with accumulation, whose gradients
-            # must outlive the next replay, and under torchrun, which reduces gradients in the backward.
-            graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
-            model = torch.compile(model, mode="reduce-overhead" if graphs else None)
-        if dist.enabled and not sharded:
-            model = distributed.ddp(model, device)
+        model = for_training(raw_model, cfg, device, dist, sharded)  # compiled, or wrapped for torchrun
         # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
         autocast = (nullcontext() if dtype == torch.float32 or (sharded and device.type == "cuda")
                     else torch.autocast(device.type, dtype=dtype))
@@ -165,10 +148,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
-        x, y = batches.next()  # (B, T) windows at random places in the train split; y is x shifted by one
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
+        # the first forward pass's batch: (B, T) windows at random places in the train split, and
+        # y is x shifted by one token; each forward pass below draws the batch of the next
+        x, y = batches.next()
         while iter_num < cfg.max_iters:
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
             for opt in optimizers:  # peak_lr, from configure_optimizers: muon_lr, embedding_lr, learning_rate
@@ -180,19 +165,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
                 loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
-                # the next batch, drawn while a GPU still works; backward() uses the graph built above
+                # the next forward pass's batch, drawn before this backward pass (as in nanoGPT), so
+                # that the CPU reads it while a GPU still computes
                 x, y = batches.next()
-                scaler.scale(loss).backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 loss_sum += loss.detach()
-            for opt in optimizers:
-                scaler.unscale_(opt)  # so that clipping sees the true gradients
-            # one factor scales every gradient (Muon's update, made orthogonal, discards its size);
-            # grad_clip 0 clips at inf, which only measures the norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-            for opt in optimizers:
-                scaler.step(opt)  # opt.step(), skipped under float16 where a gradient is inf or NaN
-                opt.zero_grad(set_to_none=True)
-            scaler.update()
+            grad_norm = clip_and_step(optimizers, raw_model, cfg.grad_clip, scaler)
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on
@@ -243,6 +221,29 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                        run.checkpoint, bool(meta.get("chat")))
 
 
+def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
+                  scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+    """Clip the gradients, take each optimizer's step and clear the gradients; return their norm
+    before clipping. Clipping multiplies every gradient by one factor, so that their norm is at
+    most grad_clip (0 clips at inf, which only measures it). Muon's orthogonalized update has the
+    same size whatever the factor, but its momentum, from which that update is made, counts a
+    clipped step less. Under float16, the scaler first divides its scale out of the gradients,
+    and it skips the step where a gradient is inf or NaN."""
+    if scaler is not None:  # float16
+        for opt in optimizers:
+            scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    for opt in optimizers:
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.update()  # a smaller scale after an inf or NaN, a larger one after a run of good steps
+    return grad_norm
+
+
 def get_lr_scale(it: int, cfg: TrainConfig) -> float:
     """The multiplier of every group's peak lr at step `it`: a linear rise over the first
     warmup_iters steps, then a cosine from 1 down to min_lr / learning_rate at lr_decay_iters
@@ -257,6 +258,19 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
         return floor
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # 1 -> floor
+
+
+def choose_device(cfg: TrainConfig, dist: distributed.Dist) -> tuple[torch.device, bool]:
+    """This process's device, and whether FSDP shards the model. A compiler or a parallel
+    setting that cannot work here is refused now, before anything is written."""
+    device = resolve_device(cfg.device, dist.local_rank)  # auto: CUDA, else MPS, else the CPU
+    sharded = distributed.check_parallel(cfg, dist)
+    if cfg.compile:
+        check_compile(device, instead="drop --compile")
+    if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return device, sharded
 
 
 def load_data(cfg: TrainConfig, dist: distributed.Dist,
@@ -289,6 +303,18 @@ def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
+@contextmanager
+def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device, meta: dict,
+             tokenizer: Tokenizer, probe_ids: list[int], sharded: bool) -> Iterator[tuple[Run, RunLog]]:
+    """The run folder (new, or the one to resume) and its log, for as long as the block runs.
+    It is opened only once the model's estimated memory fits, and inside it, running out of
+    memory is reported as one line that says what to lower (training/memory.py)."""
+    check_memory(cfg, meta["vocab_size"], device, dist)
+    with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
+            RunLog(run, cfg, dist, tokenizer, probe_ids, attention=cfg.log_attention and not sharded) as log:
+        yield run, log
+
+
 def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
                 dist: distributed.Dist, sharded: bool, saved: Any) -> GPT:
     """A new model of the config's shape, or the base model to fine-tune (init_from), on the
@@ -308,6 +334,22 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
         from weights.lazy import build
         return build(config, base).to(device)
     return GPT(config).to(device)
+
+
+def for_training(model: GPT, cfg: TrainConfig, device: torch.device, dist: distributed.Dist,
+                 sharded: bool) -> torch.nn.Module:
+    """What the loop calls: the model compiled if cfg.compile (FSDP compiled each block before
+    sharding it), and under torchrun wrapped by DDP, unless FSDP shards it."""
+    if cfg.compile and not sharded:
+        # On one GPU, each compiled pass is replayed as a CUDA graph, because launching its many
+        # kernels one at a time from Python would hold a small model back. Graphs are not used
+        # with gradient accumulation, because the next replay would overwrite the gradients that
+        # are still accumulating, nor under torchrun, which reduces gradients during the backward.
+        graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
+        model = torch.compile(model, mode="reduce-overhead" if graphs else None)
+    if dist.enabled and not sharded:
+        model = distributed.ddp(model, device)
+    return model
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -188,7 +188,10 @@ class BatchStream:
         """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
         random places in the split (get_batch) or conversations, and y the same shifted by one."""
         self.state = self.generator.get_state()
-        return [self.draw(self.generator) for _ in range(self.world_size)][self.rank]
+        # every process draws every process's batch, so that all the generators stay equal,
+        # and keeps its own
+        batches = [self.draw(self.generator) for _ in range(self.world_size)]
+        return batches[self.rank]
 
     def restore(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
