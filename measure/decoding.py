@@ -88,7 +88,10 @@ def transformers_generate(model: GPT) -> Tokens | None:
     transformers.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as folder:
         export(copy.deepcopy(model).float(), folder, force=True)  # .float() casts in place
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        # the modeling file that a NanoChat export with a bigram table carries runs only with
+        # trust_remote_code; without one it is transformers' own class either way
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, trust_remote_code=True).eval()
     p = model.lm_head.weight
     theirs = theirs.to(device=p.device, dtype=p.dtype)
 
