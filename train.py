@@ -306,9 +306,8 @@ def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
 @contextmanager
 def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device, meta: dict,
              tokenizer: Tokenizer, probe_ids: list[int], sharded: bool) -> Iterator[tuple[Run, RunLog]]:
-    """The run folder (new, or the one to resume) and its log, for as long as the block runs.
-    It is opened only once the model's estimated memory fits, and inside it, running out of
-    memory is reported as one line that says what to lower (training/memory.py)."""
+    """The run folder (new, or the one to resume) and its log, opened once the model's memory is
+    known to fit; inside, running out of memory is one line that says what to lower."""
     check_memory(cfg, meta["vocab_size"], device, dist)
     with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
             RunLog(run, cfg, dist, tokenizer, probe_ids, attention=cfg.log_attention and not sharded) as log:

@@ -188,10 +188,9 @@ class BatchStream:
         """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
         random places in the split (get_batch) or conversations, and y the same shifted by one."""
         self.state = self.generator.get_state()
-        # every process draws every process's batch, so that all the generators stay equal,
-        # and keeps its own
+        # every process draws all the processes' batches, which keeps the generators equal
         batches = [self.draw(self.generator) for _ in range(self.world_size)]
-        return batches[self.rank]
+        return batches[self.rank]  # and takes its own
 
     def restore(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)

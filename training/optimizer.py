@@ -9,10 +9,9 @@ Two recipes, chosen by TrainConfig.optimizer:
   when the head is untied, and the bigram table wtb).
 - "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
   inside the blocks, and AdamW on the rest: the lookup tables at embedding_lr, and the head,
-  the position table wpe, the biases and the norm gains at learning_rate. Muon orthogonalizes
-  each matrix's smoothed gradient, so that every direction of the update moves at the same
-  rate, which suits the hidden matrices and not the embeddings, whose rows are looked up one
-  at a time.
+  wpe, biases and norm gains at learning_rate. Muon orthogonalizes each matrix's smoothed
+  gradient, so that every direction of the update moves at the same rate, which suits the
+  hidden matrices and not the embeddings, whose rows are looked up one at a time.
 
 Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
 biases and gains, which a pull towards zero only hurts, nor to the lookup tables at
@@ -80,11 +79,10 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
 
 
 class Unguarded:
-    """torch.optim.Optimizer's methods without the guard that torch wraps around them. The
-    guard keeps torch.compile out of an optimizer, and it imports the compiler (torch._dynamo,
-    about a second) the first time it runs. This trainer never compiles its optimizers, so it
-    calls the functions underneath and reaches its first step sooner. inspect.unwrap follows
-    a wrapper's __wrapped__ attribute to the function that it wraps."""
+    """torch.optim.Optimizer's methods without the guard that torch wraps around them, which keeps
+    torch.compile out and imports the compiler (torch._dynamo, about a second) on its first call.
+    This trainer never compiles its optimizers, so it reaches its first step sooner without the
+    guard. inspect.unwrap follows a wrapper's __wrapped__ attribute to the function it wraps."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
