@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 
 from cli.options import (
@@ -37,6 +38,7 @@ from data.documents import read_text
 from machine.device import resolve_device
 from machine.errors import InputError, UserError, reported, run_command
 from machine.files import write_bytes_atomic
+from machine.perf import out_of_memory
 from measure.answers import answer_score, demo_conversations, read_conversations
 from measure.choices import read_items, score_items
 from measure.scores import check_stride, evaluate
@@ -92,8 +94,9 @@ def main(
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
                                               say=loaded.append)
         stride = check_stride(stride, model.config.block_size)
-        try:
-            scores = evaluate(model, tokenizer, text, stride, batch_size, progress=True)
+        try:  # measure.scores checks a batch's logits; its activations may still not fit
+            with out_of_memory("scoring", torch.device(device), "lower --batch-size", InputError):
+                scores = evaluate(model, tokenizer, text, stride, batch_size, progress=True)
         except InputError as e:  # text outside a character vocabulary, or too short
             raise InputError(f"{input}: {e}") from None
         if json_path is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from machine.cbuild import BuildError, build_library
-from model import GPT, KVCache
+from model import GPT, GPTConfig, KVCache
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # the weight dtypes the step runs, and the define that builds decode_step.c for each; for
@@ -73,6 +73,14 @@ def block_param_names(lib: ctypes.CDLL) -> list[str]:
     count = ctypes.c_int.in_dll(lib, "n_block_params").value
     names = (ctypes.c_char_p * count).in_dll(lib, "block_param_names")
     return [name.decode() for name in names]
+
+
+def scratch_bytes(config: GPTConfig, rows: int, tokens: int, max_len: int) -> int:
+    """The bytes of the scratch that one call of the step takes (its `work`, float32), for
+    `tokens` tokens in each of `rows` rows and a cache of max_len positions; the memory
+    checks count it (measure/memory.py)."""
+    return 4 * rows * tokens * (5 * config.n_embd + max(config.n_embd, config.mlp_hidden)
+                                + config.n_head * max_len)
 
 
 def address(t: torch.Tensor | None) -> int | None:
@@ -179,8 +187,7 @@ class CDecodeStep:
         rows_array = (ctypes.c_int64 * B)(*rows_of)
         if kv_cache.k[0].dtype != self.dtype:
             raise ValueError("the cache's dtype differs from the step's")
-        work_size = B * T * (5 * cfg.n_embd + max(cfg.n_embd, cfg.mlp_hidden)
-                             + cfg.n_head * max_len)
+        work_size = scratch_bytes(cfg, B, T, max_len) // 4
         if self.work.numel() < work_size:  # grow once for a longer prefill or cache
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)

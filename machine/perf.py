@@ -5,6 +5,8 @@ Usage:
     from machine.perf import memory_room, peak_flops, sync
     peak, source = peak_flops(torch.device("cpu"), torch.float32)   # FLOP/s, and its source
     memory_room(device)              # (bytes, "free" or the ulimit -v that bounds them), or None
+    check_room("this run", {"the weights": n}, device, "lower batch_size", ConfigError)
+    with out_of_memory("this run", device, "lower batch_size", ConfigError): ...
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -130,3 +133,39 @@ def memory_room(device: torch.device) -> tuple[int, str] | None:
     left = max(limit - mapped, 0)
     return (left, f"left under this process's limit of {limit / 1e9:,.1f} GB (ulimit -v)") \
         if left < free else (free, "free")
+
+
+def check_room(work: str, needs: dict[str, int], device: torch.device, fix: str,
+               error: Callable[[str], Exception], processes: int = 1) -> None:
+    """The one memory check that every door calls (training, evaluation, the decoding
+    benchmark, the server) before it allocates: `error` naming each of `needs` (bytes, by
+    what they hold) and what bounds them, where all cannot fit in what memory_room finds,
+    because on a CPU the work would swap the machine to a standstill or end in the
+    allocator's traceback. `processes` doing the same work share a CPU's free memory."""
+    room = memory_room(device)
+    if room is None:
+        return
+    available, bound = room
+    processes = processes if device.type == "cpu" and bound == "free" else 1
+    need = processes * sum(needs.values())
+    if need > available:
+        parts = ", ".join(f"{n / 1e9:,.1f} for {what}" for what, n in needs.items())
+        parts = f"{processes} processes, each {parts}" if processes > 1 else parts
+        raise error(f"{work} needs at least {need / 1e9:,.1f} GB ({parts}), but {device.type} "
+                    f"has {available / 1e9:,.1f} GB {bound}; {fix}")
+
+
+@contextmanager
+def out_of_memory(work: str, device: torch.device, fix: str,
+                  error: Callable[[str], Exception]) -> Iterator[None]:
+    """Work that check_room let through and the allocator then failed (its needs are lower
+    bounds, and other processes take memory too) ends as its refusal would: one line naming
+    the work, what bounds the memory, and the fix, not the allocator's traceback."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError is one, and a CPU raises a plain one
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        room = memory_room(device)
+        bound = f", with {room[0] / 1e9:,.1f} GB {room[1]}" if room else ""
+        raise error(f"{work} ran out of memory on {device.type}{bound}; {fix}") from None

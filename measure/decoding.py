@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 
+from cdecode import CDecodeStep
 from generate import DecodeStep, cache_length, compiled_step, decode_step, stream
 from machine.errors import InputError
 from machine.files import write_bytes_atomic
-from machine.perf import memory_room, sync
-from measure.memory import memory_mb, reset_peak_memory
+from machine.perf import check_room, out_of_memory, sync
+from measure.memory import cache_bytes_per_token, decode_needs, memory_mb, reset_peak_memory
 from model import GPT, GPTConfig
 from weights.checkpoint import load_checkpoint
 from weights.loading import load_folder, model_from_checkpoint
@@ -175,22 +176,18 @@ def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
                    f"(random weights)")
 
 
-def cache_bytes_per_token(model: GPT) -> int:
-    """The bytes of keys and values that all layers keep for one token. GQA keeps n_kv_head
-    heads, not n_head, and an int8 model keeps its cache in float32."""
-    cfg, cache = model.config, model.new_kv_cache(1, 1)
-    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
-
-
-def check_cache_memory(kv_bytes: int, batch: int, prompt_len: int, lengths: list[int],
-                       block_size: int, device: str) -> None:
-    """Refuse a batch whose KV cache cannot fit, because it would swap a CPU to a standstill."""
-    need = batch * cache_length(prompt_len, max(lengths), block_size) * kv_bytes
-    room = memory_room(torch.device(device))
-    available = room[0] if room else None
-    if available is not None and need > available:
-        raise InputError(f"--batch {batch} needs {need / 1e9:,.1f} GB for its KV cache, but "
-                         f"{device} has {available / 1e9:,.1f} GB free; lower --batch")
+def check_cache_memory(model: GPT, batch: int, prompt_len: int, lengths: list[int],
+                       device: str, decode: str) -> None:
+    """Refuse a batch whose KV cache, logits and C step's scratch cannot fit, before any is
+    allocated, because it would swap a CPU to a standstill."""
+    cfg = model.config
+    longest = CDecodeStep.PREFILL_TOKENS.get(model.transformer.wte.weight.dtype)
+    c_step = torch.device(device).type == "cpu" and decode in ("auto", "c") and longest
+    # the C step prefills the whole batch's prompts in one call when they are short enough
+    prefill = prompt_len if c_step and prompt_len <= longest else 1
+    needs = decode_needs(model, batch, cache_length(prompt_len, max(lengths), cfg.block_size),
+                         c_step_tokens=batch * prefill if c_step else 0)
+    check_room(f"--batch {batch}", needs, torch.device(device), "lower --batch", InputError)
 
 
 def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
@@ -260,7 +257,7 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     n_params = model.num_params()  # before int8 turns the matrices into buffers
     model = cast_weights(model.to(device), dtype)
     cfg, kv_bytes = model.config, cache_bytes_per_token(model)
-    check_cache_memory(kv_bytes, batch, prompt_len, lengths, cfg.block_size, device)
+    check_cache_memory(model, batch, prompt_len, lengths, device, decode)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)
     # a generation's cache holds the power of two above its length, at most block_size slots
@@ -270,9 +267,11 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
           f"{dtype}, {device}, batch {batch}, {torch.get_num_threads()} threads, a "
           f"{prompt_len}-token prompt"
           f"{' (tokens/s: decoding alone)' if prompt_len > PROMPT_LEN else ''}")
-    paths, compile_s = decoding_paths(model, device, decode, baselines, prompt, lengths[0])
-    theirs = transformers_generate(model) if dtype != "int8" and baselines else None
-    rows = measure_rows(paths, theirs, prompt, lengths, repeats, cfg.block_size)
+    # the check counts the buffers a cached decode allocates, and the baselines take more
+    with out_of_memory(f"--batch {batch}", torch.device(device), "lower --batch", InputError):
+        paths, compile_s = decoding_paths(model, device, decode, baselines, prompt, lengths[0])
+        theirs = transformers_generate(model) if dtype != "int8" and baselines else None
+        rows = measure_rows(paths, theirs, prompt, lengths, repeats, cfg.block_size)
     if json_path:
         write_bytes_atomic(json_path, (json.dumps({
             "source": source, "device": device, "dtype": dtype, "batch": batch,

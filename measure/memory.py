@@ -1,8 +1,10 @@
-"""How much memory a stretch of work took: what the benchmarks print beside their speeds.
+"""How much memory a stretch of work took, what the benchmarks print beside their speeds, and
+what decoding will take, which the memory checks count before it starts.
 
 Usage:
-    from measure.memory import memory_mb, reset_peak_memory
+    from measure.memory import decode_needs, memory_mb, reset_peak_memory
     reset_peak_memory(device); work(); now, peak = memory_mb(device)   # MB
+    check_room("--batch 8", decode_needs(model, 8, 256, c_step_tokens=64), device, fix, InputError)
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from cdecode import scratch_bytes
+from model import GPT
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -37,3 +42,24 @@ def memory_mb(device: torch.device) -> tuple[float, float] | None:
                   if k in ("VmRSS", "VmHWM")}
         return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024
     return None
+
+
+def cache_bytes_per_token(model: GPT) -> int:
+    """The bytes of keys and values that all layers keep for one token. GQA keeps n_kv_head
+    heads, not n_head, and an int8 model keeps its cache in float32."""
+    cfg, cache = model.config, model.new_kv_cache(1, 1)
+    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
+
+
+def decode_needs(model: GPT, rows: int, max_len: int, c_step_tokens: int = 0) -> dict[str, int]:
+    """The buffers that decoding `rows` sequences with a cache of max_len positions allocates,
+    by what they hold (machine.perf.check_room's needs): the KV cache with each position's
+    token id, one step's float32 logits, and the C step's scratch for the most tokens that
+    one call of it takes, all rows together (0 where no C step runs)."""
+    cfg = model.config
+    needs = {f"the KV cache of {rows:,} rows x {max_len:,} positions":
+             rows * max_len * (cache_bytes_per_token(model) + 8),
+             f"the logits of {rows:,} rows": rows * cfg.vocab_size * 4}
+    if c_step_tokens:
+        needs["the C step's scratch"] = scratch_bytes(cfg, 1, c_step_tokens, max_len)
+    return needs

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from machine.errors import InputError
-from machine.perf import memory_room
+from machine.perf import check_room
 from model import GPT, GPTConfig
 
 
@@ -88,12 +88,9 @@ def check_batch_memory(n_windows: int, stride: int, vocab_size: int,
                        device: torch.device) -> None:
     """Refuse a batch whose logits alone cannot fit in the memory free, rather than swap a
     CPU to a standstill."""
-    room = memory_room(device)
-    need, available = logits_bytes(n_windows, stride, vocab_size), room[0] if room else None
-    if available is not None and need > available:
-        raise InputError(f"a batch of {n_windows:,} windows needs {need / 1e9:,.1f} GB for "
-                         f"its logits, but {device.type} has {available / 1e9:,.1f} GB free; "
-                         f"lower --batch-size, or leave it out")
+    check_room(f"a batch of {n_windows:,} windows",
+               {"its logits": logits_bytes(n_windows, stride, vocab_size)}, device,
+               "lower --batch-size, or leave it out", InputError)
 
 
 @torch.inference_mode()

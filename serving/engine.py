@@ -48,9 +48,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
+from cdecode import CDecodeStep
 from data.tokenizer import Tokenizer
 from generate import StopText, check_sampling, decode_step, sample_next
+from machine.errors import InputError
+from machine.perf import check_room
 from measure.logprobs import Scored, token_logprobs
+from measure.memory import decode_needs
 from model import GPT
 
 MODEL_CHUNK = 256  # prompt tokens per prefill call when the model's forward prefills
@@ -193,11 +197,17 @@ class Engine:
                  decode: str = "auto") -> None:
         self.model, self.tokenizer, self.slots, self.queue_size = model, tokenizer, slots, queue
         self.block_size = model.config.block_size
-        self.cache = model.new_kv_cache(slots, self.block_size)
         self.step = decode_step(model, decode)
         # A step that can prefill (the C step) takes every chunk itself, so that a token's
         # keys and values are the same whichever way they were computed.
         self.chunk = self.step.max_prefill if self.step.max_prefill > 1 else MODEL_CHUNK
+        # Checked before the cache is allocated, because slots past memory (--parallel
+        # 1000000) would end in the allocator's traceback or swap the machine. The C step
+        # takes at most every slot's token, or one prefill chunk, in one call.
+        c_step_tokens = max(slots, self.chunk) if isinstance(self.step, CDecodeStep) else 0
+        check_room(f"--parallel {slots}", decode_needs(model, slots, self.block_size, c_step_tokens),
+                   model.lm_head.weight.device, "lower --parallel", InputError)
+        self.cache = model.new_kv_cache(slots, self.block_size)
         self.waiting: collections.deque[Job | Scoring] = collections.deque()
         self.held: list[list[int]] = [[] for _ in range(slots)]  # each row's tokens in the cache
         self.used: list[int] = [0] * slots  # when each slot last took a job; the oldest goes first

@@ -525,6 +525,46 @@ def test_a_process_memory_limit_is_one_line_naming_the_batch_and_the_limit(tmp_p
     assert re.match(message, error_line(result.stderr)), result.stderr
 
 
+def under_6_gb() -> None:  # ulimit -v 6291456, as the probes of every door set it
+    resource.setrlimit(resource.RLIMIT_AS, (6_291_456 * 1024, 6_291_456 * 1024))
+
+
+LIMIT_6_GB = r"but cpu has [\d.]+ GB left under this process's limit of 6\.4 GB \(ulimit -v\)"
+
+
+def test_a_server_whose_slots_cannot_fit_is_one_line_before_it_allocates(trained_run):
+    """The server never checked its slots' KV cache, and --parallel 1000000 ended in the
+    allocator's traceback."""
+    result = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(trained_run / "best.pt"),
+                             "--port", "0", "--parallel", "1000000"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, preexec_fn=under_6_gb)
+    assert result.returncode == 1
+    assert re.fullmatch(r"error: --parallel 1000000 needs at least [\d.,]+ GB \([\d.,]+ for the "
+                        r"KV cache of 1,000,000 rows x \d+ positions, .*, [\d.,]+ for the C step's "
+                        r"scratch\), " + LIMIT_6_GB + "; lower --parallel",
+                        error_line(result.stderr)), result.stderr
+
+
+def test_a_benchmark_batch_counts_the_c_steps_scratch(trained_run, tmp_path):
+    """A shape whose KV cache fits at batch 1,000,000 and whose C step's scratch does not:
+    the check counted the cache alone, and the allocator failed in the prefill."""
+    ckpt = load_checkpoint(trained_run / "best.pt")
+    shape = {**ckpt["model_args"], "n_layer": 1, "n_head": 8, "n_embd": 16, "block_size": 64}
+    torch.manual_seed(0)
+    ckpt["model_args"], ckpt["model"] = shape, GPT(GPTConfig(**shape)).state_dict()
+    save_checkpoint(ckpt, tmp_path / "wide.pt")
+    result = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(tmp_path / "wide.pt"),
+                             "--benchmark", "--batch", "1000000", "--lengths", "8", "--repeats",
+                             "1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            preexec_fn=under_6_gb)
+    assert result.returncode == 1
+    found = re.fullmatch(r"error: --batch 1000000 needs at least [\d.,]+ GB \(([\d.]+) for the KV "
+                         r"cache of 1,000,000 rows x 16 positions, [\d.]+ for the logits of "
+                         r"1,000,000 rows, [\d.,]+ for the C step's scratch\), " + LIMIT_6_GB
+                         + "; lower --batch", error_line(result.stderr))
+    assert found and float(found.group(1)) < 5, result.stderr  # the cache alone would fit
+
+
 def test_processes_that_write_one_file_at_once_leave_it_whole(tmp_path):
     # the cache is shared, and xdist's workers and torchrun's processes fetch into it at once;
     # if every writer used the same temporary name, a rename could find the file gone or put

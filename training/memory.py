@@ -8,12 +8,11 @@ Usage:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 
-from machine.perf import memory_room
+from machine import perf
 from model import GPTConfig
 from training import distributed
 from training.config import ConfigError, TrainConfig
@@ -69,50 +68,30 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,
 
 def check_fits(cfg: TrainConfig, vocab_size: int, device: torch.device,
                dist: distributed.Dist) -> None:
-    room = memory_room(device)
-    if room is None or cfg.init_from:
+    if cfg.init_from:
         return
-    available, bound = room
     config = cfg.model_config(vocab_size)
-    weights = state_bytes(config, cfg, dist.world_size)
-    activations = min_activation_bytes(config, cfg.batch_size * cfg.model.block_size)
-    # torchrun's processes on one machine share its RAM; a GPU is each process's own, and so
-    # is a process's ulimit -v
-    shared = device.type == "cpu" and bound == "free"
-    processes = dist.local_world_size if shared else 1
-    need = processes * (weights + activations)
-    if need > available:
-        parts = (f"{weights / 1e9:,.1f} for the weights, gradients and optimizer state, "
-                 f"{activations / 1e9:,.1f} for the activations of batch_size {cfg.batch_size} "
-                 f"x block_size {cfg.model.block_size}")
-        if processes > 1:
-            parts = f"{processes} processes, each {parts}"
-        raise ConfigError(f"this run needs at least {need / 1e9:,.1f} GB ({parts}), but "
-                          f"{device.type} has {available / 1e9:,.1f} GB {bound}; lower batch_size "
-                          f"(raising gradient_accumulation_steps keeps the tokens per step) or "
-                          f"the model's size{shard_hint(cfg, dist)}")
+    tokens = cfg.batch_size * cfg.model.block_size
+    # torchrun's processes on one machine share its RAM (perf.check_room counts them there)
+    perf.check_room("this run", {
+        "the weights, gradients and optimizer state": state_bytes(config, cfg, dist.world_size),
+        f"the activations of batch_size {cfg.batch_size} x block_size {cfg.model.block_size}":
+            min_activation_bytes(config, tokens)}, device,
+        fix(cfg, dist), ConfigError, dist.local_world_size)
 
 
-def shard_hint(cfg: TrainConfig, dist: distributed.Dist) -> str:
-    """Where sharding the model would help: several processes that each hold all of it."""
-    return (", or shard it across the processes with --parallel fsdp"
-            if dist.enabled and cfg.parallel != "fsdp" else "")
+def fix(cfg: TrainConfig, dist: distributed.Dist) -> str:
+    """What to lower, and where sharding the model would help: several processes that each
+    hold all of it."""
+    return ("lower batch_size (raising gradient_accumulation_steps keeps the tokens per step) "
+            "or the model's size" + (", or shard it across the processes with --parallel fsdp"
+                                     if dist.enabled and cfg.parallel != "fsdp" else ""))
 
 
-@contextmanager
-def out_of_memory(cfg: TrainConfig, device: torch.device, dist: distributed.Dist) -> Iterator[None]:
-    """A run that the check let through and the allocator then failed (the bound above is a
-    lower one, and other processes take memory too) ends as the check's refusal would: one
-    line naming the batch, what bounds the memory, and the fix, not the allocator's trace."""
-    try:
-        yield
-    except RuntimeError as e:  # torch.OutOfMemoryError is one, and a CPU raises a plain one
-        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
-            raise
-        room = memory_room(device)
-        bound = f", with {room[0] / 1e9:,.1f} GB {room[1]}" if room else ""
-        raise ConfigError(f"training with batch_size {cfg.batch_size} x block_size "
-                          f"{cfg.model.block_size} ran out of memory on {device.type}{bound}; "
-                          f"lower batch_size (raising gradient_accumulation_steps keeps the "
-                          f"tokens per step) or the model's size{shard_hint(cfg, dist)}",
-                          everywhere=False) from None
+def out_of_memory(cfg: TrainConfig, device: torch.device,
+                  dist: distributed.Dist) -> AbstractContextManager[None]:
+    """A step that the check let through and the allocator then failed, in one line naming
+    the batch, what bounds the memory, and the fix (machine.perf.out_of_memory)."""
+    return perf.out_of_memory(f"training with batch_size {cfg.batch_size} x block_size "
+                              f"{cfg.model.block_size}", device, fix(cfg, dist),
+                              lambda message: ConfigError(message, everywhere=False))
