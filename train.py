@@ -37,6 +37,7 @@ from data.tokenizer import Tokenizer
 from machine.device import check_compile, resolve_device, reuse_freed_memory
 from machine.errors import reported, run_command
 from machine.perf import peak_flops
+from machine.threads import fit_threads
 from model import GPT, GPTConfig
 from training import distributed
 from training.checkpoints import save, snapshot
@@ -78,7 +79,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         stop = stack.enter_context(stop_signals())
         device, sharded = choose_device(cfg, dist)
         torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
-        reuse_freed_memory()  # glibc keeps freed memory for the next step's activations, of the same sizes
+        if device.type == "cpu" and not dist.enabled:  # where it was measured to pay (docs/performance.md)
+            reuse_freed_memory()  # glibc keeps freed memory for the next step's activations
         if resume:  # a run to continue must exist, which is checked before the data is read
             check_resumable_folder(run_dir_of(cfg))
 
@@ -128,6 +130,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 f"device {device}{processes}, optimizer {cfg.optimizer}, writing to {run.path}/")
         log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
         log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
+        # on a CPU, the thread count whose steps are fastest, measured as the run goes, because
+        # another process on the machine can make fewer threads faster than all of them
+        threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
         if iter_num >= cfg.max_iters:
             log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing left to "
                     f"train; raise --max-iters to train it further")
@@ -174,6 +179,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on
+            threads.step()  # each step's time, from which the thread count is chosen
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
