@@ -34,6 +34,10 @@ from machine.device import cpu_flags
 from machine.errors import UserError
 from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 
+# Part of every build's key: builds cached before their digest covered the note, and before
+# a new build was loaded and checked before it was cached, are built again.
+FORMAT = "build 2"
+
 
 class BuildError(UserError):
     """A C file cannot be built or loaded on this machine (no compiler, a cache folder that
@@ -83,12 +87,16 @@ def build_library(source: Path, defines: list[str], what: str, instead: str,
                 f"without -march={march} or OpenMP (one thread)": base}
     # a user's flags come last, so that a -march among them wins over this CPU's
     # (GPTLAB_CFLAGS=-march=x86-64-v3 builds for an AVX2 CPU, on one with AVX-512)
-    extra = shlex.split(os.environ.get("GPTLAB_CFLAGS", ""))
+    try:
+        extra = shlex.split(os.environ.get("GPTLAB_CFLAGS", ""))
+    except ValueError as e:  # a quote left open
+        raise CompilerError(f"GPTLAB_CFLAGS ({os.environ['GPTLAB_CFLAGS']}) cannot be split into "
+                            f"flags as a shell would ({e}); close its quotes") from None
     attempts = {without: [*flags, *extra] for without, flags in attempts.items()}
     # the key includes the CPU's architecture and flags, because -march=native builds for
     # this one and a cache folder may be shared between machines
     cpu = f"{platform.machine()} {' '.join(sorted(cpu_flags()))}"
-    key = hashlib.sha256(" ".join([cc, *attempts[""], cpu]).encode()
+    key = hashlib.sha256(" ".join([FORMAT, cc, *attempts[""], cpu]).encode()
                          + source.read_bytes()).hexdigest()[:16]
     try:
         out = cache_dir() / source.stem / f"{key}.so"
@@ -155,6 +163,12 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
     return lib, lacks
 
 
+# what the process that tries a new library runs: exit status 3 and dlopen's words for a file
+# that does not load
+LOAD_PROBE = ("import ctypes, sys\ntry:\n    ctypes.CDLL(sys.argv[1])\nexcept OSError as e:\n"
+              "    sys.exit(print(e, file=sys.stderr) or 3)")
+
+
 def verified(library: Path, cc: str, what: str, exports: tuple[str, ...],
              check: Callable[[ctypes.CDLL], str | None] | None) -> ctypes.CDLL:
     """The library a compiler that exited 0 wrote, loaded; CompilerError, naming the settings
@@ -166,14 +180,18 @@ def verified(library: Path, cc: str, what: str, exports: tuple[str, ...],
     fix = f"; check {' and '.join(named) or f'the compiler {cc}'}"
     if not library.is_file():
         raise CompilerError(f"{cc} exited without an error but wrote no library for {what}{fix}")
-    try:
-        lib = ctypes.CDLL(str(library))
-    except OSError as e:
-        if library.read_bytes()[:4] == b"\x7fELF" and "failed to map segment" in str(e):
-            raise  # a library the folder will not map (mounted noexec): the cache's fault
-        why = str(e).rsplit(": ", 1)[-1]
+    # Loaded first in a process of its own, because some libraries end the process that loads
+    # them (an ASan build's runtime exits when it is not loaded first).
+    probe = subprocess.run([sys.executable, "-S", "-c", LOAD_PROBE, str(library)],
+                           capture_output=True, text=True)
+    said = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+    if probe.returncode == 3 and library.read_bytes()[:4] == b"\x7fELF" and "failed to map" in said:
+        raise OSError(said)  # a library the folder will not map (mounted noexec): the cache's fault
+    if probe.returncode != 0:
+        why = said.rsplit(": ", 1)[-1] if probe.returncode == 3 else f"loading it ended Python: {said}"
         raise CompilerError(f"{cc} exited without an error but wrote no library that loads "
-                            f"for {what} ({why}){fix}") from None
+                            f"for {what} ({why}){fix}")
+    lib = ctypes.CDLL(str(library))
     problem = missing(lib, exports, check)
     if problem:
         raise CompilerError(f"{cc} built {what} {problem}{fix}")

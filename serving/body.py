@@ -77,6 +77,9 @@ def strict_json(body: bytes) -> Any:
                 return misfit("is given twice; send each key once", key)
             record[key] = value
         return record
+    if text.startswith("\ufeff"):
+        raise NotJSON("the body starts with a byte-order mark, which JSON text sent over a "
+                      "network may not (RFC 8259); send it without")
     try:
         value = json.loads(text, parse_constant=constant, parse_float=number, parse_int=integer,
                            object_pairs_hook=unique)

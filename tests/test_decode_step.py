@@ -354,6 +354,8 @@ def test_a_cached_build_that_cannot_be_read_or_trusted_is_built_again(tmp_path, 
      "check CC (true)"),
     ({"GPTLAB_CFLAGS": "-Ddecode_step=renamed"}, "cc built the C decode step without "
      "decode_step; check GPTLAB_CFLAGS (-Ddecode_step=renamed)"),
+    ({"GPTLAB_CFLAGS": '-O2 "'}, 'GPTLAB_CFLAGS (-O2 ") cannot be split into flags as a shell '
+     'would (No closing quotation); close its quotes'),
     # a library for another weight type than the model's printed blank lines
     ({"GPTLAB_CFLAGS": "-DWEIGHT_BF16"}, "cc built the C decode step for bfloat16 weights, not "
      "float32; check GPTLAB_CFLAGS (-DWEIGHT_BF16)"),
@@ -368,4 +370,18 @@ def test_a_compiler_or_flags_that_build_something_else_are_one_line(tmp_path, tr
     assert result.returncode == 1 and result.stdout == ""
     assert error_line(result.stderr) == f"error: {words}"
     assert "cache" not in error_line(result.stderr)
-    assert [p.name for p in (tmp_path / "cache" / "decode_step").iterdir()] == []
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if not p.is_dir()] == []
+
+
+def test_a_library_that_ends_the_process_loading_it_is_one_line(tmp_path, trained_run):
+    """An ASan build's runtime ended sample.py with its own words as it was loaded; a new build
+    is now loaded first in a process of its own."""
+    result = sample_c(trained_run / "best.pt", tmp_path / "cache", decode="auto",
+                      GPTLAB_CFLAGS="-fsanitize=address")
+    if "could not build" in result.stderr:
+        pytest.skip("this compiler cannot build with AddressSanitizer")
+    assert result.returncode == 1 and result.stdout == ""
+    line = error_line(result.stderr)
+    assert line.startswith("error: cc exited without an error but wrote no library that loads "
+                           "for the C decode step (loading it ended Python: ")
+    assert line.endswith("; check GPTLAB_CFLAGS (-fsanitize=address)")

@@ -374,6 +374,8 @@ def chat_body(rest: str) -> str:
     ("/v1/completions", '{"prompt": "ROMEO", "user": %s}' % ("9" * 5000), "user: an integer of "
      "5,000 digits is longer than this server reads", "user"),
     ("/v1/completions", "NaN", "the body is NaN, not JSON", None),
+    ("/v1/completions", '\ufeff{"prompt": "ROMEO"}'.encode(), "starts with a byte-order mark",
+     None),
     # a key given twice was answered with its last value
     ("/v1/completions", '{"prompt": "ROMEO", "prompt": "JULIET", "max_tokens": 2}',
      "prompt is given twice; send each key once", "prompt"),
