@@ -53,10 +53,16 @@ class CompilerError(UserError):
 
 
 def compiler(what: str, instead: str) -> str:
-    """$CC, else the first of cc, gcc and clang on the PATH."""
+    """$CC, else the first of cc, gcc and clang on the PATH. $CC may hold a command with its
+    own arguments, as make reads it (CC="ccache gcc"), split as a shell would."""
     found = [c for c in ("cc", "gcc", "clang") if shutil.which(c)]
     name = os.environ.get("CC") or (found[0] if found else "cc")
-    if shutil.which(name) is None:
+    try:
+        program = (shlex.split(name) or [""])[0]
+    except ValueError as e:  # a quote left open
+        raise CompilerError(f"CC ({name}) cannot be split as a shell would ({e}); close its "
+                            f"quotes") from None
+    if shutil.which(program) is None:
         raise BuildError(f"{what} needs a C compiler, and {name!r} was not found; install gcc "
                          f"or clang (or set CC), or {instead}")
     return name
@@ -131,7 +137,8 @@ def compile_library(cc: str, source: Path, attempts: dict[str, list[str]], out: 
         tmp_out = Path(tmp) / out.name
         lacks = None
         for without, flags in attempts.items():
-            result = subprocess.run([cc, *flags, str(source), "-o", str(tmp_out), "-lm"],
+            result = subprocess.run([*shlex.split(cc), *flags, str(source), "-o", str(tmp_out),
+                                     "-lm"],
                                     capture_output=True, text=True)
             if result.returncode == 0:
                 lacks = without

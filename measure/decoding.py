@@ -187,7 +187,9 @@ def check_cache_memory(model: GPT, batch: int, prompt_len: int, lengths: list[in
     prefill = prompt_len if c_step and prompt_len <= longest else 1
     needs = decode_needs(model, batch, cache_length(prompt_len, max(lengths), cfg.block_size),
                          c_step_tokens=batch * prefill if c_step else 0)
-    check_room(f"--batch {batch}", needs, torch.device(device), "lower --batch", InputError)
+    needs[f"the prompts of {prompt_len:,} ids"] = batch * prompt_len * 8
+    fix = "lower --batch" + (" or --prompt-len" if prompt_len > PROMPT_LEN else "")
+    check_room(f"--batch {batch}", needs, torch.device(device), fix, InputError)
 
 
 def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,

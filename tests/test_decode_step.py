@@ -385,3 +385,13 @@ def test_a_library_that_ends_the_process_loading_it_is_one_line(tmp_path, traine
     assert line.startswith("error: cc exited without an error but wrote no library that loads "
                            "for the C decode step (loading it ended Python: ")
     assert line.endswith("; check GPTLAB_CFLAGS (-fsanitize=address)")
+
+
+def test_cc_may_hold_a_command_with_its_arguments(tmp_path, trained_run):
+    """make reads CC="ccache gcc" as a command and its arguments; CC was taken for one file
+    name, and such a compiler "was not found"."""
+    result = sample_c(trained_run / "best.pt", tmp_path / "cache", CC="env cc")
+    assert result.returncode == 0 and result.stdout, result.stderr
+    result = sample_c(trained_run / "best.pt", tmp_path / "cache", CC="'cc")
+    assert error_line(result.stderr) == ("error: CC ('cc) cannot be split as a shell would (No "
+                                         "closing quotation); close its quotes")
