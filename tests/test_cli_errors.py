@@ -446,9 +446,9 @@ CASES = {
     "benchmark of a batch larger than any memory": (
         ["sample.py", "--benchmark", "--preset", "baby_gpt", "--lengths", "8", "--batch",
          "100000000"], nothing, 1,
-        "error: --batch 100000000 needs at least 40,896.4 GB (29,504.0 for the KV cache of "
+        "error: --batch 100000000 needs at least 40,902.8 GB (29,504.0 for the KV cache of "
         "100,000,000 rows x 16 positions, 26.0 for the logits of 100,000,000 rows, 11,366.4 for "
-        "the C step's scratch), but cpu has "),
+        "the C step's scratch, 6.4 for the prompts of 8 ids), but cpu has "),
     "unknown option (usage)": ([*SAMPLE, "--tempreature", "1"], nothing, 2,
                                "error: No such option: --tempreature (Possible options: "
                                "--temperature) (see sample.py --help)"),
