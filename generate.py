@@ -37,6 +37,7 @@ from data.text import check_text
 from data.tokenizer import Tokenizer
 from machine.device import check_compile
 from machine.errors import InputError
+from machine.threads import fit_threads
 from model import GPT, KVCache
 
 # --- the loop: prefill, decode and the context window -----------------------------------
@@ -73,22 +74,26 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
         cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
         step = decode_step(model, decode) if isinstance(decode, str) else decode
     cached, next_token = 0, None  # how many of the window's tokens the cache holds; the last token
-    for _ in range(max_new_tokens):
-        if T > block_size:  # the window is full, so it jumps: it keeps its most recent tokens
-            keep = max(1, block_size // 2)  # at least one, for a bigram model's block_size of 1
-            window[:, :keep] = window[:, T - keep:T]  # no overlap, because T - keep >= keep
-            T, cached = keep, 0
-        if cache is None:  # as nanoGPT does: the whole window, every step
-            logits, _ = model(window[:, :T], logits_from=-1)
-        elif cached == 0:  # prefill: the whole window in one pass, at positions 0..T-1
-            logits = prefill(model, step, window[:, :T], cache)
-        else:  # decode the token sampled last, at T - 1 (the mask hides any older keys past it)
-            logits = step(next_token, cache, torch.tensor([T - 1], device=idx.device))
-        cached = T
-        next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-        window[:, T] = next_token[:, 0]
-        T += 1
-        yield next_token
+    # a CPU's thread count is timed per token and the fastest kept (machine/threads.py), because
+    # a step this small often runs faster on fewer threads, and far faster beside a busy neighbour
+    with fit_threads(0, idx.device, say=lambda _: None) as threads:
+        for _ in range(max_new_tokens):
+            if T > block_size:  # the window is full, so it jumps: it keeps its most recent tokens
+                keep = max(1, block_size // 2)  # at least one, for a bigram model's block_size of 1
+                window[:, :keep] = window[:, T - keep:T]  # no overlap, because T - keep >= keep
+                T, cached = keep, 0
+            if cache is None:  # as nanoGPT does: the whole window, every step
+                logits, _ = model(window[:, :T], logits_from=-1)
+            elif cached == 0:  # prefill: the whole window in one pass, at positions 0..T-1
+                logits = prefill(model, step, window[:, :T], cache)
+            else:  # decode the token sampled last, at T - 1 (the mask hides any older keys past it)
+                logits = step(next_token, cache, torch.tensor([T - 1], device=idx.device))
+            cached = T
+            next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+            window[:, T] = next_token[:, 0]
+            T += 1
+            yield next_token
+            threads.step()
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -92,9 +92,13 @@ class ThreadFit:
         self.interval = self.until_trial = self.START
         self.last: float | None = None
 
-    def step(self) -> None:
+    def step(self, seconds: float | None = None) -> None:
+        """End a step: one that began at the previous call, or that took `seconds` (for a
+        loop that waits between its steps, as a server does)."""
         now = self.clock()
-        seconds, self.last = (None if self.last is None else now - self.last), now
+        if seconds is None:
+            seconds = None if self.last is None else now - self.last
+        self.last = now
         if seconds is None or len(self.counts) < 2:
             return
         if self.trial:

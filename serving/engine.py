@@ -53,6 +53,7 @@ from data.tokenizer import Tokenizer
 from generate import StopText, check_sampling, decode_step, sample_next
 from machine.errors import InputError
 from machine.perf import check_room
+from machine.threads import fit_threads
 from measure.logprobs import Scored, token_logprobs
 from measure.memory import decode_needs
 from model import GPT
@@ -256,7 +257,10 @@ class Engine:
 
     def run(self) -> None:
         """Admit, prefill and step until drained."""
-        with torch.inference_mode():
+        # this thread's CPU thread count is timed per batched step and the fastest kept
+        # (machine/threads.py), because a small step runs faster on fewer threads beside a neighbour
+        device = self.cache.key_pos.device
+        with torch.inference_mode(), fit_threads(0, device, say=lambda _: None) as threads:
             while (admitted := self.next_admissions()) is not None:
                 try:
                     for slot, work in admitted:
@@ -264,7 +268,9 @@ class Engine:
                         self.starting -= 1
                     self.drop_cancelled()
                     if self.next_token:
+                        started = time.perf_counter()
                         self.decode()
+                        threads.step(time.perf_counter() - started)
                     for slot in list(self.pending):
                         self.prefill_chunk(slot)
                 except Exception:  # a bug ends the running requests; the waiting ones go on
