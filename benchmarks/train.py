@@ -9,6 +9,7 @@ Usage:
     python -m benchmarks.train --time-to-loss 1.95 --input tinyshakespeare/input.txt --ablate
     python -m benchmarks.train --time-to-loss 1.95 --input input.txt --nanogpt ../nanoGPT
     python -m benchmarks.train --time-to-loss 1.95 --input input.txt --nanogpt ../nanoGPT --avx2
+    python -m benchmarks.train --input input.txt --max-iters 100 --neighbours 1   # a busy machine
 
 One preset (by default config/quickstart.toml) is trained in this process into a temporary
 folder, on the text of --input (prepared char-level there) or else on the preset's own
@@ -29,6 +30,8 @@ cost makes that run slower, so its ms/iter are not the figures to report.
 switch of the model's layout buys; with --nanogpt, nanoGPT itself first, as the baseline.
 On a GPU, the baby GPT presets race, and nanoGPT runs its own baby GPT. --avx2 races the
 float32 recipes as a CPU without AVX-512 runs them (benchmarks/race.py's AVX2_ONLY).
+--neighbours N runs N CPU-bound processes beside every run, nanoGPT's too, as on a
+machine that is not idle.
 Each runs as its own process, timed from its start to its first evaluation at or below the
 target val loss; the table gives the medians of --repeats alternating rounds.
 """
@@ -51,7 +54,7 @@ import typer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.autograd import DeviceType
 
-from benchmarks import check_paths
+from benchmarks import check_paths, neighbours
 from benchmarks.race import (
     AVX2_ONLY,
     GPU_RECIPES,
@@ -83,16 +86,18 @@ def read_scalars(run_dir: Path) -> dict[str, list[Any]]:
 
 
 def race(input: Path, recipes: list, target: float, repeats: int, json_path: Path | None,
-         avx2: bool = False) -> None:
+         avx2: bool = False, busy: int = 0) -> None:
     """--time-to-loss: race the recipes to a val loss on a char-level copy of `input`, with
-    avx2, each held to AVX2 (AVX2_ONLY)."""
-    print(machine_line() + ("; held to AVX2" if avx2 else ""))
+    avx2, each held to AVX2 (AVX2_ONLY), beside `busy` CPU-bound processes."""
+    print(machine_line() + ("; held to AVX2" if avx2 else "")
+          + (f"; beside {busy} CPU-bound process{'es' * (busy > 1)}" if busy else ""))
     env = AVX2_ONLY if avx2 else None
     if not torch.cuda.is_available():
         build_c_kernels(env)
     with tempfile.TemporaryDirectory() as tmp:
         prepare_text(read_text(input), "char", tmp, source=str(input))
-        rows = time_to_loss(recipes, Path(tmp), target, repeats, env)
+        with neighbours(busy):
+            rows = time_to_loss(recipes, Path(tmp), target, repeats, env)
     print_rows(rows, target)
     if json_path:
         write_bytes_atomic(json_path, (json.dumps(rows, indent=2) + "\n").encode())
@@ -215,6 +220,9 @@ def main(
              "kernels), as a CPU without AVX-512 runs them; only the float32 recipes race.")] = False,
     profile: Annotated[bool, typer.Option(
         help="Under torch's profiler: print where the time went (see the module's doc).")] = False,
+    busy: Annotated[int, typer.Option(
+        "--neighbours", min=0, max=64,
+        help="Run this many CPU-bound processes beside every run, as on a busy machine.")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write figures here.")] = None,
 ) -> None:
     """Train a preset and print its speed, MFU, memory and final loss; or race the recipes."""
@@ -238,13 +246,16 @@ def main(
                 recipes = [r for r in recipes if r.overrides.get("dtype") == "float32"]
             if nanogpt is not None:
                 recipes = [check_nanogpt(nanogpt, gpu), *recipes]
-            return race(input, recipes, time_to_loss_target, repeats, json_path, avx2)
+            return race(input, recipes, time_to_loss_target, repeats, json_path, avx2, busy)
         overrides = {"max_iters": max_iters, "eval_interval": eval_interval,
                      "eval_iters": eval_iters, "dtype": dtype, "device": device,
                      "compile": compile}
         overrides = {**parse_settings(settings or []),
                      **{k: v for k, v in overrides.items() if v is not None}}
-        figures = train_figures(config, input, overrides, profile)
+        if busy:
+            print(f"{machine_line()}; beside {busy} CPU-bound process{'es' * (busy > 1)}")
+        with neighbours(busy):
+            figures = train_figures(config, input, overrides, profile)
         for key, value in figures.items():
             print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
         if json_path:
