@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -63,13 +64,6 @@ def strict_json(body: bytes) -> Any:
         return value if math.isfinite(value) else misfit(
             f"{digits} is past the range of a float; {FINITE}")
 
-    def integer(digits: str) -> int | Misfit:
-        try:
-            return int(digits)
-        except ValueError:  # past sys.get_int_max_str_digits()
-            return misfit(f"an integer of {len(digits):,} digits is longer than this server "
-                          f"reads; {FINITE} of fewer digits")
-
     def unique(pairs: list[tuple[str, Any]]) -> dict | Misfit:
         record: dict[str, Any] = {}
         for key, value in pairs:
@@ -81,11 +75,16 @@ def strict_json(body: bytes) -> Any:
         raise NotJSON("the body starts with a byte-order mark, which JSON text sent over a "
                       "network may not (RFC 8259); send it without")
     try:
-        value = json.loads(text, parse_constant=constant, parse_float=number, parse_int=integer,
+        # integers are left to the parser's own C code, because a body may hold a megabyte of
+        # token ids and this runs on the event loop
+        value = json.loads(text, parse_constant=constant, parse_float=number,
                            object_pairs_hook=unique)
     except json.JSONDecodeError as e:
         raise NotJSON(f"the body is not valid JSON ({e.msg}, line {e.lineno} column "
                       f"{e.colno}); send a JSON object") from None
+    except ValueError:  # an integer past sys.get_int_max_str_digits()
+        raise NotJSON(f"the body holds an integer longer than this server reads (past "
+                      f"{sys.get_int_max_str_digits():,} digits); {FINITE} of fewer digits") from None
     except RecursionError:
         raise NotJSON("the body nests lists or objects too deeply to read; send a flatter JSON "
                       "object") from None
