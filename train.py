@@ -352,8 +352,9 @@ def for_training(model: GPT, cfg: TrainConfig, device: torch.device, dist: distr
         # are still accumulating, nor under torchrun, which reduces gradients during the backward.
         graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
         model = torch.compile(model, mode="reduce-overhead" if graphs else None)
-    if dist.enabled and not sharded:
-        model = distributed.ddp(model, device)
+    if dist.enabled and not sharded:  # DDP's wrapper, imported only under torchrun
+        from training.torchrun import ddp
+        model = ddp(model, device)
     return model
 
 

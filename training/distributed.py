@@ -10,9 +10,9 @@ Usage:
         folder = distributed.from_main(take_folder, dist)   # rank 0 does it, all get it
 
 Without torchrun's RANK, LOCAL_RANK and WORLD_SIZE this is one process, and every helper
-here does nothing. Under torchrun the processes form a group, even a group of one (as in
-nanoGPT), over NCCL on CUDA and gloo on the CPU; if one dies, torchrun ends the others. DDP, the
-default, keeps the whole model on every process and averages the gradients in backward.
+here does nothing. Under torchrun they call training/torchrun.py, which joins the process
+group, shares rank 0's result and wraps the model in DDP, and which a single process never
+imports.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from machine.device import resolve_device
-from machine.errors import UserError
 from training.config import ConfigError, TrainConfig
 
 
@@ -59,26 +57,14 @@ def environment() -> Dist:
 @contextmanager
 def process_group(device: str) -> Iterator[Dist]:
     """Join the process group that torchrun describes, if any, for as long as the block
-    runs. After a block that finished (not one that failed, whose peers may be gone) the
-    processes wait for each other before leaving, so that none tears its end down while
-    another still waits on it."""
+    runs (training/torchrun.joined); a single process gets Dist() and joins nothing."""
     info = environment()
     if not info.enabled:
         yield info
         return
-    use_cuda = resolve_device(device, info.local_rank).type == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    finished = False
-    try:
+    from training.torchrun import joined
+    with joined(device, info.local_rank):
         yield info
-        finished = True
-    finally:
-        if dist.is_initialized():
-            if finished:
-                dist.barrier()
-            dist.destroy_process_group()
 
 
 def check_parallel(cfg: TrainConfig, info: Dist) -> bool:
@@ -113,44 +99,14 @@ def any_true(flag: bool, info: Dist, device: torch.device) -> bool:
     return bool(all_sum(torch.tensor([float(flag)], device=device), info).item() > 0)
 
 
-class FailedOnMain(UserError):
-    """What the other processes raise when rank 0's part of the work failed. Rank 0
-    reports the error, and the others leave with its exit code, saying nothing."""
-    everywhere = True
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.label = getattr(error, "label", "error")
-        self.exit_code = getattr(error, "exit_code", 1)
-
-
 def from_main(make: Callable[[], Any], info: Dist) -> Any:
-    """Rank 0 calls make(), and every process returns its value or raises (rank 0 its
-    error, the others FailedOnMain). Without the error in the broadcast, a failure on rank 0 alone
-    (a run folder it cannot take, data it cannot prepare) would leave the others in the
-    next collective until gloo gives up with a traceback."""
+    """Rank 0 calls make(), and every process returns its value or raises: rank 0 its error,
+    the others FailedOnMain (training/torchrun.broadcast_from_main says why). A single
+    process just calls it."""
     if not info.enabled:
         return make()
-    box: list[Any] = [None, None]  # (value, error)
-    if info.is_main:
-        try:
-            box[0] = make()
-        except Exception as e:
-            box[1] = e
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        if info.is_main:
-            raise box[1]
-        raise FailedOnMain(box[1])
-    return box[0]
-
-
-def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The model in DDP, which averages the gradients across the processes in the backward
-    pass, keeping them in its buckets rather than in a second copy beside them."""
-    from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True)
+    from training.torchrun import broadcast_from_main
+    return broadcast_from_main(make, info.is_main)
 
 
 def sync_gradients(model: torch.nn.Module, now: bool) -> None:
