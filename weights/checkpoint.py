@@ -1,4 +1,4 @@
-"""The checkpoint format: atomic writes, safe loading, and the model rebuilt from the file.
+"""The checkpoint format: what a checkpoint holds, atomic writes, and loading one back.
 
 Usage:
     from weights.checkpoint import save_checkpoint, load_checkpoint
@@ -7,41 +7,28 @@ Usage:
                                                           # the model (model_from_checkpoint)
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so it loads with
-torch.load(weights_only=True), which runs no pickled code. It holds the model shape, the weights,
-the optimizer state, the iteration, the training config and the tokenizer, so sampling
-needs nothing else.
+torch.load(weights_only=True), which runs no pickled code (weights/safe_load.py). It holds the
+model shape, the weights, the optimizer state, the iteration, the training config and the
+tokenizer, so sampling needs nothing else. What each field must hold is checked in
+weights/fields.py, which, like safe_load, is imported only where a checkpoint is read.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pickle
-import re
 import shutil
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from data.tokenizer import tokenizer_problem
 from machine.errors import UserError
-from machine.files import atomic_write, fsync_dir, record_problem
+from machine.files import atomic_write, fsync_dir
 
 FORMAT = "gptlab-checkpoint"
 VERSION = 1
-# what sampling, evaluating and exporting need, so every checkpoint holds these
-REQUIRED = {"model_args": dict, "model": dict, "iter_num": int, "config": dict,
-            "tokenizer": dict}
-# what --resume needs beyond that (TrainState holds it all)
-RESUME = {"optimizer": (list, dict), "scaler": dict, "best_val_loss": (int, float), "rng": dict}
-RESUME_RNG = {"torch": torch.Tensor, "batches": torch.Tensor}
-# a sharded checkpoint's state.pt (weights/sharded.py), whose tensors are in the shards and
-# which names each optimizer's parameters in order
-SHARDED = {**{k: v for k, v in REQUIRED.items() if k != "model"}, "shards": dict}
-SHARDED_RESUME = {k: v for k, v in RESUME.items() if k != "optimizer"}
 
 
 @dataclass
@@ -125,30 +112,6 @@ def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     fsync_dir(dst.parent)
 
 
-class UnreadableFile(Exception):
-    """A file that a safe torch.load cannot read; the message says why, in a few words."""
-
-
-def safe_load(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
-    """torch.load(weights_only=True), which runs no pickled code. A damaged or foreign file
-    fails in many ways inside torch; each becomes one UnreadableFile. mmap maps the file's
-    tensors rather than reading them, so only what is used is read."""
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        # torch's own message suggests weights_only=False, which is not the fix for a file
-        # from elsewhere
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise UnreadableFile(f"it holds a {refused[1]}, which a safe load refuses" if refused
-                             else "not a file that torch.save wrote") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:  # a zip archive cut short
-        raise UnreadableFile(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    except OSError as e:
-        raise UnreadableFile(f"cannot read it: {e.strerror}") from None
-    except Exception:  # other bytes fail in the unpickler in other ways (IndexError, ...)
-        raise UnreadableFile("not a file that torch.save wrote") from None
-
-
 def sharded_hint(run_dir: Path) -> str:
     """What to run where a plain checkpoint is needed and a run saved sharded ones."""
     return (f"{run_dir} holds sharded checkpoints (last.dcp, written under FSDP); make plain "
@@ -164,6 +127,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
         raise CheckpointError(sharded_hint(path.parent))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
+    # imported here because a plain training run, which reads no checkpoint, need not read it
+    from weights.safe_load import UnreadableFile, safe_load
     try:
         ckpt = safe_load(path, map_location, mmap)
     except UnreadableFile as e:
@@ -180,23 +145,12 @@ def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')}; "
                               f"this code reads version {VERSION}")
-    problem = record_problem(ckpt, SHARDED if sharded else REQUIRED)
+    from weights.fields import damage, resume_problem  # only where a checkpoint is read
+    problem = damage(ckpt, sharded)
     if problem:
         raise CheckpointError(f"{path} is damaged: {problem}; use another checkpoint")
-    problem = tokenizer_problem(ckpt["tokenizer"])
-    if problem:
-        raise CheckpointError(f"{path} is damaged: the tokenizer's description: {problem}; "
-                              f"use another checkpoint")
-    # imported here because a plain training run, which reads no checkpoint, need not read it
-    from weights.fields import resume_problem, shape_problem
-    problem = shape_problem(ckpt["model_args"])
-    if problem:  # every use of a checkpoint builds its model, or compares its shape
-        raise CheckpointError(f"{path} is damaged: its model_args are not a model shape "
-                              f"({problem}); use another checkpoint")
     # what a resumed run also needs (missing if the file is damaged or written by other code)
-    problem = resume and (record_problem(ckpt, SHARDED_RESUME if sharded else RESUME)
-                          or record_problem(ckpt["rng"], RESUME_RNG)
-                          or resume_problem(ckpt, sharded))
+    problem = resume and resume_problem(ckpt, sharded)
     if problem:
         raise CheckpointError(f"cannot resume from {path}: {problem}; it can be sampled, not "
                               f"continued: start a new run without --resume")

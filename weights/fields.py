@@ -1,10 +1,12 @@
-"""A checkpoint's fields besides its weights, checked beyond their types (which
-machine.files.record_problem checks): the model's shape, which every use of a checkpoint
-builds, and the values a resumed run puts back. It is imported only where a checkpoint is
-read, which a plain training run never does.
+"""A checkpoint's fields besides its weights: the keys every checkpoint holds and their
+types (machine.files.record_problem checks those), then their values: the tokenizer's
+description, the model's shape, which every use of a checkpoint builds, and what a resumed
+run puts back. It is imported only where a checkpoint is read, which a plain training run
+never does.
 
 Usage:
-    from weights.fields import resume_problem, shape_problem
+    from weights.fields import damage, resume_problem, shape_problem
+    damage(ckpt, sharded=False)              # "it lacks model_args", or None
     shape_problem(ckpt["model_args"])        # "n_layer must be an integer, got '2'", or None
     resume_problem(ckpt, sharded=False)      # "its dtype is 'float8', not one of ...", or None
 """
@@ -16,10 +18,38 @@ from typing import Any
 
 import torch
 
+from data.tokenizer import tokenizer_problem
 from machine.device import DTYPES
 from machine.files import record_problem
 from model import GPTConfig
 from weights.lazy import expected
+
+# what sampling, evaluating and exporting need, so every checkpoint holds these
+REQUIRED = {"model_args": dict, "model": dict, "iter_num": int, "config": dict,
+            "tokenizer": dict}
+# what --resume needs beyond that (weights.checkpoint.TrainState holds it all)
+RESUME = {"optimizer": (list, dict), "scaler": dict, "best_val_loss": (int, float), "rng": dict}
+RESUME_RNG = {"torch": torch.Tensor, "batches": torch.Tensor}
+# a sharded checkpoint's state.pt (weights/sharded.py), whose tensors are in the shards and
+# which names each optimizer's parameters in order
+SHARDED = {**{k: v for k, v in REQUIRED.items() if k != "model"}, "shards": dict}
+SHARDED_RESUME = {k: v for k, v in RESUME.items() if k != "optimizer"}
+
+
+def damage(ckpt: dict[str, Any], sharded: bool) -> str | None:
+    """What makes a checkpoint of this format unusable for anything, in words that name the
+    field: a key it lacks or of the wrong type, its tokenizer's description, or model_args
+    that are no model's shape; None if nothing does."""
+    problem = record_problem(ckpt, SHARDED if sharded else REQUIRED)
+    if problem:
+        return problem
+    problem = tokenizer_problem(ckpt["tokenizer"])
+    if problem:
+        return f"the tokenizer's description: {problem}"
+    problem = shape_problem(ckpt["model_args"])
+    if problem:  # every use of a checkpoint builds its model, or compares its shape
+        return f"its model_args are not a model shape ({problem})"
+    return None
 
 
 def shape_problem(model_args: dict[str, Any]) -> str | None:
@@ -33,8 +63,12 @@ def shape_problem(model_args: dict[str, Any]) -> str | None:
 
 
 def resume_problem(ckpt: dict[str, Any], sharded: bool) -> str | None:
-    """In a checkpoint whose fields have the right types, name a field whose value no run
-    writes, which a resumed run could not put back; None if there is none."""
+    """In a checkpoint that damage() passed, name a field that a resumed run needs and lacks,
+    or whose value no run writes, which it could not put back; None if there is none."""
+    problem = (record_problem(ckpt, SHARDED_RESUME if sharded else RESUME)
+               or record_problem(ckpt["rng"], RESUME_RNG))
+    if problem:
+        return problem
     dtype, val_loss = ckpt.get("dtype"), ckpt.get("val_loss", math.nan)
     if dtype is not None and dtype not in DTYPES:  # a file may have no dtype
         return f"its dtype is {dtype!r:.40}, not one of {', '.join(DTYPES)}"

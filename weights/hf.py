@@ -24,8 +24,8 @@ from safetensors import SafetensorError, safe_open
 
 from machine.errors import UserError
 from machine.files import fsync_dir, write_bytes_atomic
-from weights.checkpoint import UnreadableFile, safe_load
 from weights.lazy import Lazy, mapped
+from weights.safe_load import UnreadableFile, safe_load
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 

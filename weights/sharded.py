@@ -38,14 +38,8 @@ from typing import Any, NamedTuple
 import torch
 
 from machine.files import atomic_write, fsync_dir, write_failure
-from weights.checkpoint import (
-    FORMAT,
-    VERSION,
-    CheckpointError,
-    UnreadableFile,
-    check_contents,
-    safe_load,
-)
+from weights.checkpoint import FORMAT, VERSION, CheckpointError, check_contents
+from weights.safe_load import UnreadableFile, safe_load
 
 SHARDS = "shards"  # the run folder's subfolder of saved checkpoints
 STATE = "state.pt"  # a checkpoint folder's small, unsharded part
