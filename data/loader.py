@@ -7,9 +7,9 @@ Usage:
     x, y = draw(torch.Generator())   # (12, 64) windows and their next tokens, or conversations
 
 A split is a range of the dataset's token stream, which its shards hold in order
-(data/shards.py describes the format). Windows are drawn uniformly over the split's tokens.
-They may cross from one shard into the next, because the shards are consecutive pieces of
-one stream, but never from train into val.
+(data/shards.py describes the format and writes it; open_shards maps the files). Windows are
+drawn uniformly over the split's tokens. They may cross from one shard into the next,
+because the shards are consecutive pieces of one stream, but never from train into val.
 
 A chat dataset (prepared with --chat) is drawn by whole conversations instead: see
 data/chat.Conversations.
@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import open_shards
 from data.sources import DataError
 from data.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 from machine.files import record_problem
@@ -64,6 +63,21 @@ def load_meta(data_dir: str | Path) -> dict:
         if not whole:
             raise DataError(f"{path} has a damaged shard list or split; {again}")
     return meta
+
+
+def open_shards(folder: str | Path, meta: dict) -> list[np.ndarray]:
+    """Each shard of the stream, memory-mapped, after checking that it has the size that
+    meta.json gives it. That check is a stat, not a read, so opening costs the same at any size."""
+    dtype = np.dtype(meta["dtype"])
+    pieces = []
+    for shard in meta["shards"]:
+        path = Path(folder) / shard["file"]
+        expected = shard["tokens"] * dtype.itemsize
+        if not path.exists() or path.stat().st_size != expected:
+            raise DataError(f"{path} is missing or not {expected} bytes as meta.json says; "
+                            f"prepare the dataset again")
+        pieces.append(np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
+    return pieces
 
 
 class Tokens:

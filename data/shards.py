@@ -1,11 +1,12 @@
-"""The shard format: a token stream cut into files, and the meta.json that makes them a dataset.
+"""The shard format: a token stream cut into files, and the meta.json that makes them a
+dataset; ShardWriter writes them for data.prepare, and data/loader.py reads them back, so
+that a training run imports only the reading.
 
 Usage:
-    from data.shards import ShardWriter, open_shards
+    from data.shards import ShardWriter
     writer = ShardWriter(out_dir, np.uint16, shard_tokens=100_000_000)
     writer.write(ids[:writer.room()])         # at most room() ids, into the current shard
     entry = writer.commit()                   # names the shard and returns its meta.json entry
-    pieces = open_shards(out_dir, meta)       # one np.memmap per shard, checked against meta
 
 A prepared dataset is a folder:
 
@@ -34,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 
-from data.sources import DataError
 from machine.files import fsync_dir
 
 SHARD_NAME = "tokens_{:06d}.bin"
@@ -91,18 +91,3 @@ class ShardWriter:
 
     def tmp_path(self) -> Path:
         return self.folder / f".{SHARD_NAME.format(self.index)}.tmp"
-
-
-def open_shards(folder: str | Path, meta: dict) -> list[np.ndarray]:
-    """Each shard of the stream, memory-mapped, after checking that it has the size that
-    meta.json gives it. That check is a stat, not a read, so opening costs the same at any size."""
-    dtype = np.dtype(meta["dtype"])
-    pieces = []
-    for shard in meta["shards"]:
-        path = Path(folder) / shard["file"]
-        expected = shard["tokens"] * dtype.itemsize
-        if not path.exists() or path.stat().st_size != expected:
-            raise DataError(f"{path} is missing or not {expected} bytes as meta.json says; "
-                            f"prepare the dataset again")
-        pieces.append(np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
-    return pieces
