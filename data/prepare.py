@@ -43,7 +43,7 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
-from data.assets import sha256_bytes
+from data.assets import sha256_bytes, shakespeare_text
 from data.bpe import check_vocab_size, train_bpe_apart
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.chat_demo import conversations
@@ -61,7 +61,7 @@ from data.folder import (
 )
 from data.hf_tokenizer import HFTokenizer
 from data.shards import ShardWriter, token_dtype
-from data.sources import BUILTIN, DataError, shakespeare_text
+from data.sources import BUILTIN, DataError
 from data.specials import CHAT_SPECIALS
 from data.tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer, with_specials
 from data.workers import (

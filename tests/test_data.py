@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.assets import sha256_bytes
+from data.assets import sha256_bytes, shakespeare_text
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.documents import read_text
 from data.loader import get_batch, load_meta, load_split
 from data.prepare import prepare_text
-from data.sources import DataError, shakespeare_text
+from data.sources import DataError
 from data.tokenizer import CharTokenizer, load_tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak!\n"
