@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -65,7 +64,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     key = f"{where}, {kind}, {torch.get_num_threads()} threads"
     path = cache_dir() / "peak_flops.json"
     known = cached_peaks(path)
-    if key not in known:
+    if key not in known:  # timed once, by the first run with this key (machine/peak.py)
+        from machine.peak import measure_peak_flops
         known[key] = measure_peak_flops(device, dtype)
         with suppress(OSError):  # a cache that cannot be written is measured again next time
             write_bytes_atomic(path, (json.dumps(known, indent=1) + "\n").encode())
@@ -82,35 +82,6 @@ def cached_peaks(path: Path) -> dict[str, float]:
         return {}
     return {key: float(value) for key, value in known.items() if type(value) in (int, float)
             and 1e6 <= value <= 1e18} if isinstance(known, dict) else {}
-
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """This machine's matmul throughput in FLOP/s: the best of several timings of square
-    matmuls, since other work on the machine can only slow one down. On a GPU each timing
-    spans several large matmuls so that launch and sync costs do not count. On a CPU a
-    matmul is 1024 wide, or narrower where that would take over 50 ms, because a CPU without
-    bf16 arithmetic emulates it, far slower than fp32."""
-    generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
-
-    def timings(n: int, per_timing: int, count: int) -> list[float]:
-        a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-        b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-        times = []
-        for _ in range(count):
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(per_timing):
-                a @ b
-            sync(device)
-            times.append((time.perf_counter() - t0) / per_timing)
-        return times
-
-    n, per_timing = (4096, 10) if device.type == "cuda" else (1024, 1)
-    if device.type == "cpu":
-        rate = 2 * 256**3 / min(timings(256, 1, 2))  # a rough rate, to size the matmul by
-        while n > 256 and 2 * n**3 / rate > 0.05:
-            n //= 2
-    return 2 * n**3 / min(timings(n, per_timing, 10)[1:])  # the first warms up
 
 
 def memory_room(device: torch.device) -> tuple[int, str] | None:
