@@ -16,12 +16,12 @@ the cache (decode), and the window moves on when it is full. Then what the loop 
 sampling (small pure functions) and the decode step of one of DECODE_BACKENDS, "eager",
 "compile" or "c" (cdecode/'s C step); "auto", the default, is the C step on a CPU when it
 builds and no autocast is on, and eager elsewhere. Last, what is built on the loop: text,
-cut at end-of-text or a stop string, and Chat, which keeps its cache across turns.
+cut at end-of-text or a stop string (data/text.py decodes and cuts it), and Chat, which keeps
+its cache across turns.
 """
 
 from __future__ import annotations
 
-import codecs
 import functools
 import sys
 import weakref
@@ -33,7 +33,7 @@ import torch
 from torch.nn import functional as F
 
 from data.chat import ASSISTANT_END, render_prompt, special_ids, with_system
-from data.text import check_text
+from data.text import StopText, TextStream, check_text
 from data.tokenizer import Tokenizer
 from machine.device import check_compile
 from machine.errors import InputError
@@ -75,7 +75,7 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
         step = decode_step(model, decode) if isinstance(decode, str) else decode
     cached, next_token = 0, None  # how many of the window's tokens the cache holds; the last token
     # a CPU's thread count is timed per token and the fastest kept (machine/threads.py), because
-    # a step this small often runs faster on fewer threads, and far faster beside a busy neighbour
+    # a step this small often runs faster on fewer threads, above all beside a busy neighbour
     with fit_threads(0, idx.device, say=lambda _: None) as threads:
         for _ in range(max_new_tokens):
             if T > block_size:  # the window is full, so it jumps: it keeps its most recent tokens
@@ -323,11 +323,6 @@ def decode_step(model: GPT, decode: str = "auto") -> DecodeStep:
 
 # --- text --------------------------------------------------------------------------------
 
-def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string begins in text, or None."""
-    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)
-
-
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """Token ids of the prompt; an empty prompt starts from the tokenizer's natural start
     (GPT-2's end-of-text token, or a newline for a character vocabulary). Raises InputError for
@@ -344,62 +339,6 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return tokenizer.encode("\n")
     except ValueError:  # a character vocabulary without newlines
         return [0]
-
-
-class TextStream:
-    """Decode tokens as they arrive. BPE tokens are byte sequences and one character may
-    span several of them, so bytes wait until they complete a UTF-8 character. Special
-    tokens (<|assistant_end|>, <|endoftext|>) are left out of the text unless
-    skip_special_tokens is False, as vLLM and llama.cpp leave them out."""
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.bytes_of = getattr(tokenizer, "decode_bytes", None)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.skip = frozenset(tokenizer.specials.values() if skip_special_tokens else ())
-
-    def push(self, ids: list[int]) -> str:
-        """The text that these tokens complete (possibly empty)."""
-        ids = [i for i in ids if i not in self.skip]
-        if self.bytes_of is None:
-            return self.tokenizer.decode(ids)
-        return self.utf8.decode(self.bytes_of(ids))
-
-    def flush(self) -> str:
-        """Whatever is left once no more tokens come (an unfinished character as U+FFFD)."""
-        return "" if self.bytes_of is None else self.utf8.decode(b"", final=True)
-
-
-class StopText:
-    """New tokens in, text out, cut before the first stop string. A stop string split
-    across tokens is still found, because text is released only once no stop string can
-    begin inside it. `stopped` says when one was met."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
-        if any(check_text(s, "a stop string") == "" for s in stop):  # raises InputError for non-text
-            raise InputError("a stop string is empty, which would end every sample at once; "
-                             "drop it or give some text")
-        self.text, self.stop, self.stopped = TextStream(tokenizer, skip_special_tokens), stop, False
-        self.held = ""  # decoded text not yet released
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def push(self, token_id: int) -> str:
-        """The text that token_id releases, maybe none."""
-        self.held += self.text.push([token_id])
-        cut = first_stop(self.held, self.stop)
-        if cut is not None:
-            self.stopped = True
-            released, self.held = self.held[:cut], ""
-            return released
-        keep = len(self.held) - self.hold
-        released, self.held = self.held[:max(keep, 0)], self.held[max(keep, 0):]
-        return released
-
-    def flush(self) -> str:
-        """What is left once the tokens end."""
-        held, self.held = self.held + self.text.flush(), ""
-        return held[:first_stop(held, self.stop)]
 
 
 def generate_text(model: GPT, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, *,

@@ -20,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from data.text import TextStream
 from data.tokenizer import Tokenizer
-from generate import TextStream
 from measure.logprobs import Scored
 from serving.api import (
     APIError,

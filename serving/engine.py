@@ -49,8 +49,9 @@ import torch
 from torch.nn import functional as F
 
 from cdecode import CDecodeStep
+from data.text import StopText
 from data.tokenizer import Tokenizer
-from generate import StopText, check_sampling, decode_step, sample_next
+from generate import check_sampling, decode_step, sample_next
 from machine.errors import InputError
 from machine.perf import check_room
 from machine.threads import fit_threads
@@ -68,7 +69,7 @@ class QueueFull(RuntimeError):
 @dataclass(frozen=True)
 class Sampling:
     """How one request samples: generate.sample_next's settings, the token budget, the stop
-    strings, whether special tokens are left out of the text (generate.TextStream), and the
+    strings, whether special tokens are left out of the text (data.text.TextStream), and the
     logprobs to report for each generated token (None for none, or N for the token's own logprob
     and those of N alternatives). A seed of None draws from a fresh random seed."""
     max_tokens: int

@@ -31,9 +31,10 @@ from data.loader import load_meta, load_split
 from data.prepare import prepare
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
+from data.text import StopText
 from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
 from data.tokenizer_json import tokenizer_files
-from generate import Chat, StopText, generate, prompt_ids
+from generate import Chat, generate, prompt_ids
 from machine.errors import InputError
 from model import GPT, GPTConfig
 from tests.forked import python

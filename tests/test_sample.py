@@ -13,10 +13,10 @@ import torch
 
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.specials import CHAT_SPECIALS
+from data.text import TextStream
 from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
 from generate import (
     DECODE_BACKENDS,
-    TextStream,
     cache_length,
     decode_step,
     filter_top_k,
