@@ -103,8 +103,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # Muon on the blocks' matrices: Nesterov momentum, made orthogonal (every direction moves
         # at the same rate), at muon_lr; AdamW on the rest (the head; the lookup tables at embedding_lr)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-        # float16 alone scales its loss up, because its small gradients would round to zero
-        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        # float16 alone scales its loss up, because its small gradients would round to zero; for
+        # every other dtype the scaler is disabled, and each of its calls does nothing
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
         # y = data[s+1:s+T+1], where T is the model's block_size (for a fine-tuned base, the
         # base's own); the stream below draws with a seeded generator of its own
@@ -124,15 +125,15 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     else torch.autocast(device.type, dtype=dtype))
         log.start(iter_num, raw_model.config)
         tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
-        peak, peak_source = peak_flops(device, dtype)
+        # on a CPU, the thread count whose steps are fastest, measured as the run goes, because
+        # another process on the machine can make fewer threads faster than all of them
+        threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
+        peak, peak_source = peak_flops(device, dtype)  # for the thread count that the run starts with
         processes = f" x {dist.world_size} process{'es' * (dist.world_size > 1)}" if dist.enabled else ""
         log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
                 f"device {device}{processes}, optimizer {cfg.optimizer}, writing to {run.path}/")
         log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
         log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
-        # on a CPU, the thread count whose steps are fastest, measured as the run goes, because
-        # another process on the machine can make fewer threads faster than all of them
-        threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
         if iter_num >= cfg.max_iters:
             log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing left to "
                     f"train; raise --max-iters to train it further")
@@ -160,6 +161,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # y is x shifted by one token; each forward pass below draws the batch of the next
         x, y = batches.next()
         while iter_num < cfg.max_iters:
+            t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
             for opt in optimizers:  # peak_lr, from configure_optimizers: muon_lr, embedding_lr, learning_rate
                 for group in opt.param_groups:
@@ -173,13 +175,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 # the next forward pass's batch, drawn before this backward pass (as in nanoGPT), so
                 # that the CPU reads it while a GPU still computes
                 x, y = batches.next()
-                (loss if scaler is None else scaler.scale(loss)).backward()
+                scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             grad_norm = clip_and_step(optimizers, raw_model, cfg.grad_clip, scaler)
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on
-            threads.step()  # each step's time, from which the thread count is chosen
+            threads.step(time.perf_counter() - t_step)  # from which the thread count is chosen
 
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
                 # .item() waits for the device, so it is called only here, every log_interval steps
@@ -228,25 +230,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
 
 def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
-                  scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+                  scaler: torch.amp.GradScaler) -> torch.Tensor:
     """Clip the gradients, take each optimizer's step and clear the gradients; return their norm
     before clipping. Clipping multiplies every gradient by one factor, so that their norm is at
     most grad_clip (0 clips at inf, which only measures it). Muon's orthogonalized update has the
     same size whatever the factor, but its momentum, from which that update is made, counts a
     clipped step less. Under float16, the scaler first divides its scale out of the gradients,
-    and it skips the step where a gradient is inf or NaN."""
-    if scaler is not None:  # float16
-        for opt in optimizers:
-            scaler.unscale_(opt)
+    and it skips the step where a gradient is inf or NaN; otherwise it is disabled, so that
+    scaler.step(opt) is opt.step() and its other calls do nothing."""
+    for opt in optimizers:
+        scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     for opt in optimizers:
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
+        scaler.step(opt)
         opt.zero_grad(set_to_none=True)
-    if scaler is not None:
-        scaler.update()  # a smaller scale after an inf or NaN, a larger one after a run of good steps
+    scaler.update()  # a smaller scale after an inf or NaN, a larger one after a run of good steps
     return grad_norm
 
 

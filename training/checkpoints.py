@@ -35,7 +35,7 @@ from weights.checkpoint import (
 SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need not import it
 
 
-def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None,
+def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
              batches: BatchStream, iter_num: int, dtype: torch.dtype, best_val_loss: float,
              val_loss: float, config: dict, tokenizer: dict, device: torch.device) -> TrainState:
     """What a checkpoint of the run holds now. The batch state is the stream's before it drew
@@ -50,7 +50,7 @@ def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.
         model_args=vars(model.config).copy(),
         model=model.state_dict() if plain else {},
         optimizer=[opt.state_dict() for opt in optimizers] if plain else [],
-        scaler=scaler.state_dict() if scaler is not None else {},  # float16's loss scaler
+        scaler=scaler.state_dict(),  # float16's loss scaler; {} where it is disabled
         iter_num=iter_num, dtype=str(dtype).removeprefix("torch."), best_val_loss=best_val_loss,
         val_loss=val_loss, config=config, tokenizer=tokenizer, rng=rng)
 

@@ -52,7 +52,7 @@ def read_saved(run_dir: Path, device: torch.device, mmap: bool) -> tuple[TrainSt
 
 
 def restore(saved: TrainState, checkpoint: Path, model: GPT,
-            optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None,
+            optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
             batches: BatchStream, device: torch.device) -> tuple[int, float]:
     """Put the run back as its checkpoint left it: weights, optimizer state, random
     streams and batches. Returns the iteration and the best val loss it had reached."""
@@ -81,8 +81,7 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
         opt.load_state_dict(state)
         for group, setting in zip(opt.param_groups, settings, strict=True):
             group.update(setting)
-    if scaler is not None:  # float16's loss scaler
-        scaler.load_state_dict(saved.scaler)
+    scaler.load_state_dict(saved.scaler)  # float16's loss scaler; a disabled one ignores it
     # The checkpoint was read onto the device, but torch takes every generator's state as a CPU
     # tensor, the GPU's too.
     rng = {name: state.cpu() for name, state in saved.rng.items()}
