@@ -154,10 +154,13 @@ def test_a_plain_training_run_reads_only_what_it_uses():
         if name not in seen:
             seen.add(name)
             todo += module_level_imports(modules[name], modules) - seen
-    # FSDP, sharded checkpoints, data preparation, fine-tuning, chat batches and sampling
-    # are imported where a run needs them
-    assert not seen & {"training.fsdp", "weights.sharded", "data.prepare", "data.bpe",
-                       "training.init_from", "data.chat", "generate", "cdecode", "viz"}, seen
+    # FSDP, torchrun, sharded checkpoints, resuming and reading a checkpoint, data preparation
+    # and its shard writer, fine-tuning, chat batches, sampling and timing a CPU's peak are
+    # imported where a run needs them
+    assert not seen & {"training.fsdp", "training.torchrun", "weights.sharded", "training.resume",
+                       "weights.safe_load", "weights.fields", "data.prepare", "data.shards",
+                       "data.assets", "data.bpe", "training.init_from", "data.chat", "generate",
+                       "cdecode", "viz", "machine.peak"}, seen
     lines = sum(len(modules[name].read_text().splitlines()) for name in seen)
     assert lines <= 3500, f"train.py's imports reach {len(seen)} modules, {lines} lines"
 
