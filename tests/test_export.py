@@ -33,27 +33,34 @@ TEXTS = ["Hello, world!  Runs   of spaces\n\n\nand newlines\tand tabs",
          "  leading and trailing spaces   ", "numbers 1234567 and 3.14159\r\n"]
 
 
-@pytest.fixture(scope="module")
-def nanochat_run(tmp_path_factory, char_data) -> Path:
-    """A tiny model in nanochat's layout (no biases), trained for 20 steps into runs/nano."""
-    out = tmp_path_factory.mktemp("runs")
+def nanochat_layout_run(tmp_path_factory, char_data, name: str, **settings) -> Path:
+    """A tiny model in nanochat's layout (no biases), trained for 20 steps into runs/<name>."""
     layout = {k: v for k, v in LAYOUTS["nanochat"].items() if k != "n_inner"}
     cfg = load_config(REPO / "config" / "tiny.toml", {
-        "data_dir": str(char_data), "out_dir": str(out), "run_name": "nano", "max_iters": 20,
-        "eval_interval": 20, "sample_tokens": 0, "bias": False, "n_kv_head": 1, **layout})
+        "data_dir": str(char_data), "out_dir": str(tmp_path_factory.mktemp("runs")),
+        "run_name": name, "max_iters": 20, "eval_interval": 20, "sample_tokens": 0,
+        "bias": False, "n_kv_head": 1, **layout, **settings})
     return train(cfg).run_dir
+
+
+def assert_greedy_sample_is(expected: str, prompt: str, *sources: list[str]) -> None:
+    """sample.py at temperature 0 prints `expected` for the prompt, from each source."""
+    for source in sources:
+        sampled = run("sample.py", *source, "--prompt", prompt, "--max-new-tokens", "20",
+                      "--temperature", "0")
+        assert sampled.returncode == 0, sampled.stderr
+        assert sampled.stdout == expected + "\n"
+
+
+@pytest.fixture(scope="module")
+def nanochat_run(tmp_path_factory, char_data) -> Path:
+    return nanochat_layout_run(tmp_path_factory, char_data, "nano")
 
 
 @pytest.fixture(scope="module")
 def bigram_run(tmp_path_factory, char_data) -> Path:
-    """The same model with the quickstart's bigram table, trained for 20 steps into runs/bigram."""
-    out = tmp_path_factory.mktemp("runs")
-    layout = {k: v for k, v in LAYOUTS["nanochat"].items() if k != "n_inner"}
-    cfg = load_config(REPO / "config" / "tiny.toml", {
-        "data_dir": str(char_data), "out_dir": str(out), "run_name": "bigram", "max_iters": 20,
-        "eval_interval": 20, "sample_tokens": 0, "bias": False, "n_kv_head": 1, **layout,
-        "bigram_embedding": True})
-    return train(cfg).run_dir
+    """The same model with the quickstart's bigram table."""
+    return nanochat_layout_run(tmp_path_factory, char_data, "bigram", bigram_embedding=True)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -88,11 +95,8 @@ def test_a_run_exported_has_its_loss_and_tokens_in_transformers(tmp_path, nanoch
     greedy = model.generate(torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=20,
                             do_sample=False)
     expected = tokenizer.decode(greedy[0])
-    for source in (["--run", str(nanochat_run)], ["--init-from", str(tmp_path / "hf")]):
-        sampled = run("sample.py", *source, "--prompt", prompt, "--max-new-tokens", "20",
-                      "--temperature", "0")
-        assert sampled.returncode == 0, sampled.stderr
-        assert sampled.stdout == expected + "\n"
+    assert_greedy_sample_is(expected, prompt, ["--run", str(nanochat_run)],
+                            ["--init-from", str(tmp_path / "hf")])
 
 
 def test_a_run_with_a_bigram_table_exported_has_its_logits_and_tokens_in_transformers(tmp_path,
@@ -119,11 +123,7 @@ def test_a_run_with_a_bigram_table_exported_has_its_logits_and_tokens_in_transfo
     greedy = theirs.generate(torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=20,
                              do_sample=False)
     expected = tokenizer.decode(greedy[0])
-    for source in (["--run", str(bigram_run)], ["--init-from", str(folder)]):
-        sampled = run("sample.py", *source, "--prompt", prompt, "--max-new-tokens", "20",
-                      "--temperature", "0")
-        assert sampled.returncode == 0, sampled.stderr
-        assert sampled.stdout == expected + "\n"
+    assert_greedy_sample_is(expected, prompt, ["--run", str(bigram_run)], ["--init-from", str(folder)])
 
 
 @pytest.mark.parametrize("kind", ["char", "gpt2", "bpe"])

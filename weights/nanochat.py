@@ -31,7 +31,9 @@ transformers' NanoChat has no bigram table, so a model trained with one is expor
 the table as one more tensor and a small modeling file of ours, nanochat_bigram.py, which
 config.json's auto_map names: a NanoChatForCausalLM that adds the table's rows to its token
 embedding, which transformers loads with trust_remote_code=True. model_type stays
-"nanochat", and load_hf_nanochat reads such a folder back, table included.
+"nanochat", and load_hf_nanochat reads such a folder back, table included, knowing it by the
+class that config.json's architectures name (transformers writes auto_map anew when it saves
+a model that it loaded from elsewhere, but keeps the class).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from weights.hf import FolderError, read_config, read_weights, write_folder
 from weights.lazy import Lazy, build, cropped, expected, state_dict_mismatch
 
 # what a NanoChat model always is, in model.py's switches
-# (with a bigram table or without: see BIGRAM_AUTO_MAP)
+# (with a bigram table or without, which config.json's architectures say)
 LAYOUT = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", bias=False,
               embed_norm=True)
 # the modeling file that an export with a bigram table carries, and how config.json names it
@@ -88,7 +90,7 @@ def config_from_hf(hf: dict, path: Path, dropout: float = 0.0) -> GPTConfig:
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
             logit_softcap=hf.get("final_logit_softcapping") or 0.0,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=dropout,
-            bigram_embedding=hf.get("auto_map") == BIGRAM_AUTO_MAP, **LAYOUT)
+            bigram_embedding=BIGRAM_CLASS in (hf.get("architectures") or ()), **LAYOUT)
     except (TypeError, ValueError) as e:
         raise FolderError(f"{path}: {e}") from None
 
