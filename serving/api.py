@@ -302,8 +302,12 @@ def refusal(errors: Sequence[dict], body: Any) -> tuple[str, str | None]:
                 f"object; send one, with Content-Type: application/json"), None
     if kind.endswith("_type") or kind == "finite_number":
         what += f", not {shown(error.get('input'))}"
-    name = str(path[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path[1:])
-    return f"{name}: {what}", str(path[0])
+    return f"{path_name(path)}: {what}", str(path[0])
+
+
+def path_name(path: list[str | int]) -> str:
+    """A place in a body as a reader writes it: messages[0].content."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).removeprefix(".")
 
 
 def path_in(body: Any, error: dict) -> list[str | int]:

@@ -22,6 +22,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from serving.api import path_name
+
 FINITE = "send a finite number"
 
 
@@ -36,10 +38,11 @@ class NotJSON(ValueError):
 
 class Misfit:
     """What the parser leaves where a value is not JSON, so that the place can be named
-    after the parse; `key` is the key given twice, when that is what is wrong."""
+    after the parse: the value as the body spells it (None for a key given twice, which is
+    `key`), and what is wrong with it, to follow "is"."""
 
-    def __init__(self, what: str, key: str | None = None) -> None:
-        self.what, self.key = what, key
+    def __init__(self, shown: str | None, problem: str, key: str | None = None) -> None:
+        self.shown, self.problem, self.key = shown, problem, key
 
 
 def strict_json(body: bytes) -> Any:
@@ -52,23 +55,23 @@ def strict_json(body: bytes) -> Any:
         raise NotJSON("the body is not UTF-8 text; send a JSON object encoded in UTF-8") from None
     misfits = []  # whether any value needs naming, so that a good body is not walked
 
-    def misfit(what: str, key: str | None = None) -> Misfit:
+    def misfit(shown: str | None, problem: str, key: str | None = None) -> Misfit:
         misfits.append(True)
-        return Misfit(what, key)
+        return Misfit(shown, problem, key)
 
     def constant(name: str) -> Misfit:
-        return misfit(f"{name} is not JSON (RFC 8259 has no NaN or Infinity); {FINITE}")
+        return misfit(name, f"not JSON (RFC 8259 has no NaN or Infinity); {FINITE}")
 
     def number(digits: str) -> float | Misfit:
         value = float(digits)
         return value if math.isfinite(value) else misfit(
-            f"{digits} is past the range of a float; {FINITE}")
+            digits, f"past the range of a float; {FINITE}")
 
     def unique(pairs: list[tuple[str, Any]]) -> dict | Misfit:
         record: dict[str, Any] = {}
         for key, value in pairs:
             if key in record:
-                return misfit("is given twice; send each key once", key)
+                return misfit(None, "given twice; send each key once", key)
             record[key] = value
         return record
     if text.startswith("\ufeff"):
@@ -101,13 +104,13 @@ def first_misfit(value: Any) -> NotJSON:
     while stack:
         here, path = stack.pop()
         if isinstance(here, Misfit):
-            path = path + [here.key] if here.key is not None else path
-            if not path:
-                return NotJSON(f"the body is {here.what.replace(' is not', ', not', 1)}")
-            name = str(path[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
-                                          for p in path[1:])
-            message = f"{name} {here.what}" if here.key is not None else f"{name}: {here.what}"
-            return NotJSON(message, param=path[0] if isinstance(path[0], str) else None)
+            if here.key is not None:  # "messages[0].role is given twice"
+                name = path_name([*path, here.key])
+                return NotJSON(f"{name} is {here.problem}", param=str(path[0] if path else here.key))
+            if not path:  # "the body is NaN, not JSON"
+                return NotJSON(f"the body is {here.shown}, {here.problem}")
+            return NotJSON(f"{path_name(path)}: {here.shown} is {here.problem}",
+                           param=path[0] if isinstance(path[0], str) else None)
         items = (here.items() if isinstance(here, dict) else
                  enumerate(here) if isinstance(here, list) else ())
         stack.extend((item, [*path, key]) for key, item in reversed(list(items)))

@@ -374,6 +374,7 @@ def chat_body(rest: str) -> str:
     ("/v1/completions", '{"prompt": "ROMEO", "user": %s}' % ("9" * 5000), "the body holds an "
      "integer longer than this server reads (past 4,300 digits)", None),
     ("/v1/completions", "NaN", "the body is NaN, not JSON", None),
+    ("/v1/completions", "1e999", "the body is 1e999, past the range of a float", None),
     ("/v1/completions", '\ufeff{"prompt": "ROMEO"}'.encode(), "starts with a byte-order mark",
      None),
     # a key given twice was answered with its last value
