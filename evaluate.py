@@ -94,11 +94,12 @@ def main(
         model, tokenizer, source = load_model(run, checkpoint, init_from, device, dtype,
                                               say=loaded.append)
         stride = check_stride(stride, model.config.block_size)
-        try:  # measure.scores checks a batch's logits; its activations may still not fit
-            with out_of_memory("scoring", torch.device(device), "lower --batch-size", InputError):
+        # measure.scores checks a batch's logits, but its activations may still not fit
+        with out_of_memory("scoring", torch.device(device), "lower --batch-size", InputError):
+            try:
                 scores = evaluate(model, tokenizer, text, stride, batch_size, progress=True)
-        except InputError as e:  # text outside a character vocabulary, or too short
-            raise InputError(f"{input}: {e}") from None
+            except InputError as e:  # text outside a character vocabulary, or too short
+                raise InputError(f"{input}: {e}") from None
         if json_path is not None:
             write_json(json_path, {**asdict(scores), "input": str(input), "model": source,
                                    "dtype": dtype, "block_size": model.config.block_size,

@@ -41,7 +41,7 @@ def build(dtype: torch.dtype, march: str = "native") -> ctypes.CDLL:
 
     def reads_the_weights(lib: ctypes.CDLL) -> str | None:
         # a library built for another weight type would read every weight as that type and
-        # answer noise (GPTLAB_CFLAGS=-DWEIGHT_BF16 with a float32 model printed blank lines)
+        # answer noise (GPTLAB_CFLAGS=-DWEIGHT_BF16 with a float32 model would print blank lines)
         built = ctypes.c_char_p.in_dll(lib, "weight_type").value.decode(errors="replace")
         return None if built == wanted else f"for {built} weights, not {wanted}"
     lib = build_library(SOURCE, WEIGHT_DEFINES[dtype], "the C decode step",
@@ -75,12 +75,11 @@ def block_param_names(lib: ctypes.CDLL) -> list[str]:
     return [name.decode() for name in names]
 
 
-def scratch_bytes(config: GPTConfig, rows: int, tokens: int, max_len: int) -> int:
-    """The bytes of the scratch that one call of the step takes (its `work`, float32), for
-    `tokens` tokens in each of `rows` rows and a cache of max_len positions; the memory
-    checks count it (measure/memory.py)."""
-    return 4 * rows * tokens * (5 * config.n_embd + max(config.n_embd, config.mlp_hidden)
-                                + config.n_head * max_len)
+def scratch_floats(config: GPTConfig, tokens: int, max_len: int) -> int:
+    """The float32 scratch that one call of the step takes (its `work`) for `tokens` tokens in
+    all, over a cache of max_len positions; the memory checks count it (measure/memory.py)."""
+    return tokens * (5 * config.n_embd + max(config.n_embd, config.mlp_hidden)
+                     + config.n_head * max_len)
 
 
 def address(t: torch.Tensor | None) -> int | None:
@@ -187,7 +186,7 @@ class CDecodeStep:
         rows_array = (ctypes.c_int64 * B)(*rows_of)
         if kv_cache.k[0].dtype != self.dtype:
             raise ValueError("the cache's dtype differs from the step's")
-        work_size = scratch_bytes(cfg, B, T, max_len) // 4
+        work_size = scratch_floats(cfg, B * T, max_len)
         if self.work.numel() < work_size:  # grow once for a longer prefill or cache
             self.work = torch.empty(work_size, dtype=torch.float32)
         logits = torch.empty(B, cfg.vocab_size, dtype=torch.float32)

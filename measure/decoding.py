@@ -177,12 +177,14 @@ def benchmark_model(checkpoint: Path | None, preset: str | None, layout: str,
 
 
 def check_cache_memory(model: GPT, batch: int, prompt_len: int, lengths: list[int],
-                       device: str, decode: str) -> None:
+                       device: str, steps: list[DecodeStep]) -> None:
     """Refuse a batch whose KV cache, logits and C step's scratch cannot fit, before any is
-    allocated, because it would swap a CPU to a standstill."""
+    allocated, because it would swap a CPU to a standstill. steps are the decode steps that
+    will be timed; a C step among them takes scratch."""
     cfg = model.config
-    longest = CDecodeStep.PREFILL_TOKENS.get(model.transformer.wte.weight.dtype)
-    c_step = torch.device(device).type == "cpu" and decode in ("auto", "c") and longest
+    c_steps = [step for step in steps if isinstance(step, CDecodeStep)]
+    longest = max((step.max_prefill for step in c_steps), default=0)
+    c_step = bool(c_steps)
     # the C step prefills the whole batch's prompts in one call when they are short enough
     prefill = prompt_len if c_step and prompt_len <= longest else 1
     needs = decode_needs(model, batch, cache_length(prompt_len, max(lengths), cfg.block_size),
@@ -192,10 +194,10 @@ def check_cache_memory(model: GPT, batch: int, prompt_len: int, lengths: list[in
     check_room(f"--batch {batch}", needs, torch.device(device), fix, InputError)
 
 
-def decoding_paths(model: GPT, device: str, decode: str, baselines: bool,
+def decoding_paths(model: GPT, default: DecodeStep, device: str, decode: str, baselines: bool,
                    prompt: torch.Tensor, first_length: int) -> tuple[dict[str, Tokens], float | None]:
-    """The paths to time, by row name, and the seconds the compiled step took to build."""
-    default = decode_step(model)  # what a user gets without choosing
+    """The paths to time, by row name, and the seconds the compiled step took to build; default
+    is the step that a user gets without choosing."""
     paths: dict[str, Tokens] = {f"default ({default.name})": ours(model, default)}
     if baselines:
         paths["eager"] = ours(model, decode_step(model, "eager"))
@@ -259,7 +261,10 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
     n_params = model.num_params()  # before int8 turns the matrices into buffers
     model = cast_weights(model.to(device), dtype)
     cfg, kv_bytes = model.config, cache_bytes_per_token(model)
-    check_cache_memory(model, batch, prompt_len, lengths, device, decode)
+    default = decode_step(model)  # built before the check, which counts a C step's scratch
+    c_too = decode == "c" and not isinstance(default, CDecodeStep)  # a "C step" row as well
+    check_cache_memory(model, batch, prompt_len, lengths, device,
+                       [default, *([decode_step(model, "c")] if c_too else [])])
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)
     # a generation's cache holds the power of two above its length, at most block_size slots
@@ -271,7 +276,8 @@ def run_benchmark(checkpoint: Path | None, preset: str | None, device: str, dtyp
           f"{' (tokens/s: decoding alone)' if prompt_len > PROMPT_LEN else ''}")
     # the check counts the buffers a cached decode allocates, and the baselines take more
     with out_of_memory(f"--batch {batch}", torch.device(device), "lower --batch", InputError):
-        paths, compile_s = decoding_paths(model, device, decode, baselines, prompt, lengths[0])
+        paths, compile_s = decoding_paths(model, default, device, decode, baselines, prompt,
+                                          lengths[0])
         theirs = transformers_generate(model) if dtype != "int8" and baselines else None
         rows = measure_rows(paths, theirs, prompt, lengths, repeats, cfg.block_size)
     if json_path:

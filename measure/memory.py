@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from cdecode import scratch_bytes
+from cdecode import scratch_floats
 from model import GPT
 
 
@@ -61,5 +61,5 @@ def decode_needs(model: GPT, rows: int, max_len: int, c_step_tokens: int = 0) ->
              rows * max_len * (cache_bytes_per_token(model) + 8),
              f"the logits of {rows:,} rows": rows * cfg.vocab_size * 4}
     if c_step_tokens:
-        needs["the C step's scratch"] = scratch_bytes(cfg, 1, c_step_tokens, max_len)
+        needs["the C step's scratch"] = 4 * scratch_floats(cfg, c_step_tokens, max_len)
     return needs
