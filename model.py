@@ -89,7 +89,7 @@ class CausalSelfAttention(nn.Module):
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention over the pairs that mask allows, (T_q, T_k) or (B, 1, T_q, T_k), or causal."""
+    """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
         # computed in fp32, because torch's CPU kernel is slower on short bf16 sequences, and with
         # autocast off, because it would cast the fp32 inputs straight back
@@ -218,7 +218,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        generator = weights_generator()  # seeded before the layers draw defaults, which init_weights replaces
+        generator = weights_generator()  # drawn before the layers' own init, which init_weights overwrites
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),

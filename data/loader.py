@@ -202,9 +202,10 @@ class BatchStream:
         """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
         random places in the split (get_batch) or conversations, and y the same shifted by one."""
         self.state = self.generator.get_state()
-        # every process draws all the processes' batches, which keeps the generators equal
+        # every process draws all the processes' batches, which keeps the generators equal, and
+        # takes its own
         batches = [self.draw(self.generator) for _ in range(self.world_size)]
-        return batches[self.rank]  # and takes its own
+        return batches[self.rank]
 
     def restore(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)

@@ -34,8 +34,8 @@ from machine.device import cpu_flags
 from machine.errors import UserError
 from machine.files import cache_dir, cache_unusable, write_bytes_atomic
 
-# Part of every build's key: builds cached before their digest covered the note, and before
-# a new build was loaded and checked before it was cached, are built again.
+# Part of every build's key. It is raised whenever the cache's files change meaning, so that
+# a build cached under an older format is built again rather than misread.
 FORMAT = "build 2"
 
 

@@ -108,13 +108,19 @@ class ThreadFit:
         self.until_trial -= 1
         moved = (len(self.recent) == self.recent.maxlen and not 1 / self.CHANGE
                  < statistics.median(self.recent) / self.reference < self.CHANGE)
+        if moved:
+            self.interval = self.FIRST_RECHECK
         if moved or self.until_trial <= 0:
-            self.interval = self.FIRST_RECHECK if moved else self.interval
-            i = self.counts.index(self.count)
-            self.trial = ([c for c in self.counts if c <= self.count] if self.first
-                          else [self.count, *self.counts[max(0, i - 1):i], *self.counts[i + 1:i + 2]])
-            self.timed, self.before = {}, self.count
+            self.trial, self.timed, self.before = self.counts_to_try(), {}, self.count
             self.use(self.trial[0])
+
+    def counts_to_try(self) -> list[int]:
+        """At the start, every count from the one in use down; later, the one in use, then
+        the next count above it and the next below it, where there are such counts."""
+        if self.first:
+            return [c for c in self.counts if c <= self.count]
+        i = self.counts.index(self.count)  # the counts run from most to fewest threads
+        return [self.count, *self.counts[max(0, i - 1):i], *self.counts[i + 1:i + 2]]
 
     def time_trial(self, seconds: float) -> None:
         if self.skip:

@@ -599,9 +599,9 @@ def without_a_home(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_user_without_a_home_gets_a_private_cache_folder(tmp_path, trained_run, char_data):
-    """Path.home() raised RuntimeError in train.py, sample.py and evaluate.py for a user with
-    no home; the cache now falls back to a folder of the user's own in the temporary folder,
-    and refuses one that others could write into, since it holds libraries that are loaded."""
+    """For a user with no home, train.py and sample.py keep their cache in a folder of the
+    user's own in the temporary folder, and refuse one that others could write into, because
+    the cache holds libraries that are loaded."""
     try:
         pwd.getpwuid(NO_HOME_UID)
         pytest.skip(f"uid {NO_HOME_UID} has a passwd entry here")

@@ -374,8 +374,8 @@ def test_a_compiler_or_flags_that_build_something_else_are_one_line(tmp_path, tr
 
 
 def test_a_library_that_ends_the_process_loading_it_is_one_line(tmp_path, trained_run):
-    """An ASan build's runtime ended sample.py with its own words as it was loaded; a new build
-    is now loaded first in a process of its own."""
+    """A new build is loaded first in a process of its own, so that a library whose loading
+    ends the process (an ASan build's runtime does) is one line naming the flags."""
     result = sample_c(trained_run / "best.pt", tmp_path / "cache", decode="auto",
                       GPTLAB_CFLAGS="-fsanitize=address")
     if "could not build" in result.stderr:
@@ -388,8 +388,7 @@ def test_a_library_that_ends_the_process_loading_it_is_one_line(tmp_path, traine
 
 
 def test_cc_may_hold_a_command_with_its_arguments(tmp_path, trained_run):
-    """make reads CC="ccache gcc" as a command and its arguments; CC was taken for one file
-    name, and such a compiler "was not found"."""
+    """CC may be a command with its arguments (CC="ccache gcc"), as make reads it."""
     result = sample_c(trained_run / "best.pt", tmp_path / "cache", CC="env cc")
     assert result.returncode == 0 and result.stdout, result.stderr
     result = sample_c(trained_run / "best.pt", tmp_path / "cache", CC="'cc")

@@ -525,7 +525,7 @@ def test_a_process_memory_limit_is_one_line_naming_the_batch_and_the_limit(tmp_p
     assert re.match(message, error_line(result.stderr)), result.stderr
 
 
-def under_6_gb() -> None:  # ulimit -v 6291456, as the probes of every door set it
+def under_6_gb() -> None:  # as `ulimit -v 6291456` limits a shell's commands
     resource.setrlimit(resource.RLIMIT_AS, (6_291_456 * 1024, 6_291_456 * 1024))
 
 
@@ -533,8 +533,8 @@ LIMIT_6_GB = r"but cpu has [\d.]+ GB left under this process's limit of 6\.4 GB 
 
 
 def test_a_server_whose_slots_cannot_fit_is_one_line_before_it_allocates(trained_run):
-    """The server never checked its slots' KV cache, and --parallel 1000000 ended in the
-    allocator's traceback."""
+    """The server checks its slots' KV cache against memory before it allocates it, so that
+    --parallel 1000000 is one line, not the allocator's traceback."""
     result = subprocess.run([sys.executable, "serve.py", "--checkpoint", str(trained_run / "best.pt"),
                              "--port", "0", "--parallel", "1000000"], cwd=REPO,
                             capture_output=True, text=True, timeout=300, preexec_fn=under_6_gb)
@@ -546,8 +546,8 @@ def test_a_server_whose_slots_cannot_fit_is_one_line_before_it_allocates(trained
 
 
 def test_a_benchmark_batch_counts_the_c_steps_scratch(trained_run, tmp_path):
-    """A shape whose KV cache fits at batch 1,000,000 and whose C step's scratch does not:
-    the check counted the cache alone, and the allocator failed in the prefill."""
+    """A shape whose KV cache fits at batch 1,000,000 and whose C step's scratch does not is
+    refused by the check, because the check counts the scratch as well as the cache."""
     ckpt = load_checkpoint(trained_run / "best.pt")
     shape = {**ckpt["model_args"], "n_layer": 1, "n_head": 8, "n_embd": 16, "block_size": 64}
     torch.manual_seed(0)

@@ -96,9 +96,9 @@ class TrainConfig:
                      "where the hardware multiplies it natively (a GPU with bf16, a CPU with "
                      "avx512_bf16 or AMX), else float32")
     compile: bool = opt(False, "torch.compile the model (slow start, faster steps)")
-    threads: int = opt(0, "CPU threads; 0 times the counts over the first steps and keeps the "
-                       "fastest, again whenever the step's time changes (machine/threads.py); "
-                       "OMP_NUM_THREADS also fixes it")
+    threads: int = opt(0, "CPU threads; 0 measures each count over the first steps, keeps the "
+                       "fastest, and measures again when the step's time changes "
+                       "(machine/threads.py); OMP_NUM_THREADS also fixes the count")
     parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
                                "fsdp (each holds 1/N of it; see docs/distributed.md)")
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")

@@ -49,7 +49,7 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
                                   if param_dtype else None)
-    with torch.random.fork_rng(devices=[]):  # the draw that GPT() takes first, taken ahead of it
+    with torch.random.fork_rng(devices=[]):  # the seed that GPT() draws first, read without using it up
         generator = weights_generator()
     with torch.device("meta"):
         model = GPT(config)  # shapes only: nothing is allocated, and init_weights draws nothing

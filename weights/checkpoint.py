@@ -145,8 +145,8 @@ def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')}; "
                               f"this code reads version {VERSION}")
-    from weights.fields import damage, resume_problem  # only where a checkpoint is read
-    problem = damage(ckpt, sharded)
+    from weights.fields import checkpoint_problem, resume_problem  # only where a checkpoint is read
+    problem = checkpoint_problem(ckpt, sharded)
     if problem:
         raise CheckpointError(f"{path} is damaged: {problem}; use another checkpoint")
     # what a resumed run also needs (missing if the file is damaged or written by other code)

@@ -1,12 +1,12 @@
-"""A checkpoint's fields besides its weights: the keys every checkpoint holds and their
-types (machine.files.record_problem checks those), then their values: the tokenizer's
-description, the model's shape, which every use of a checkpoint builds, and what a resumed
-run puts back. It is imported only where a checkpoint is read, which a plain training run
-never does.
+"""The checks on a checkpoint's fields other than its weights. They check that every required
+key is there with the right type (with machine.files.record_problem), then the tokenizer's
+description and the model's shape, which every use of a checkpoint builds, and what a
+resumed run puts back. This module is imported only where a checkpoint is read, which a
+plain training run never does.
 
 Usage:
-    from weights.fields import damage, resume_problem, shape_problem
-    damage(ckpt, sharded=False)              # "it lacks model_args", or None
+    from weights.fields import checkpoint_problem, resume_problem, shape_problem
+    checkpoint_problem(ckpt, sharded=False)   # "it lacks model_args", or None
     shape_problem(ckpt["model_args"])        # "n_layer must be an integer, got '2'", or None
     resume_problem(ckpt, sharded=False)      # "its dtype is 'float8', not one of ...", or None
 """
@@ -36,7 +36,7 @@ SHARDED = {**{k: v for k, v in REQUIRED.items() if k != "model"}, "shards": dict
 SHARDED_RESUME = {k: v for k, v in RESUME.items() if k != "optimizer"}
 
 
-def damage(ckpt: dict[str, Any], sharded: bool) -> str | None:
+def checkpoint_problem(ckpt: dict[str, Any], sharded: bool) -> str | None:
     """What makes a checkpoint of this format unusable for anything, in words that name the
     field: a key it lacks or of the wrong type, its tokenizer's description, or model_args
     that are no model's shape; None if nothing does."""
@@ -63,8 +63,8 @@ def shape_problem(model_args: dict[str, Any]) -> str | None:
 
 
 def resume_problem(ckpt: dict[str, Any], sharded: bool) -> str | None:
-    """In a checkpoint that damage() passed, name a field that a resumed run needs and lacks,
-    or whose value no run writes, which it could not put back; None if there is none."""
+    """In a checkpoint that checkpoint_problem() passed, name a field that a resumed run needs
+    and lacks, or whose value no run writes, which it could not put back; None if there is none."""
     problem = (record_problem(ckpt, SHARDED_RESUME if sharded else RESUME)
                or record_problem(ckpt["rng"], RESUME_RNG))
     if problem:
