@@ -17,7 +17,10 @@ them. The step's own time tells which, so the count is measured: at the start ea
 timed over a few steps, from the most threads down while fewer are faster; later the count
 in use is timed against one thread more and one fewer, when the step's time moves by a
 quarter (a neighbour came or went) and otherwise at intervals that double while nothing
-changes. A count that was given, or OMP_NUM_THREADS, is obeyed and never changed.
+changes. Trying a slower count costs time, so a trial waits until the loop has stepped for
+twenty times what the last one cost: the trials take at most about a twentieth of the
+loop's time, however often its step's time moves. A count that was given, or
+OMP_NUM_THREADS, is obeyed and never changed.
 docs/performance.md#threads-and-a-busy-machine has the measurements.
 """
 
@@ -79,6 +82,7 @@ class ThreadFit:
     GIVE_UP = 1.3  # a count whose first step is this much slower than the best is dropped
     CHANGE = 1.25  # a change in the step's time, either way, that calls for a new trial
     FIRST_RECHECK, LAST_RECHECK = 25, 1600  # steps between trials, doubling while unchanged
+    BUDGET = 20  # a trial waits for this many times the last one's cost in the loop's time
 
     def __init__(self, counts: list[int], say: Callable[[str], None],
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -91,6 +95,9 @@ class ThreadFit:
         self.recent: deque[float] = deque(maxlen=5)  # the last steps, to see the time move
         self.interval = self.until_trial = self.START
         self.last: float | None = None
+        self.stepped = 0.0  # seconds of steps so far
+        self.trial_time, self.trial_steps = 0.0, 0  # the trial under way's steps
+        self.next_trial_at = 0.0  # the value of `stepped` before which no trial starts
 
     def step(self, seconds: float | None = None) -> None:
         """End a step: one that began at the previous call, or that took `seconds` (for a
@@ -101,16 +108,18 @@ class ThreadFit:
         self.last = now
         if seconds is None or len(self.counts) < 2:
             return
+        self.stepped += seconds
         if self.trial:
+            self.trial_time, self.trial_steps = self.trial_time + seconds, self.trial_steps + 1
             self.time_trial(seconds)
             return
         self.recent.append(seconds)
         self.until_trial -= 1
         moved = (len(self.recent) == self.recent.maxlen and not 1 / self.CHANGE
                  < statistics.median(self.recent) / self.reference < self.CHANGE)
-        if moved:
-            self.interval = self.FIRST_RECHECK
-        if moved or self.until_trial <= 0:
+        if (moved or self.until_trial <= 0) and self.stepped >= self.next_trial_at:
+            if moved:
+                self.interval = self.FIRST_RECHECK
             self.trial, self.timed, self.before = self.counts_to_try(), {}, self.count
             self.use(self.trial[0])
 
@@ -153,6 +162,10 @@ class ThreadFit:
                          else self.FIRST_RECHECK)
         self.until_trial, self.reference, self.first = self.interval, self.timed[chosen], False
         self.recent.clear()
+        # what the trial cost: its steps' time beyond what the chosen count would have taken
+        cost = max(0.0, self.trial_time - self.trial_steps * self.timed[chosen])
+        self.next_trial_at = self.stepped + self.BUDGET * cost
+        self.trial_time, self.trial_steps = 0.0, 0
 
     def use(self, count: int) -> None:
         self.skip = int(count > self.count)  # a step left out while new threads start

@@ -69,6 +69,24 @@ def test_a_quiet_machine_keeps_every_thread_and_rarely_tries_fewer(threads_resto
     assert used.count(1) <= 10  # each trial of one thread gives up after one slow step
 
 
+def test_trials_take_at_most_about_a_twentieth_of_the_time_however_the_step_moves(threads_restored):
+    # a decoding loop beside a busy process: two threads take ten times one thread's step, and
+    # one thread's step moves by half every ten steps, which alone would call for a trial each time
+    torch.set_num_threads(2)
+    said, clock = [], [0.0]
+    fit = ThreadFit([2, 1], said.append, clock=lambda: clock[0])
+    spent = {2: 0.0, 1: 0.0}
+    for i in range(3000):
+        fit.step()
+        count = torch.get_num_threads()
+        seconds = 0.040 if count == 2 else (0.004 if i // 10 % 2 else 0.006)
+        if i >= 100:  # after the first trial
+            spent[count] += seconds
+        clock[0] += seconds
+    assert said[0] == "threads 1, the fastest step measured (2: 40 ms, 1: 6 ms)"
+    assert spent[2] <= 0.06 * (spent[1] + spent[2])
+
+
 def test_many_cores_stop_at_the_fastest_count(threads_restored):
     torch.set_num_threads(16)
     said, clock = [], [0.0]
