@@ -1,8 +1,7 @@
 """Train a GPT on a prepared corpus, with TensorBoard logs, evaluation and checkpoints.
 
 Usage:
-    python train.py config/quickstart.toml                   # char-level Shakespeare, on a CPU
-    python train.py config/quickstart.toml --max-iters 500 --n-layer 2
+    python train.py config/quickstart.toml --max-iters 500   # char-level Shakespeare, on a CPU
     python train.py config/quickstart.toml --resume          # continue runs/quickstart
     torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
     tensorboard --logdir runs
@@ -10,10 +9,10 @@ Usage:
     from train import train, load_config     # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
-train() reads in nanoGPT's order: the device, the data, the model and its optimizers, then
-the loop, where each part of a step is a line or one call away. What a plain run does not
-use is imported where it is needed. A run writes runs/<run_name>/: TensorBoard events,
-last.pt at every evaluation, best.pt at the best. docs/layout.md follows one step through.
+train() reads in nanoGPT's order: the device, the data, the model and its optimizers, each
+a named step of training/setup.py, then the loop, where each part of a step is a line or one
+call away. A run writes runs/<run_name>/: TensorBoard events, last.pt at every evaluation,
+best.pt at the best. docs/layout.md follows one step through.
 """
 
 from __future__ import annotations
@@ -22,39 +21,26 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from data.loader import BatchStream, Sampler, Tokens, batch_sampler, load_dataset
-from data.sources import BUILTIN
+from data.loader import BatchStream, Sampler, batch_sampler
 from data.tokenizer import Tokenizer
-from machine.device import check_compile, resolve_device, reuse_freed_memory
 from machine.errors import reported, run_command
 from machine.perf import peak_flops
 from machine.threads import fit_threads
-from model import GPT, GPTConfig
+from model import GPT
 from training import distributed
-from training.checkpoints import save, snapshot
-from training.config import ConfigError, TrainConfig, command_line, load_config
-from training.log import RunLog
-from training.memory import check_memory, out_of_memory
+from training.checkpoints import Checkpoints
+from training.config import TrainConfig, command_line, load_config
 from training.optimizer import configure_optimizers
 from training.precision import choose_dtype
-from training.runs import (
-    Interrupted,
-    Run,
-    TrainingError,
-    check_resumable_folder,
-    run_dir_of,
-    run_folder,
-    stop_signals,
-)
+from training.runs import Interrupted, TrainingError, check_resumable_folder, run_dir_of, stop_signals
+from training.setup import build_model, choose_device, for_training, load_data, open_run, setting_ids
 
 
 @dataclass
@@ -74,23 +60,17 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     t_start = time.time()
     with ExitStack() as stack:  # each context entered below closes when the run ends, however it ends
         dist = stack.enter_context(distributed.process_group(cfg.device))  # one process: rank 0 of 1
-        # signals are caught from the start, so that a Ctrl-C pressed while the data is prepared
-        # is answered after the first step, with a checkpoint
-        stop = stack.enter_context(stop_signals())
+        stop = stack.enter_context(stop_signals())  # Ctrl-C, even during data prep, saves and stops
         device, sharded = choose_device(cfg, dist)
         torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
-        if device.type == "cpu" and not dist.enabled:  # where it was measured to pay (docs/performance.md)
-            reuse_freed_memory()  # glibc keeps freed memory for the next step's activations
         if resume:  # a run to continue must exist, which is checked before the data is read
             check_resumable_folder(run_dir_of(cfg))
 
         # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
         sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
-        probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
-                     if cfg.attention_probe else splits["val"][:32].tolist())
-        run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer, probe_ids,
-                                                sharded))
+        run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
+                                                splits["val"], sharded))
 
         # --- the model and its optimizers: new, or as the checkpoint left them -----------
         saved = checkpoint = None
@@ -120,6 +100,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             run.saved(checkpoint, iter_num)
             del saved  # its tensors are copied into the model and optimizers, so free them
         model = for_training(raw_model, cfg, device, dist, sharded)  # compiled, or wrapped for torchrun
+        checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg,
+                                  meta["tokenizer"], device, dist)
         # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
         autocast = (nullcontext() if dtype == torch.float32 or (sharded and device.type == "cuda")
                     else torch.autocast(device.type, dtype=dtype))
@@ -210,15 +192,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun the processes
             # agree on it only at log points)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
-            if evaluated or stopping:  # a save without an evaluation records its val loss as NaN
-                # writes last.pt (and best.pt, when this is the best val loss so far), which holds the
-                # weights, the optimizers and the random generators, to resume to the bit. The next
-                # step's batch is drawn already; the checkpoint holds the batch generator's state from
-                # just before that draw, so a resumed run draws the same batch again
-                state = snapshot(raw_model, optimizers, scaler, batches, iter_num, dtype,
-                                 best_val_loss, losses["val"] if evaluated else math.nan,
-                                 cfg.to_dict(), meta["tokenizer"], device)
-                save(run, state, raw_model, optimizers, dist, is_best)  # FSDP's processes save their shards
+            if evaluated or stopping:
+                # last.pt, and best.pt when this val loss is the best so far: the weights, the
+                # optimizers and the random generators, from which --resume goes on to the bit
+                checkpoints.save(iter_num, best_val_loss, losses["val"] if evaluated else math.nan,
+                                 is_best)
             t_log += time.perf_counter() - paused
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
@@ -262,98 +240,6 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
         return floor
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # 1 -> floor
-
-
-def choose_device(cfg: TrainConfig, dist: distributed.Dist) -> tuple[torch.device, bool]:
-    """This process's device, and whether FSDP shards the model. A compiler or a parallel
-    setting that cannot work here is refused now, before anything is written."""
-    device = resolve_device(cfg.device, dist.local_rank)  # auto: CUDA, else MPS, else the CPU
-    sharded = distributed.check_parallel(cfg, dist)
-    if cfg.compile:
-        check_compile(device, instead="drop --compile")
-    if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return device, sharded
-
-
-def load_data(cfg: TrainConfig, dist: distributed.Dist,
-              ) -> tuple[dict, dict[str, Tokens], Tokenizer]:
-    """The dataset's meta.json, its memory-mapped splits and its tokenizer. A built-in dataset is
-    prepared on first use, by rank 0 while the others wait, so that a problem is reported once."""
-    data_dir = Path(cfg.data_dir)
-    read = None  # rank 0's memmaps; the other processes open their own
-
-    def prepare_and_read() -> None:
-        nonlocal read
-        if not (data_dir / "meta.json").exists() and data_dir.name in BUILTIN:
-            tqdm.write(f"preparing {data_dir} (first run only)")
-            from data.prepare import prepare_builtin  # its tokenizers and workers, only when needed
-            prepare_builtin(data_dir.name, data_dir)
-        read = load_dataset(data_dir)
-    distributed.from_main(prepare_and_read, dist)
-    return read or load_dataset(data_dir)
-
-
-def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a text setting (sample_prompt, attention_probe); a ConfigError names
-    the setting when the text cannot be encoded or encodes to nothing."""
-    try:
-        ids = tokenizer.encode(text)
-    except ValueError as e:
-        raise ConfigError(f"{name}: {e}") from None
-    if not ids:
-        raise ConfigError(f"{name} encodes to no tokens; give some text")
-    return ids
-
-
-@contextmanager
-def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device, meta: dict,
-             tokenizer: Tokenizer, probe_ids: list[int], sharded: bool) -> Iterator[tuple[Run, RunLog]]:
-    """The run folder (new, or the one to resume) and its log, opened once the model's memory is
-    known to fit; inside, running out of memory is one line that says what to lower."""
-    check_memory(cfg, meta["vocab_size"], device, dist)
-    with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
-            RunLog(run, cfg, dist, tokenizer, probe_ids, attention=cfg.log_attention and not sharded) as log:
-        yield run, log
-
-
-def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
-                dist: distributed.Dist, sharded: bool, saved: Any) -> GPT:
-    """A new model of the config's shape, or the base model to fine-tune (init_from), on the
-    device, sharded under parallel = fsdp. A resumed fine-tuning has the checkpoint's shape,
-    and its weights replace the base's, which is then not read at all."""
-    config, base = cfg.model_config(meta["vocab_size"]), None
-    if cfg.init_from and saved is not None:
-        config = GPTConfig(**saved.model_args)
-    elif cfg.init_from:
-        from training.init_from import base_model  # a Hugging Face folder, a run ...
-        config, base = base_model(cfg, meta, dist)
-    if sharded:
-        from training.fsdp import shard_model
-        param_dtype = dtype if device.type == "cuda" and dtype != torch.float32 else None
-        return shard_model(config, device, param_dtype, cfg.compile, base)
-    if base is not None:
-        from weights.lazy import build
-        return build(config, base).to(device)
-    return GPT(config).to(device)
-
-
-def for_training(model: GPT, cfg: TrainConfig, device: torch.device, dist: distributed.Dist,
-                 sharded: bool) -> torch.nn.Module:
-    """What the loop calls: the model compiled if cfg.compile (FSDP compiled each block before
-    sharding it), and under torchrun wrapped by DDP, unless FSDP shards it."""
-    if cfg.compile and not sharded:
-        # On one GPU, each compiled pass is replayed as a CUDA graph, because launching its many
-        # kernels one at a time from Python would hold a small model back. Graphs are not used
-        # with gradient accumulation, because the next replay would overwrite the gradients that
-        # are still accumulating, nor under torchrun, which reduces gradients during the backward.
-        graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
-        model = torch.compile(model, mode="reduce-overhead" if graphs else None)
-    if dist.enabled and not sharded:  # DDP's wrapper, imported only under torchrun
-        from training.torchrun import ddp
-        model = ddp(model, device)
-    return model
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

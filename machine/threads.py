@@ -4,23 +4,17 @@ Usage:
     from machine.threads import fit_threads, usable_cpus
     with fit_threads(0, device, print) as threads:   # 0 measures; N > 0 fixes N threads
         for batch in batches:
-            ...
             threads.step()                            # once per step, at the same place
     usable_cpus()                                     # (2, "2 CPUs")
 
-PyTorch splits each CPU operation among its threads, one per physical core by default, and
-an operation ends when its slowest thread does. When another process (a browser, a second
-run) takes one of those cores for a time slice of a few milliseconds, the other threads wait
-for it at every operation, and a step of small operations then runs slower on two threads
-than on one. On many cores, or on cores of two speeds, the best count is often below all of
-them. The step's own time tells which, so the count is measured: at the start each count is
-timed over a few steps, from the most threads down while fewer are faster; later the count
-in use is timed against one thread more and one fewer, when the step's time moves by a
-quarter (a neighbour came or went) and otherwise at intervals that double while nothing
-changes. Trying a slower count costs time, so a trial waits until the loop has stepped for
-twenty times what the last one cost: the trials take at most about a twentieth of the
-loop's time, however often its step's time moves. A count that was given, or
-OMP_NUM_THREADS, is obeyed and never changed.
+PyTorch splits each CPU operation among its threads, and an operation ends when its slowest
+thread does. When another process takes one of those cores for a time slice, the other
+threads wait for it at every operation, so that a step of small operations can run slower
+on two threads than on one. The step's own time tells which count is fastest: at the start
+each count is timed, from the most threads down while fewer are faster; later the count in
+use is timed against one more and one fewer, when the step's time moves by a quarter and
+otherwise at intervals that double, and never sooner than the trials' cost allows (BUDGET).
+A count that was given, or OMP_NUM_THREADS, is obeyed and never changed.
 docs/performance.md#threads-and-a-busy-machine has the measurements.
 """
 
@@ -82,7 +76,9 @@ class ThreadFit:
     GIVE_UP = 1.3  # a count whose first step is this much slower than the best is dropped
     CHANGE = 1.25  # a change in the step's time, either way, that calls for a new trial
     FIRST_RECHECK, LAST_RECHECK = 25, 1600  # steps between trials, doubling while unchanged
-    BUDGET = 20  # a trial waits for this many times the last one's cost in the loop's time
+    # a trial waits until the loop has stepped for BUDGET times the last trial's cost, so that
+    # trials take at most about a twentieth of the loop's time, however often its step moves
+    BUDGET = 20
 
     def __init__(self, counts: list[int], say: Callable[[str], None],
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -176,10 +172,9 @@ class ThreadFit:
 @contextmanager
 def fit_threads(setting: int, device: torch.device,
                 say: Callable[[str], None] = print) -> Iterator[ThreadFit]:
-    """Choose torch's CPU thread count for a loop on `device`, say in one line what was
-    chosen and why, and restore the count found on exit. setting is a count to use (N > 0),
-    or 0 to measure, unless OMP_NUM_THREADS is set. On a GPU the CPU threads only feed it,
-    so they are left alone, and nothing is said."""
+    """Choose torch's CPU thread count for a loop on `device`, say what was chosen and why,
+    and restore the count found on exit. setting is a count to use (N > 0), or 0 to measure,
+    unless OMP_NUM_THREADS is set. A GPU's feeding threads are left alone, silently."""
     found = torch.get_num_threads()
     cpus, why = usable_cpus()
     counts = [found]

@@ -1,17 +1,13 @@
-"""A run's checkpoints: what one holds (weights/checkpoint.py's TrainState), writing it,
-and putting a run back as it left off. There are two formats: last.pt, one file from rank
-0, and, under FSDP, last.dcp, in which each process writes its own shards (training/fsdp.py,
-imported only then). Either resumes on any number of processes, sharded or not.
+"""A training run's checkpoints: what one holds (weights/checkpoint.py's TrainState) and
+writing it, as last.pt from rank 0 or, under FSDP, as last.dcp, in which each process writes
+its own shards (training/fsdp.py, imported only then). A run folder's checkpoint is last.dcp
+if it has one, else last.pt, and best.* likewise; either resumes on any number of processes
+(training/resume.py, imported only by a resumed run).
 
 Usage:
-    from training.checkpoints import snapshot, save
-    state = snapshot(model, optimizers, scaler, batches, iter_num, ...)   # a TrainState
-    save(run, state, model, optimizers, dist, is_best)     # every process calls it
-
-training/resume.py, imported only by a resumed run, reads a checkpoint back.
-
-A run folder's checkpoint is last.dcp if it has one (only a run under FSDP writes it, and it
-removes an older last.pt), else last.pt; best.* likewise.
+    from training.checkpoints import Checkpoints
+    checkpoints = Checkpoints(run, model, optimizers, scaler, batches, dtype, cfg, tokenizer, device, dist)
+    checkpoints.save(iter_num, best_val_loss, val_loss, is_best)   # every process calls it
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import torch
 from data.loader import BatchStream
 from model import GPT
 from training import distributed
+from training.config import TrainConfig
 from training.runs import Run, TrainingError
 from weights.checkpoint import (
     CheckpointError,
@@ -35,56 +32,64 @@ from weights.checkpoint import (
 SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need not import it
 
 
-def snapshot(model: GPT, optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
-             batches: BatchStream, iter_num: int, dtype: torch.dtype, best_val_loss: float,
-             val_loss: float, config: dict, tokenizer: dict, device: torch.device) -> TrainState:
-    """What a checkpoint of the run holds now. The batch state is the stream's before it drew
-    the batch for the next step, so a resumed run draws exactly the batches this run would
-    have drawn next. A sharded model's weights and moments are not in it: each process saves
-    its own shards of them (see save)."""
-    rng = {"torch": torch.get_rng_state(), "batches": batches.state}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    plain = not distributed.is_sharded(model)
-    return TrainState(
-        model_args=vars(model.config).copy(),
-        model=model.state_dict() if plain else {},
-        optimizer=[opt.state_dict() for opt in optimizers] if plain else [],
-        scaler=scaler.state_dict(),  # float16's loss scaler; {} where it is disabled
-        iter_num=iter_num, dtype=str(dtype).removeprefix("torch."), best_val_loss=best_val_loss,
-        val_loss=val_loss, config=config, tokenizer=tokenizer, rng=rng)
+class Checkpoints:
+    """A training run's checkpoints: what goes into one, from the parts given here, and writing it."""
 
+    def __init__(self, run: Run, model: GPT, optimizers: list[torch.optim.Optimizer],
+                 scaler: torch.amp.GradScaler, batches: BatchStream, dtype: torch.dtype,
+                 cfg: TrainConfig, tokenizer: dict, device: torch.device,
+                 dist: distributed.Dist) -> None:
+        self.run, self.model, self.optimizers, self.scaler = run, model, optimizers, scaler
+        self.batches, self.dtype, self.cfg, self.tokenizer = batches, dtype, cfg, tokenizer
+        self.device, self.dist = device, dist
 
-def save(run: Run, state: TrainState, model: GPT, optimizers: list[torch.optim.Optimizer],
-         dist: distributed.Dist, is_best: bool) -> None:
-    """Write last.pt from rank 0, or under FSDP last.dcp from every process, and best too
-    (the same checkpoint under a second name) when is_best; then record it as the run's. Nothing
-    is written of a state that holds NaN or inf, and every process hears of it, so that all
-    of them stop together; a failed write (a full disk) leaves the previous checkpoint."""
-    sharded = distributed.is_sharded(model)
-    if sharded:
-        from training.fsdp import first_of_any, local, shard_tensors, write_sharded
-        tensors = shard_tensors(model, optimizers)
-        broken = first_of_any(non_finite({k: local(v) for k, v in tensors.items()}), dist)
-    else:
-        broken = distributed.from_main(
-            lambda: non_finite({"model": state.model, "optimizer": state.optimizer}), dist)
-    if broken is not None:  # only this check sees weights that turned NaN between log points
-        raise TrainingError(f"{broken} holds NaN or inf at iter {state.iter_num}, so no "
-                            f"checkpoint was written and the last good one is kept: "
-                            f"lower learning_rate or set grad_clip", everywhere=True)
-    try:
+    def state(self, iter_num: int, best_val_loss: float, val_loss: float) -> TrainState:
+        """What a checkpoint of the run holds now, with the batch stream's state from before it
+        drew the next step's batch, so that a resumed run draws that batch again. Under FSDP
+        the weights and moments are left out, because each process saves its own shards."""
+        rng = {"torch": torch.get_rng_state(), "batches": self.batches.state}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        plain = not distributed.is_sharded(self.model)
+        return TrainState(
+            model_args=vars(self.model.config).copy(),
+            model=self.model.state_dict() if plain else {},
+            optimizer=[opt.state_dict() for opt in self.optimizers] if plain else [],
+            scaler=self.scaler.state_dict(),  # float16's loss scaler; {} where it is disabled
+            iter_num=iter_num, dtype=str(self.dtype).removeprefix("torch."),
+            best_val_loss=best_val_loss, val_loss=val_loss, config=self.cfg.to_dict(),
+            tokenizer=self.tokenizer, rng=rng)
+
+    def save(self, iter_num: int, best_val_loss: float, val_loss: float, is_best: bool) -> None:
+        """Write last, and best too (a second name for it) when is_best; val_loss is NaN for a
+        save between evaluations. Nothing is written of a state that holds NaN or inf, and every
+        process hears of it, so that all stop together; a failed write leaves the previous one."""
+        state, run, dist = self.state(iter_num, best_val_loss, val_loss), self.run, self.dist
+        sharded = distributed.is_sharded(self.model)
         if sharded:
-            checkpoint = write_sharded(run.path, state, tensors, model, optimizers, dist, is_best)
+            from training.fsdp import first_of_any, local, shard_tensors, write_sharded
+            tensors = shard_tensors(self.model, self.optimizers)
+            broken = first_of_any(non_finite({k: local(v) for k, v in tensors.items()}), dist)
         else:
-            checkpoint = write_plain(run.path, state, dist, is_best)
-    except (OSError, CheckpointError) as e:  # a full disk, mid-write too
-        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
-        # a sharded save fails on every process alike (DCP gathers the failures)
-        raise TrainingError(f"could not write a checkpoint in {run.path} ({reason}) at "
-                            f"iter {state.iter_num}; {run.resume_hint()}",
-                            everywhere=sharded) from None
-    run.saved(checkpoint, state.iter_num)
+            broken = distributed.from_main(
+                lambda: non_finite({"model": state.model, "optimizer": state.optimizer}), dist)
+        if broken is not None:  # only this check sees weights that turned NaN between log points
+            raise TrainingError(f"{broken} holds NaN or inf at iter {iter_num}, so no "
+                                f"checkpoint was written and the last good one is kept: "
+                                f"lower learning_rate or set grad_clip", everywhere=True)
+        try:
+            if sharded:
+                checkpoint = write_sharded(run.path, state, tensors, self.model, self.optimizers,
+                                           dist, is_best)
+            else:
+                checkpoint = write_plain(run.path, state, dist, is_best)
+        except (OSError, CheckpointError) as e:  # a full disk, mid-write too
+            reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:200]
+            # a sharded save fails on every process alike (DCP gathers the failures)
+            raise TrainingError(f"could not write a checkpoint in {run.path} ({reason}) at "
+                                f"iter {iter_num}; {run.resume_hint()}",
+                                everywhere=sharded) from None
+        run.saved(checkpoint, iter_num)
 
 
 def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_best: bool) -> Path:

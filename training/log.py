@@ -5,11 +5,9 @@ Usage:
     from training.log import RunLog
     with RunLog(run, cfg, dist, tokenizer, probe_ids, attention=True) as log:
         log.start(iter_num, model.config)                     # TensorBoard's events, the bar
-        log.say("a line above the bar")
         log.step()                                            # after every step
         log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
-        log.losses(it, losses)                                # at each evaluation
-        log.pictures(it, sample_text, model)                  # the sample, attention
+        log.losses(it, losses); log.pictures(it, sample_text, model)   # at an evaluation
         log.finish(best_val_loss, it)
 
 A write that fails (a full disk) ends the run with one line that says which checkpoint is
