@@ -34,8 +34,8 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and, as in nanochat, no bias
-    or gain (before a Linear, a gain would only rescale inputs that the Linear can rescale)."""
+    """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and, as in nanochat, nothing
+    learned, neither a bias nor a gain."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -71,7 +71,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # bounds the attention scores q.k, which allows a higher learning rate
+        if self.qk_norm:  # bounds the scores q.k, for a higher lr; a rotation after it keeps the RMS
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -218,7 +218,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        generator = weights_generator()  # drawn before the layers' own init, which init_weights overwrites
+        generator = weights_generator()  # seeded first, so the weights depend on torch's seed alone
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),

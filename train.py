@@ -9,9 +9,9 @@ Usage:
     from train import train, load_config     # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
-train() reads in nanoGPT's order: the device, the data, the model and its optimizers, each
-a named step of training/setup.py, then the loop, where each part of a step is a line or one
-call away. A run writes runs/<run_name>/: TensorBoard events, last.pt at every evaluation,
+train() reads in nanoGPT's order: the device, the data, the run folder and the model (each a
+named step of training/setup.py), the optimizers, then the loop, where each part of a step is
+a line or one call away. A run writes runs/<run_name>/: TensorBoard events, last.pt at every evaluation,
 best.pt at the best. docs/layout.md follows one step through.
 """
 

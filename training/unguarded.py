@@ -14,8 +14,8 @@ import torch
 
 
 class Unguarded:
-    """torch.optim.Optimizer's methods without the guard that torch wraps around them, which keeps
-    torch.compile out and imports the compiler (torch._dynamo, which is slow to import) on its first call.
+    """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, which keeps
+    torch.compile out and imports the compiler (torch._dynamo, slow to import) on its first call.
     This trainer never compiles its optimizers, so it reaches its first step sooner without the
     guard. inspect.unwrap follows a wrapper's __wrapped__ attribute to the function it wraps."""
 
