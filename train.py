@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from data.loader import BatchStream, Sampler, batch_sampler
+from data.batches import BatchStream, Sampler, batch_sampler
 from data.tokenizer import Tokenizer
 from machine.errors import reported, run_command
 from machine.perf import peak_flops
@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             from training.resume import check_resumable, read_saved, restore
             saved, checkpoint = read_saved(run.path, device, mmap=sharded)
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
+        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)  # fp32 weights, on device
         run.check_room(raw_model, dist)
         # Muon on the blocks' matrices: Nesterov momentum, made orthogonal (every direction moves
         # at the same rate), at muon_lr; AdamW on the rest (the head; the lookup tables at embedding_lr)
@@ -99,7 +99,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                               batches, device)
             run.saved(checkpoint, iter_num)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        model = for_training(raw_model, cfg, device, dist, sharded)  # compiled, or wrapped for torchrun
+        model = for_training(raw_model, cfg, device, dist, sharded)  # raw_model, or compiled, or DDP-wrapped
         checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg,
                                   meta["tokenizer"], device, dist)
         # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
-        accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
+        accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share, >= 1
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         # the first forward pass's batch: (B, T) windows at random places in the train split, and

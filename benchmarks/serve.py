@@ -7,6 +7,7 @@ Usage:
     python -m benchmarks.serve --llama ~/.cache/gptlab/llama.cpp --json serve.json
     python -m benchmarks.serve --clients 1,16 --max-tokens 32 --servers ours-fp32
     python -m benchmarks.serve --turns 8 --clients 1,4 --max-tokens 32   # conversations
+    python -m benchmarks.serve --servers ours-fp32 --clients 1,4 --neighbours 1   # a busy machine
 
 The model is GPT-2 small (124M) with random weights and GPT-2's tokenizer, written as a
 checkpoint for serve.py and exported (export.py) then converted (llama.cpp's
@@ -16,6 +17,7 @@ clients each send one request at once (streamed, greedy, max_tokens new tokens, 
 about 30 tokens, each its own), and the figures are: throughput (every answer's tokens over
 the wall time), time to first token and time per later token (p50 and p95 over requests).
 The 1-client row is the same requests sent one by one; every other row's ratio is against it.
+--neighbours N runs N CPU-bound processes beside each server while it is measured.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Annotated
 import torch
 import typer
 
-from benchmarks import check_paths
+from benchmarks import check_paths, neighbours
 from machine.device import cpu_name
 from machine.errors import UserError, reported, run_command
 from measure.decoding import preset_config
@@ -246,7 +248,10 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
                   "weight repacking stops with an illegal instruction).")] = "",
          cache_prompt: Annotated[bool, typer.Option(
              help="With --turns: --no-cache-prompt asks each server to prefill the whole "
-                  "history every turn, reusing nothing.")] = True) -> None:
+                  "history every turn, reusing nothing.")] = True,
+         busy: Annotated[int, typer.Option(
+             "--neighbours", min=0, max=64,
+             help="CPU-bound processes beside each server while it is measured.")] = 0) -> None:
     """Print each server's figures at each level of concurrency, or by turn of a
     conversation (--turns)."""
     with reported():
@@ -261,7 +266,7 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
         where = (torch.cuda.get_device_name() if device.startswith("cuda")
                  else f"{torch.get_num_threads()} threads, {cpu_name()}")
         print(f"# GPT-2 small (random weights), {max_tokens} new tokens, {slots} slots, "
-              f"{where}")
+              f"{where}" + (f", beside {busy} CPU-bound processes" if busy else ""))
         figures = {}
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = write_model(Path(tmp))
@@ -269,7 +274,7 @@ def main(servers: str = "ours-fp32,ours-int8,llama-f32,llama-q8_0", clients: str
                 context = 1024 if turns else 128 + max_tokens  # a slot's, for llama-server
                 command = server_command(name, checkpoint, llama, port, slots, context,
                                          device, decode, llama_args)
-                with started(command, port) as address:
+                with started(command, port) as address, neighbours(busy):
                     timed_request(address, "warm", 4)  # the first request builds the C step
                     if turns:
                         figures[name] = [row for c in levels

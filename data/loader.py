@@ -1,28 +1,18 @@
-"""Read prepared datasets and draw random training windows from them.
+"""Read prepared datasets: meta.json, checked, and each split's tokens, memory-mapped
+(data/shards.py describes the format and writes it); data/batches.py draws from them.
 
 Usage:
-    from data.loader import load_dataset, batch_sampler
-    meta, splits, tokenizer = load_dataset("data/shakespeare_char")  # splits: memory-mapped
-    draw = batch_sampler(splits["train"], meta, block_size=64, batch_size=12)
-    x, y = draw(torch.Generator())   # (12, 64) windows and their next tokens, or conversations
-
-A split is a range of the dataset's token stream, which its shards hold in order
-(data/shards.py describes the format and writes it; open_shards maps the files). Windows are
-drawn uniformly over the split's tokens. They may cross from one shard into the next,
-because the shards are consecutive pieces of one stream, but never from train into val.
-
-A chat dataset (prepared with --chat) is drawn by whole conversations instead: see
-data/chat.Conversations.
+    from data.loader import load_dataset
+    meta, splits, tokenizer = load_dataset("data/shakespeare_char")
+    splits["train"][0:65]     # token ids 0..64, an ndarray, read and checked when asked for
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from data.sources import DataError
 from data.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
@@ -155,57 +145,3 @@ def load_dataset(data_dir: str | Path) -> tuple[dict, dict[str, Tokens], Tokeniz
     except ValueError as e:
         raise DataError(f"{data_dir}/meta.json: {e}; prepare the dataset again") from None
     return meta, splits, tokenizer
-
-
-def get_batch(data: Tokens, block_size: int, batch_size: int,
-              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """batch_size random windows: inputs x and next-token targets y, both (B, block_size) int64."""
-    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator).tolist()
-    chunk = np.stack([data[s:s + block_size + 1] for s in starts])  # (B, block_size + 1)
-    chunk = torch.from_numpy(chunk.astype(np.int64))
-    return chunk[:, :-1], chunk[:, 1:]
-
-
-Sampler = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
-
-
-def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
-                  say: Callable[[str], None] | None = None) -> Sampler:
-    """How this split's batches are drawn: random windows of a corpus, or whole
-    conversations of a chat dataset (`say` is told which are cut to fit block_size)."""
-    if not meta.get("chat"):
-        if len(data) <= block_size:
-            raise DataError(f"block_size ({block_size}) must be smaller than the {data.split} "
-                            f"split ({len(data)} tokens); lower block_size or use more text")
-        return lambda generator: get_batch(data, block_size, batch_size, generator)
-    from data.chat import Conversations  # imported here because only chat data needs it
-    specials = load_tokenizer(meta["tokenizer"]).specials
-    conversations = Conversations(data[0:len(data)], data.where, specials, block_size)
-    if conversations.note and say is not None:
-        say(conversations.note)
-    return lambda generator: conversations.batch(batch_size, generator)
-
-
-class BatchStream:
-    """One process's stream of random training batches. Under torchrun every process draws
-    the same stream and takes every world_size-th batch, as one process with world_size
-    times the gradient accumulation would. `state`, the generator's state before the last
-    batch was drawn, goes into checkpoints, so that a resumed run draws that batch again and
-    then exactly the batches this run would have drawn next."""
-
-    def __init__(self, draw: Sampler, seed: int, rank: int = 0, world_size: int = 1) -> None:
-        self.draw, self.rank, self.world_size = draw, rank, world_size
-        self.generator = torch.Generator().manual_seed(seed)
-        self.state = self.generator.get_state()
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
-        random places in the split (get_batch) or conversations, and y the same shifted by one."""
-        self.state = self.generator.get_state()
-        # every process draws all the processes' batches, which keeps the generators equal, and
-        # takes its own
-        batches = [self.draw(self.generator) for _ in range(self.world_size)]
-        return batches[self.rank]
-
-    def restore(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)

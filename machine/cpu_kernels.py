@@ -62,7 +62,7 @@ def in_c(*tensors: torch.Tensor, contiguous: bool = True) -> ctypes.CDLL | None:
 def row_groups(x: torch.Tensor) -> tuple[int, int] | None:
     """x's rows as evenly spaced groups of consecutive rows: (rows in a group, floats from one
     group to the next), or None. A contiguous tensor is one group; the queries and keys split
-    from one projection (model.py's qk) form one group per token."""
+    from one projection (model.py's qkv) form one group per token."""
     if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.size(-1):
         return None
     try:

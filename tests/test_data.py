@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from data.assets import sha256_bytes, shakespeare_text
+from data.batches import get_batch
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.documents import read_text
-from data.loader import get_batch, load_meta, load_split
+from data.loader import load_meta, load_split
 from data.prepare import prepare_text
 from data.sources import DataError
 from data.tokenizer import CharTokenizer, load_tokenizer

@@ -18,9 +18,10 @@ import psutil
 import pytest
 import torch
 
+from data.batches import get_batch
 from data.bpe_tokenizers import GPT2Tokenizer
 from data.documents import list_inputs
-from data.loader import get_batch, load_meta, load_split
+from data.loader import load_meta, load_split
 from data.prepare import CHAR_SEPARATOR, prepare
 from data.sources import DataError
 from data.tokenizer import load_tokenizer

@@ -15,7 +15,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from data.loader import batch_sampler, load_meta, load_split
+from data.batches import batch_sampler
+from data.loader import load_meta, load_split
 from data.sources import DataError
 from machine.device import resolve_device
 from machine.errors import UserError

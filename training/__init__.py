@@ -1,10 +1,6 @@
-"""Training's parts, below train.py and its loop: the typed config (config.py), the run folder
-(runs.py), checkpoints (checkpoints.py, resume.py), the log (log.py), the optimizers
-(optimizer.py), processes under torchrun (distributed.py, fsdp.py), the dtype a run trains
-in (precision.py) and whether it fits in memory (memory.py).
+"""Training's parts below train.py: the config, the setup before the loop, the run folder,
+checkpoints, the log, the optimizers, torchrun's processes, the dtype and the memory check.
 
 Usage:
     from training.config import load_config
-    from train import train
-    result = train(load_config("config/quickstart.toml", {"max_iters": 100}))
 """

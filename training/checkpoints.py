@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from data.loader import BatchStream
+from data.batches import BatchStream
 from model import GPT
 from training import distributed
 from training.config import TrainConfig

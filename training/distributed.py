@@ -2,17 +2,14 @@
 training needs. training/fsdp.py shards a model across them (parallel = "fsdp").
 
 Usage:
-    torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
-
     from training import distributed
     with distributed.process_group("auto") as dist:   # Dist(rank, world_size, ...)
         total = distributed.all_sum(values, dist)
         folder = distributed.from_main(take_folder, dist)   # rank 0 does it, all get it
 
 Without torchrun's RANK, LOCAL_RANK and WORLD_SIZE this is one process, and every helper
-here does nothing. Under torchrun they call training/torchrun.py, which joins the process
-group, shares rank 0's result and wraps the model in DDP, and which a single process never
-imports.
+here does nothing; under torchrun they call training/torchrun.py (the process group, rank
+0's result shared, DDP), which a single process never imports.
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@ Usage:
     from training.precision import choose_dtype
     dtype, why = choose_dtype("auto", device)   # torch.bfloat16, "auto: the GPU supports bf16"
 
-The rule, in one sentence: auto is bfloat16 where the hardware multiplies bf16 natively (a
-GPU that supports it, a CPU with avx512_bf16 or amx_bf16) and float32 everywhere else.
-It depends on the machine alone, never on how busy it is, so the same command on the same
-machine computes the same numbers. docs/performance.md has the measurements behind it: on
-CPUs without those instructions, bf16 is emulated and much slower than fp32.
+auto is bfloat16 where the hardware multiplies bf16 natively (a GPU that supports it, a CPU
+with avx512_bf16 or amx_bf16), else float32, whose emulation of bf16 is much slower
+(docs/performance.md); it depends on the machine alone, so a command's numbers repeat.
 """
 
 from __future__ import annotations

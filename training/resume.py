@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from data.loader import BatchStream
+from data.batches import BatchStream
 from model import GPT
 from training import distributed
 from training.checkpoints import SHARDED

@@ -99,9 +99,8 @@ def saved_nothing(run_dir: Path) -> bool:
     before its first checkpoint (killed, or a second Ctrl-C while it started), which are not
     worth keeping. Ask only while holding the lock, because a live run's start looks the same."""
     files = list(run_dir.iterdir())
-    return bool(files) and all(f.is_file() and (f.name == LOCK or
-                                                f.name.startswith("events.out.tfevents."))
-                               for f in files)
+    events = "events.out.tfevents."  # TensorBoard's files
+    return bool(files) and all(f.is_file() and (f.name == LOCK or f.name.startswith(events)) for f in files)
 
 
 def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
