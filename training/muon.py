@@ -61,7 +61,8 @@ class Muon(Unguarded, torch.optim.Muon):
             torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
             for p, update, b in zip(params, updates, blocks, strict=True):
                 # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr
-                # is scaled by sqrt(rows/cols)
+                # is scaled by sqrt(rows/cols), where a block is p's shape[0] / b rows (b is 3 for
+                # c_attn, whose queries, keys and values were orthogonalized apart, else 1)
                 p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])))
         return loss
 
@@ -106,6 +107,7 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.mT  # A = X X^T
-        # X <- aX + (bA + cA^2) X, as two fused multiply-adds
+        # X <- aX + (bA + cA^2) X, as two fused multiply-adds: baddbmm(M, P, Q, beta=s, alpha=t)
+        # is s M + t P Q, so the inner one is bA + cA A, and the outer one aX + (that) X
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x.mT if tall else x).reshape(g.shape)
