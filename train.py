@@ -11,8 +11,8 @@ Usage:
 
 train() reads in nanoGPT's order: the device, the data, the run folder and the model (each a
 named step of training/setup.py), the optimizers, then the loop, where each part of a step is
-a line or one call away. A run writes runs/<run_name>/: TensorBoard events, last.pt at every evaluation,
-best.pt at the best. docs/layout.md follows one step through.
+a line or one call away. A run writes runs/<run_name>/: TensorBoard events, last.pt at every
+evaluation, best.pt at the best. docs/layout.md follows one step through.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     t_start = time.time()
     with ExitStack() as stack:  # each context entered below closes when the run ends, however it ends
         dist = stack.enter_context(distributed.process_group(cfg.device))  # one process: rank 0 of 1
-        stop = stack.enter_context(stop_signals())  # Ctrl-C, even during data prep, saves and stops
+        stop = stack.enter_context(stop_signals())  # Ctrl-C saves and stops, even while data is prepared
         device, sharded = choose_device(cfg, dist)
         torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
         if resume:  # a run to continue must exist, which is checked before the data is read
