@@ -11,7 +11,7 @@
 #   PYTHON=python3 TEXT=input.txt bash benchmarks/gpu.sh                       # where python is python3
 #
 # The steps: nanogpt_baby (needs NANOGPT), baby_adamw, baby_profiles, race, gpt2_small,
-# gpt2_profile, decode, serve, test_cuda, cpu_tests. On a machine without internet, prepare
+# gpt2_profile, decode, serve, test_cuda, cpu_threads, cpu_tests. On a machine without internet, prepare
 # beforehand where there is: BPE (a folder of Shakespeare in GPT-2 BPE tokens, python -m
 # data.prepare FILE --tokenizer gpt2 --out FOLDER; default data/shakespeare_bpe), the asset
 # cache ($GPTLAB_CACHE, which that fills), and for NANOGPT a checkout whose
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-540}
 PYTHON=${PYTHON:-python}
 BPE=${BPE:-data/shakespeare_bpe}
-STEPS=${*:-nanogpt_baby baby_adamw baby_profiles race gpt2_small gpt2_profile decode serve test_cuda cpu_tests}
+STEPS=${*:-nanogpt_baby baby_adamw baby_profiles race gpt2_small gpt2_profile decode serve test_cuda cpu_threads cpu_tests}
 LOG=${OUT:+$OUT/log.txt}
 LOG=${LOG:-gpu-log.txt}
 START=$(date +%s)
@@ -98,6 +98,18 @@ serve)
         --slots 64 --device cuda --max-tokens 64 ;;
 test_cuda)
     step test_cuda 200 $PYTHON -m pytest -q -n 6 -p no:cacheprovider tests/test_cuda.py ;;
+cpu_threads)  # the CPU quickstart on this machine's many cores, the nearest thing here to a
+    # laptop with many: each thread count fixed, then measured (threads=0), then nanoGPT's
+    # README CPU recipe at torch's default count, timed by when its log lines arrive
+    for t in 1 2 4 8 16 0; do
+        step cpu_quickstart_threads_$t 60 $bench --input "$TEXT" --device cpu --max-iters 100 \
+            --eval-interval 1000 --set threads=$t
+    done
+    [ -n "$NANOGPT" ] && step nanogpt_cpu 60 $PYTHON -m benchmarks.wallclock --tokens-per-iter 768 \
+        -- bash -c 'nanogpt config/train_shakespeare_char.py --device=cpu --compile=False \
+        --eval_iters=20 --eval_interval=1000 --log_interval=10 --block_size=64 --batch_size=12 \
+        --n_layer=4 --n_head=4 --n_embd=128 --max_iters=200 --lr_decay_iters=2000 --dropout=0.0 \
+        --out_dir=/tmp/ng_cpu' ;;
 cpu_tests)  # the CPU suite's model, optimizer and training tests, under the GPU machine's torch
     step cpu_tests 300 $PYTHON -m pytest -q -n 8 -p no:cacheprovider tests/test_model.py \
         tests/test_optimizer.py tests/test_train.py tests/test_decode_step.py tests/test_processes.py ;;
