@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,9 +76,11 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
         step = decode_step(model, decode) if isinstance(decode, str) else decode
     cached, next_token = 0, None  # how many of the window's tokens the cache holds; the last token
     # a CPU's thread count is timed per token and the fastest kept (machine/threads.py), because
-    # a step this small often runs faster on fewer threads, above all beside a busy neighbour
+    # a step this small often runs faster on fewer threads, above all beside a busy neighbour;
+    # each token is timed without the caller's work between tokens
     with fit_threads(0, idx.device, say=lambda _: None) as threads:
         for _ in range(max_new_tokens):
+            started = time.perf_counter()
             if T > block_size:  # the window is full, so it jumps: it keeps its most recent tokens
                 keep = max(1, block_size // 2)  # at least one, for a bigram model's block_size of 1
                 window[:, :keep] = window[:, T - keep:T]  # no overlap, because T - keep >= keep
@@ -92,8 +95,8 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
             next_token = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             window[:, T] = next_token[:, 0]
             T += 1
+            threads.step(time.perf_counter() - started)
             yield next_token
-            threads.step()
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
