@@ -51,12 +51,11 @@ def time_step(settings: dict, dtype: str) -> float:
         from machine.device import reuse_freed_memory
         reuse_freed_memory(huge_pages=settings["huge"])
     import machine.cpu_kernels
-    import training.muon
     import training.optimizer
     if not settings["kernels"]:
         machine.cpu_kernels.kernels = lambda: None
     if not settings["batched_ns"]:
-        training.muon.by_shape = lambda matrices, blocks, fn: [
+        training.optimizer.by_shape = lambda matrices, blocks, fn: [
             fn(m, b) for m, b in zip(matrices, blocks, strict=True)]
     from model import GPT
     from training.config import load_config

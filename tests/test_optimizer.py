@@ -15,8 +15,7 @@ from machine.device import DeviceError, resolve_device
 from model import GPT
 from train import get_lr_scale, train
 from training.config import ConfigError
-from training.muon import Muon, by_shape, orthogonalize
-from training.optimizer import configure_optimizers, muon_parameters
+from training.optimizer import Muon, by_shape, configure_optimizers, muon_parameters, orthogonalize
 from training.precision import choose_cpu_dtype
 from weights.checkpoint import load_checkpoint
 

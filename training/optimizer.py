@@ -1,35 +1,28 @@
-"""The optimizers that update the model at every training step.
+"""The optimizers that update the model at every training step: AdamW, and Muon for the
+matrices inside the blocks.
 
 Usage:
     from training.optimizer import configure_optimizers
-    optimizers = configure_optimizers(model, cfg, device, dtype)  # one or two optimizers
+    optimizers = configure_optimizers(model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
 
-Two recipes, chosen by TrainConfig.optimizer:
-- "adamw", GPT-2's: AdamW at learning_rate, and at embedding_lr on the lookup tables (wte
-  when the head is untied, and the bigram table wtb).
-- "muon", nanochat's and the modded-nanogpt speedruns': Muon at muon_lr on the 2-D weights
-  inside the blocks, and AdamW on the rest: the lookup tables at embedding_lr, and the head,
-  wpe, biases and norm gains at learning_rate. Muon orthogonalizes each matrix's smoothed
-  gradient, so that every direction of the update moves at the same rate, which suits the
-  hidden matrices and not the embeddings, whose rows are looked up one at a time. Its code
-  is in training/muon.py, imported only by a run that uses it.
-
-Both apply decoupled weight decay, scaled by their own lr, to the weight matrices, but not to
-biases and gains, which a pull towards zero only hurts, nor to the lookup tables at
-embedding_lr (see configure_optimizers); the position table wpe is decayed, as in nanoGPT.
-Each group follows train.py's schedule (get_lr_scale) as a fraction of its peak_lr.
+Two recipes, chosen by TrainConfig.optimizer: "adamw", GPT-2's, and "muon", nanochat's and
+the modded-nanogpt speedruns', which trains the 2-D weights inside the blocks with Muon and
+the rest with AdamW. Muon orthogonalizes each matrix's smoothed gradient, so that every
+direction of the update moves at the same rate, which suits the hidden matrices and not the
+embeddings, whose rows are looked up one at a time.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+from collections.abc import Callable
 
 import torch
 
 from model import GPT
 from training.config import TrainConfig
 from training.distributed import is_dtensor
-from training.unguarded import Unguarded
 
 
 def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
@@ -44,9 +37,9 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
     # An untied token table and the bigram table are lookups whose rows move only where their
-    # tokens appear. They learn faster with a far larger lr (as in nanochat), and without weight
-    # decay, which grows with the lr and would pull their rows to zero. The head, which every
-    # position uses whole, and wpe, whose every row trains at every step, stay with the rest.
+    # tokens appear: they learn faster at embedding_lr, far larger (as in nanochat), and without
+    # weight decay, which grows with the lr. The head and wpe, whose rows all train at every
+    # step, are decayed as in nanoGPT; biases and norm gains, which a pull to zero only hurts, are not.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
@@ -64,8 +57,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     optimizers: list[torch.optim.Optimizer] = [AdamW(
         adamw_groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
         fused=device.type in ("cuda", "cpu") and not sharded)]
-    if hidden:  # Muon's code is imported only by a run that trains with it
-        from training.muon import Muon
+    if hidden:
         # in the model's order, because a checkpoint's optimizer state is matched by position
         matrices = [p for p in trained if p in hidden]
         # c_attn's rows are the queries', keys' and values' projections, which Muon orthogonalizes
@@ -79,7 +71,110 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     return optimizers
 
 
+class Unguarded:
+    """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, which imports
+    the compiler (torch._dynamo, slow to import) on its first call, to keep torch.compile out.
+    This trainer never compiles its optimizers, so without it the first step comes sooner.
+    inspect.unwrap follows a wrapper's __wrapped__ attribute to the function it wraps."""
+
+    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+    state_dict = inspect.unwrap(torch.optim.Optimizer.state_dict)
+    load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
+
+
 class AdamW(Unguarded, torch.optim.AdamW):
     """torch.optim.AdamW without the guards; its step runs in no_grad, as torch's wrapper ran it."""
 
     step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))
+
+
+class Muon(Unguarded, torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype (torch's is in bf16, which
+    most x86 CPUs emulate far more slowly than fp32), on all the matrices of one shape in one
+    batched product, and on each equal block of rows apart of a matrix in row_blocks. Without
+    row_blocks, a step equals torch.optim.Muon's to rounding."""
+
+    def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
+        if kwargs.get("adjust_lr_fn") not in (None, "original"):
+            raise ValueError("this Muon scales the lr by the original rule only")
+        super().__init__(params, **kwargs)
+        self.ns_dtype, self.row_blocks = ns_dtype, row_blocks or {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            updates = self.blended(params, group["momentum"], group["nesterov"])
+            blocks = [self.row_blocks.get(p, 1) for p in params]
+
+            def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
+                return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
+                                     group["eps"], self.ns_dtype, blocks)
+            # Newton-Schulz needs each whole matrix, so sharded ones (FSDP) are shared out,
+            # each orthogonalized on one process, with its rows handed back
+            if any(is_dtensor(p) for p in params):
+                from training.fsdp import each_on_one_process
+                each = [lambda g, b=b: newton_schulz(g, b) for b in blocks]  # with its own blocks
+                updates = each_on_one_process(updates, each)
+            else:
+                updates = by_shape(updates, blocks, newton_schulz)
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
+            for p, update, b in zip(params, updates, blocks, strict=True):
+                # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr
+                # is scaled by sqrt(rows/cols), where a block is p's shape[0] / b rows (b is 3 for
+                # c_attn, whose queries, keys and values were orthogonalized apart, else 1)
+                p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])))
+        return loss
+
+    def blended(self, params: list[torch.Tensor], momentum: float, nesterov: bool) -> list[torch.Tensor]:
+        """Move each momentum buffer towards its gradient, buf = m buf + (1 - m) g, all in one call,
+        and return the updates: the buffers, or with Nesterov momentum (1 - m) g + m buf."""
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        bufs, grads = [self.state[p]["momentum_buffer"] for p in params], [p.grad for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        return list(torch._foreach_lerp(grads, bufs, momentum)) if nesterov else bufs
+
+
+def by_shape(matrices: list[torch.Tensor], blocks: list[int],
+             fn: Callable[[torch.Tensor, int], torch.Tensor]) -> list[torch.Tensor]:
+    """fn(m, blocks) for each matrix m, in the matrices' order, computed in one call of fn on the
+    stack of all the matrices of one shape and count of blocks (fn treats dimension 0 as a batch)."""
+    results: list[torch.Tensor | None] = [None] * len(matrices)
+    shapes: dict[tuple[torch.Size, int], list[int]] = {}
+    for i, key in enumerate(zip((m.shape for m in matrices), blocks, strict=True)):
+        shapes.setdefault(key, []).append(i)
+    for (_, b), indices in shapes.items():
+        stacked = fn(torch.stack([matrices[i] for i in indices]), b)
+        for i, result in zip(indices, stacked, strict=True):
+            results[i] = result
+    return results
+
+
+def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float, dtype: torch.dtype, blocks: int = 1) -> torch.Tensor:
+    """Approximately U V^T for g = U S V^T, by Muon's quintic Newton-Schulz iteration in dtype,
+    on each matrix of g, (..., rows, cols), or on each of its `blocks` equal blocks of rows. It
+    pushes every singular value towards 1 (to about 0.5 to 1.5, which trains as well as 1)."""
+    a, b, c = coefficients
+    x = g.to(dtype).reshape(-1, g.size(-2) // blocks, g.size(-1))  # a stack, (n, rows, cols)
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # iterate on the wide side, whose Gram matrix is the smaller one
+        x = x.mT
+    # divide each matrix by its norm, so that its singular values are at most 1, where the
+    # iteration converges
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # A = X X^T
+        # X <- aX + (bA + cA^2) X, as two fused multiply-adds: baddbmm(M, P, Q, beta=s, alpha=t)
+        # is s M + t P Q, so the inner one is bA + cA A, and the outer one aX + (that) X
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).reshape(g.shape)
