@@ -29,9 +29,10 @@ import typer
 
 from data.tokenizer_json import tokenizer_files
 from machine.errors import reported, run_command
-from model import SWITCH_DEFAULTS, GPTConfig
+from model import GPTConfig
 from weights import sharded
 from weights.checkpoint import link_checkpoint
+from weights.gpt2 import LAYOUT as GPT2_LAYOUT
 from weights.gpt2 import export_hf_gpt2, gpt2_problem
 from weights.hf import ExportError, read_config
 from weights.loading import load_model
@@ -71,7 +72,7 @@ def export(source: str, folder: Path, format: str, force: bool) -> tuple[str, Pa
 
 
 # the switches of each format's layout, as train.py's options set them
-LAYOUT_SWITCHES = {"NanoChat's": NANOCHAT_LAYOUT, "GPT-2's": {**SWITCH_DEFAULTS, "bias": True}}
+LAYOUT_SWITCHES = {"NanoChat's": NANOCHAT_LAYOUT, "GPT-2's": {**GPT2_LAYOUT, "bias": True}}
 
 
 def layout_hint(config: GPTConfig, problems: dict[str, str | None]) -> str:

@@ -12,16 +12,17 @@ Usage:
 
 The file starts with the loop, `stream`, which `generate` collects: the prompt's window fills
 the KV cache in one forward pass (prefill), then each step feeds one token and attends over
-the cache (decode), and the window moves on when it is full. Then what the loop uses:
-sampling (small pure functions) and the decode step of one of DECODE_BACKENDS, "eager",
-"compile" or "c" (cdecode/'s C step); "auto", the default, is the C step on a CPU when it
-builds and no autocast is on, and eager elsewhere. Last, what is built on the loop: text,
-cut at end-of-text or a stop string (data/text.py decodes and cuts it), and Chat, which keeps
-its cache across turns.
+the cache (decode), and the window moves on when it is full. Then what the loop uses: the
+KV cache, sampling (small pure functions) and the decode step of one of DECODE_BACKENDS,
+"eager", "compile" or "c" (cdecode/'s C step); "auto", the default, is the C step on a CPU
+when it builds and no autocast is on, and eager elsewhere. Last, what is built on the loop:
+text, cut at end-of-text or a stop string (data/text.py decodes and cuts it), and Chat, which
+keeps its cache across turns.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import time
@@ -39,7 +40,7 @@ from data.tokenizer import Tokenizer
 from machine.device import check_compile
 from machine.errors import InputError
 from machine.threads import fit_threads
-from model import GPT, KVCache
+from model import GPT, GPTConfig
 
 # --- the loop: prefill, decode and the context window -----------------------------------
 
@@ -72,12 +73,11 @@ def stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: floa
     window[:, :T] = idx[:, n - T:]
     cache, step = None, None
     if use_kv_cache:
-        cache = model.new_kv_cache(B, cache_length(n, max_new_tokens, block_size))
+        cache = new_kv_cache(model, B, cache_length(n, max_new_tokens, block_size))
         step = decode_step(model, decode) if isinstance(decode, str) else decode
     cached, next_token = 0, None  # how many of the window's tokens the cache holds; the last token
-    # a CPU's thread count is timed per token and the fastest kept (machine/threads.py), because
-    # a step this small often runs faster on fewer threads, above all beside a busy neighbour;
-    # each token is timed without the caller's work between tokens
+    # a CPU's thread count is timed per token, without the caller's work between tokens, and the
+    # fastest kept (machine/threads.py), because a step this small is often faster on fewer threads
     with fit_threads(0, idx.device, say=lambda _: None) as threads:
         for _ in range(max_new_tokens):
             started = time.perf_counter()
@@ -130,6 +130,59 @@ def cache_length(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     while slots < filled:  # the smallest power of two that holds them
         slots *= 2
     return min(block_size, slots)
+
+
+# --- the KV cache ------------------------------------------------------------------------
+
+def new_kv_cache(model: GPT, batch_size: int, max_len: int | None = None) -> KVCache:
+    """An empty cache for the model, on its device, in the dtype its keys come out in."""
+    p = model.transformer.wte.weight  # int8 weights (weights/quantize.py) give float32 keys
+    dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
+    dtype = torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type) else dtype
+    return KVCache(model.config, batch_size, max_len or model.config.block_size, dtype, p.device)
+
+
+class KVCache:
+    """Every layer's keys and values, and each position's token id (for the bigram table), written
+    at the positions the caller gives and read whole under a mask, so a decode step has one shape."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
+        # one tensor per layer, because compiled code that writes into a view copies the whole buffer
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
+        self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store (B, n_kv_head, T, head_dim) keys and values at input_pos, (T,) for every row or
+        (B, T) with each row's own (a server's batch). Return all the keys and values and the
+        mask of the keys each query may see, (T, max_len) or (B, 1, T, max_len)."""
+        if input_pos.dim() == 1:
+            self.k[layer][:, :, input_pos] = k
+            self.v[layer][:, :, input_pos] = v
+        else:  # indexing rows and positions together puts their dims first: (B, T, heads, hd)
+            rows = torch.arange(k.size(0), device=k.device)[:, None]
+            self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
+            self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
+        mask = input_pos[..., None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
+        return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
+
+    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor:
+        """Store the (B, T) token ids at input_pos, as update() stores keys, and return the id of
+        the token before each (for the first, an earlier call's), or `none` at position 0."""
+        rows = torch.arange(idx.size(0), device=idx.device)[:, None]
+        self.ids[rows, input_pos] = idx
+        return self.ids[rows, (input_pos - 1).clamp(min=0)].masked_fill(input_pos == 0, none)
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1, sharing this cache's memory: a server prefills one row alone."""
+        view = copy.copy(self)
+        view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
+        view.ids = self.ids[start:stop]
+        return view
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -386,7 +439,7 @@ class Chat:
         self.sampling = (temperature, top_k, top_p, generator)
         self.max_new_tokens = max_new_tokens
         self.step = decode_step(model, decode) if isinstance(decode, str) else decode
-        self.cache = model.new_kv_cache(1, model.config.block_size)
+        self.cache = new_kv_cache(model, 1, model.config.block_size)
         self.reset(system)
 
     def reset(self, system: str | None = None) -> None:

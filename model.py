@@ -4,26 +4,28 @@ Usage:
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
     logits, loss = model(idx, targets)                                    # training
-    logits, _ = model(idx, kv_cache=model.new_kv_cache(1), input_pos=torch.arange(T))
+    logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
-In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then the KV cache
-and the configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
+In nanoGPT's order: a block's parts, the block, the configuration, the GPT, and then the
+configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
 modded-nanogpt or of their speedruns; at their defaults, the model is GPT-2.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate
+
+if TYPE_CHECKING:  # named in annotations only: decoding passes its cache in (generate.py)
+    from generate import KVCache
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
 
@@ -34,8 +36,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted and, as in nanochat, nothing
-    learned, neither a bias nor a gain."""
+    """x / sqrt(mean(x^2) + eps): LayerNorm without its mean, bias and gain, as in nanochat."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -202,12 +203,6 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    @property
-    def is_gpt2(self) -> bool:
-        """Whether this is GPT-2's layout, which is all a Hugging Face GPT-2 folder can hold."""
-        return (all(getattr(self, name) == default for name, default in SWITCH_DEFAULTS.items())
-                and self.n_kv_head == self.n_head and self.mlp_hidden == 4 * self.n_embd)
-
 
 def weights_generator() -> torch.Generator:
     """The initial weights' generator, seeded by one draw from torch's (training/fsdp.py draws it too)."""
@@ -243,11 +238,10 @@ class GPT(nn.Module):
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
         targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
-        kv_cache: write this pass's keys and values into the cache, and attend over all it holds.
-        input_pos: the tokens' positions in the window, one (T,) tensor for every row (0, 1, ...
-            by default) or (B, T) with each row's own; with a cache, the caller advances them.
-        attention: "sdpa" (the fused kernel) or "explicit" (written out, see explicit_attention).
-        logits_from: without targets, only the logits from this position on (-1 is the last)."""
+        Decoding passes a kv_cache, which this pass writes its keys and values into and attends
+        over whole, and the tokens' positions, (T,) for every row or (B, T) with each row's own
+        (0, 1, ... without a cache). attention is "sdpa" (the fused kernel) or "explicit"
+        (explicit_attention); without targets, logits_from keeps the logits from it on (-1, the last)."""
         B, T = idx.size()
         if attention not in ("sdpa", "explicit"):
             raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
@@ -308,57 +302,6 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * (
             seq_len or self.config.block_size)
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty cache on this model's device, in the dtype its keys come out in."""
-        p = self.transformer.wte.weight
-        dtype = torch.float32 if p.dtype == torch.int8 else p.dtype
-        if torch.is_autocast_enabled(p.device.type):
-            dtype = torch.get_autocast_dtype(p.device.type)
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, dtype, p.device)
-
-
-class KVCache:
-    """Every layer's keys and values, and each position's token id (for the bigram table), written
-    at the positions the caller gives and read whole under a mask, so a decode step has one shape."""
-
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)  # GQA: fewer heads
-        # one tensor per layer, because compiled code that writes into a view copies the whole buffer
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.key_pos = torch.arange(max_len, device=device)  # (max_len,)
-        self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
-
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store (B, n_kv_head, T, head_dim) keys and values at input_pos, (T,) for every row or
-        (B, T) with each row's own (a server's batch). Return all the keys and values and the
-        mask of the keys each query may see, (T, max_len) or (B, 1, T, max_len)."""
-        if input_pos.dim() == 1:
-            self.k[layer][:, :, input_pos] = k
-            self.v[layer][:, :, input_pos] = v
-        else:  # indexing rows and positions together puts their dims first: (B, T, heads, hd)
-            rows = torch.arange(k.size(0), device=k.device)[:, None]
-            self.k[layer][rows, :, input_pos] = k.transpose(1, 2)
-            self.v[layer][rows, :, input_pos] = v.transpose(1, 2)
-        mask = input_pos[..., None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
-        return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
-
-    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor:
-        """Store the (B, T) token ids at input_pos, as update() stores keys, and return the id of
-        the token before each (for the first, an earlier call's), or `none` at position 0."""
-        rows = torch.arange(idx.size(0), device=idx.device)[:, None]
-        self.ids[rows, input_pos] = idx
-        return self.ids[rows, (input_pos - 1).clamp(min=0)].masked_fill(input_pos == 0, none)
-
-    def rows(self, start: int, stop: int) -> KVCache:
-        """Rows start..stop-1, sharing this cache's memory: a server prefills one row alone."""
-        view = copy.copy(self)
-        view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
-        view.ids = self.ids[start:stop]
-        return view
-
 
 # the configuration's checks
 FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
@@ -393,8 +336,3 @@ def check_config(config: GPTConfig) -> None:
         if not (math.isfinite(value := getattr(config, name)) and value >= low):  # NaN too
             raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
 
-
-# the switches of the layout (the other fields are the shape), at GPT-2's values
-SWITCH_DEFAULTS = {f.name: f.default for f in fields(GPTConfig) if f.name in (
-    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "bigram_embedding",
-    "logit_softcap", "norm_eps")}

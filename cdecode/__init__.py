@@ -20,11 +20,15 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from machine.cbuild import BuildError, build_library
-from model import GPT, GPTConfig, KVCache
+from model import GPT, GPTConfig
+
+if TYPE_CHECKING:  # named in annotations only, because generate.py imports this package
+    from generate import KVCache
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # the weight dtypes the step runs, and the define that builds decode_step.c for each; for

@@ -79,11 +79,12 @@ def transformers_generate(model: GPT) -> Tokens | None:
         import transformers
     except ImportError:
         return None
-    from weights.gpt2 import export_hf_gpt2
+    from weights.gpt2 import export_hf_gpt2, gpt2_problem
     from weights.nanochat import export_hf_nanochat, nanochat_problem
-    if not model.config.is_gpt2 and nanochat_problem(model.config):
+    gpt2 = gpt2_problem(model.config) is None
+    if not gpt2 and nanochat_problem(model.config):
         return None
-    export = export_hf_gpt2 if model.config.is_gpt2 else export_hf_nanochat
+    export = export_hf_gpt2 if gpt2 else export_hf_nanochat
     # silence its progress bars and its notes
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from cdecode import scratch_floats
+from generate import new_kv_cache
 from model import GPT
 
 
@@ -47,7 +48,7 @@ def memory_mb(device: torch.device) -> tuple[float, float] | None:
 def cache_bytes_per_token(model: GPT) -> int:
     """The bytes of keys and values that all layers keep for one token. GQA keeps n_kv_head
     heads, not n_head, and an int8 model keeps its cache in float32."""
-    cfg, cache = model.config, model.new_kv_cache(1, 1)
+    cfg, cache = model.config, new_kv_cache(model, 1, 1)
     return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cache.k[0].itemsize
 
 

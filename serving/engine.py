@@ -51,7 +51,7 @@ from torch.nn import functional as F
 from cdecode import CDecodeStep
 from data.text import StopText
 from data.tokenizer import Tokenizer
-from generate import check_sampling, decode_step, sample_next
+from generate import check_sampling, decode_step, new_kv_cache, sample_next
 from machine.errors import InputError
 from machine.perf import check_room
 from machine.threads import fit_threads
@@ -209,7 +209,7 @@ class Engine:
         c_step_tokens = max(slots, self.chunk) if isinstance(self.step, CDecodeStep) else 0
         check_room(f"--parallel {slots}", decode_needs(model, slots, self.block_size, c_step_tokens),
                    model.lm_head.weight.device, "lower --parallel", InputError)
-        self.cache = model.new_kv_cache(slots, self.block_size)
+        self.cache = new_kv_cache(model, slots, self.block_size)
         self.waiting: collections.deque[Job | Scoring] = collections.deque()
         self.held: list[list[int]] = [[] for _ in range(slots)]  # each row's tokens in the cache
         self.used: list[int] = [0] * slots  # when each slot last took a job; the oldest goes first

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cdecode import BuildError, CDecodeStep, block_param_names, build
-from generate import ModelStep, decode_step, generate, stream
+from generate import ModelStep, decode_step, generate, new_kv_cache, stream
 from machine.device import cpu_flags
 from model import GPT, GPTConfig
 from tests.forked import python
@@ -68,7 +68,7 @@ def test_every_decode_step_declares_what_it_can_do():
 def test_a_step_of_the_models_forward_refuses_to_step_chosen_rows():
     model = small_gpt()
     with pytest.raises(ValueError, match="the eager decode step steps every row of the cache"):
-        decode_step(model, "eager")(torch.zeros(1, 1, dtype=torch.long), model.new_kv_cache(2),
+        decode_step(model, "eager")(torch.zeros(1, 1, dtype=torch.long), new_kv_cache(model, 2),
                                     torch.zeros(1, 1, dtype=torch.long), rows=torch.tensor([1]))
 
 
@@ -105,7 +105,7 @@ def test_c_prefill_fills_the_cache_and_gives_the_logits_eager_does(quantized, la
     model = small_gpt(**LAYOUTS[layout])
     model = quantize_int8(model) if quantized else model
     prompt = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(5))
-    c_cache, eager_cache = model.new_kv_cache(2, 16), model.new_kv_cache(2, 16)
+    c_cache, eager_cache = new_kv_cache(model, 2, 16), new_kv_cache(model, 2, 16)
     with torch.inference_mode():
         c = CDecodeStep(model)(prompt, c_cache, torch.arange(11))
         eager, _ = model(prompt, kv_cache=eager_cache, logits_from=-1)
@@ -131,10 +131,10 @@ def test_c_step_gives_a_sequence_the_same_bits_alone_and_in_any_batch(quantized)
     step = CDecodeStep(model)
     tokens = torch.randint(0, 40, (7, 1), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        alone = [step(tokens[b:b + 1], model.new_kv_cache(1, 16), torch.tensor([5]))
+        alone = [step(tokens[b:b + 1], new_kv_cache(model, 1, 16), torch.tensor([5]))
                  for b in range(7)]
         for B in range(2, 8):
-            together = step(tokens[:B], model.new_kv_cache(B, 16), torch.tensor([5]))
+            together = step(tokens[:B], new_kv_cache(model, B, 16), torch.tensor([5]))
             for b in range(B):
                 assert torch.equal(together[b], alone[b][0]), (B, b)
 
@@ -155,12 +155,12 @@ def test_c_step_gives_the_same_bits_on_any_number_of_threads(quantized):
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             with torch.inference_mode():
-                logits[n] = step(prompt, model.new_kv_cache(3, 16), torch.arange(6))
+                logits[n] = step(prompt, new_kv_cache(model, 3, 16), torch.arange(6))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(logits[2], logits[1]) and torch.equal(logits[3], logits[1])
     with torch.inference_mode():
-        eager = model(prompt, kv_cache=model.new_kv_cache(3, 16), logits_from=-1)[0]
+        eager = model(prompt, kv_cache=new_kv_cache(model, 3, 16), logits_from=-1)[0]
     torch.testing.assert_close(logits[1], eager, rtol=1e-5, atol=1e-5)
 
 
@@ -176,7 +176,7 @@ def test_sequences_at_their_own_positions_step_as_each_would_alone(backend, layo
                for n in lengths]
     alone = [decode_logits(model, p, 5) for p in prompts]  # 4 steps each, each with its own cache
     step = decode_step(model, backend)
-    cache = model.new_kv_cache(3, 16)
+    cache = new_kv_cache(model, 3, 16)
     with torch.inference_mode():
         tokens = [model(p, kv_cache=cache.rows(r, r + 1), logits_from=-1)[0][:, -1].argmax(-1)
                   for p, r in zip(prompts, rows.tolist(), strict=True)]
@@ -229,7 +229,7 @@ def test_c_step_refuses_what_it_cannot_run():
         CDecodeStep(small_gpt().half())
     model = small_gpt()
     step = CDecodeStep(model)
-    cache = model.new_kv_cache(1, 8)
+    cache = new_kv_cache(model, 1, 8)
     with pytest.raises(IndexError, match=r"positions \[\[8\]\]"):  # past the cache's 8 slots
         step(torch.tensor([[1]]), cache, torch.tensor([8]))
     with pytest.raises(IndexError, match=r"a token of \[\[40\]\]"):  # outside the vocabulary
@@ -237,7 +237,7 @@ def test_c_step_refuses_what_it_cannot_run():
     with pytest.raises(IndexError, match=r"rows \[1\]"):  # the cache has one row
         step(torch.tensor([[1]]), cache, torch.tensor([0]), rows=torch.tensor([1]))
     with pytest.raises(IndexError, match=r"rows \[0, 0\]"):  # one row written twice
-        step(torch.tensor([[1], [2]]), model.new_kv_cache(2, 8), torch.tensor([[0], [0]]),
+        step(torch.tensor([[1], [2]]), new_kv_cache(model, 2, 8), torch.tensor([[0], [0]]),
              rows=torch.tensor([0, 0]))
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from data.loader import load_split
+from generate import new_kv_cache
 from model import GPT, GPTConfig
 from tests.forked import python
 from weights.checkpoint import load_checkpoint
@@ -45,7 +46,7 @@ def test_int8_model_is_a_quarter_of_the_bytes_and_keeps_the_token_table_tied():
     assert model.transformer.wte.weight is model.lm_head.weight
     assert model.lm_head.weight.dtype == torch.int8
     assert weight_bytes(model) < 0.3 * fp32  # the matrices are int8; vectors and row scales stay float
-    assert model.new_kv_cache(1, 8).k[0].dtype == torch.float32  # activations stay float
+    assert new_kv_cache(model, 1, 8).k[0].dtype == torch.float32  # activations stay float
 
 
 def test_int8_greedy_picks_the_fp32_token_at_nine_in_ten_teacher_forced_positions(

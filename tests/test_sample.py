@@ -23,6 +23,7 @@ from generate import (
     filter_top_p,
     generate,
     generate_text,
+    new_kv_cache,
     sample_next,
     stream,
 )
@@ -77,10 +78,10 @@ def test_cache_takes_the_autocast_dtype(model, dtype):
     # values come out of the projections in the low-precision dtype, not the weights' fp32
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(7))
     with torch.autocast("cpu", dtype=dtype):
-        assert model.new_kv_cache(2, 8).k[0].dtype == dtype
+        assert new_kv_cache(model, 2, 8).k[0].dtype == dtype
         cached = step_logits(model, prompt, 20, use_kv_cache=True)
         uncached = step_logits(model, prompt, 20, use_kv_cache=False)
-    assert model.new_kv_cache(2, 8).k[0].dtype == torch.float32
+    assert new_kv_cache(model, 2, 8).k[0].dtype == torch.float32
     for step, (a, b) in enumerate(zip(cached, uncached, strict=True)):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2, msg=f"step {step}")
 
@@ -182,7 +183,7 @@ def test_compiled_bf16_decode_step_matches_eager(model):
     # out); in bf16 its logits must still agree with eager's to within bf16 rounding
     model = model.to(torch.bfloat16)
     prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(8))
-    cache = model.new_kv_cache(1, 16)
+    cache = new_kv_cache(model, 1, 16)
     step = decode_step(model, "compile")
     with torch.inference_mode():
         model(prompt, kv_cache=cache, input_pos=torch.arange(5))  # prefill

@@ -24,6 +24,7 @@ from model import GPTConfig
 from training import distributed
 from training.config import ConfigError, TrainConfig
 from weights.checkpoint import CheckpointError
+from weights.gpt2 import layout_problem
 from weights.hf import FolderError, model_type
 from weights.hub import HubError, local_folder
 from weights.lazy import Lazy, cropped, grown
@@ -38,7 +39,7 @@ def base_model(cfg: TrainConfig, meta: dict,
     try:
         folder = local_folder(cfg.init_from)  # a Hub id is downloaded first
         if (folder / "config.json").is_file() and model_type(folder) == "gpt2" \
-                and not cfg.model_config(meta["vocab_size"]).is_gpt2:
+                and layout_problem(cfg.model_config(meta["vocab_size"])):
             raise ConfigError("init_from loads GPT-2's layout; leave pos_embedding, norm, "
                               "qk_norm, mlp, tie_embeddings, embed_norm, bigram_embedding, "
                               "logit_softcap and n_kv_head at their defaults to fine-tune it")

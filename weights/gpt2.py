@@ -13,18 +13,24 @@ as Conv1D weights, (in, out), which are transposed into Linear's (out, in).
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import save
 
-from model import GPT, SWITCH_DEFAULTS, GPTConfig
+from model import GPT, GPTConfig
 from weights.hf import FolderError, read_config, read_weights, write_folder
 from weights.lazy import Lazy, build, cropped, expected, state_dict_mismatch
 
 # Conv1D weights in GPT-2 are (in_features, out_features), so they are transposed for nn.Linear
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 CONFIG_KEYS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
+# the layout's switches of model.GPTConfig (its other fields are the shape), which a GPT-2
+# folder holds at GPT-2's values, their defaults
+LAYOUT = {f.name: f.default for f in fields(GPTConfig) if f.name in (
+    "pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "embed_norm", "bigram_embedding",
+    "logit_softcap", "norm_eps")}
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -90,7 +96,12 @@ def gpt2_problem(cfg: GPTConfig) -> str | None:
     """Why a GPT-2 folder cannot hold this model, naming the switch; None if it can."""
     if not cfg.bias:
         return "a GPT-2 folder holds biases, and this model has bias = False"
-    for name, value in SWITCH_DEFAULTS.items():
+    return layout_problem(cfg)
+
+
+def layout_problem(cfg: GPTConfig) -> str | None:
+    """Why this model's layout is not GPT-2's, biases aside, naming the switch; None if it is."""
+    for name, value in LAYOUT.items():
         if getattr(cfg, name) != value:
             return (f"a GPT-2 folder holds {name} = {value!r}, and this model has "
                     f"{getattr(cfg, name)!r}")
