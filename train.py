@@ -4,32 +4,27 @@ Usage:
     python train.py config/quickstart.toml --max-iters 500   # char-level Shakespeare, on a CPU
     python train.py config/quickstart.toml --resume          # continue runs/quickstart
     torchrun --standalone --nproc_per_node=2 train.py config/quickstart.toml
-    tensorboard --logdir runs
 
     from train import train, load_config     # from Python: a TrainConfig in, a TrainResult out
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the run folder and the model (each a
-named step of training/setup.py), the optimizers, then the loop, where each part of a step is
-a line or one call away. A run writes runs/<run_name>/: TensorBoard events, last.pt at every
-evaluation, best.pt at the best. docs/layout.md follows one step through.
+step of training/setup.py), the optimizers, then the loop. A run writes runs/<run_name>/:
+TensorBoard events, last.pt at every evaluation, and best.pt at the best val loss.
 """
 
 from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from data.batches import BatchStream, Sampler, batch_sampler
-from data.tokenizer import Tokenizer
 from machine.errors import reported, run_command
 from machine.perf import peak_flops
 from machine.threads import fit_threads
@@ -39,19 +34,8 @@ from training.checkpoints import Checkpoints
 from training.config import TrainConfig, command_line, load_config
 from training.optimizer import configure_optimizers
 from training.precision import choose_dtype
-from training.runs import Interrupted, TrainingError, check_resumable_folder, run_dir_of, stop_signals
-from training.setup import build_model, choose_device, for_training, load_data, open_run, setting_ids
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    iter_num: int
-    best_val_loss: float
-    final_losses: dict[str, float]
-    wall_time: float
-    checkpoint: Path | None  # last.pt, or last.dcp under FSDP; None if no checkpoint was saved
-    chat: bool = False  # whether it trained on conversations, to talk to with sample.py --chat
+from training.runs import Interrupted, TrainingError, TrainResult, check_resumable_folder, stop_signals
+from training.setup import build_model, choose_device, for_training, load_data, open_run
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
@@ -64,11 +48,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         device, sharded = choose_device(cfg, dist)
         torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
         if resume:  # a run to continue must exist, which is checked before the data is read
-            check_resumable_folder(run_dir_of(cfg))
+            check_resumable_folder(cfg)
 
         # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
-        sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
         run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
                                                 splits["val"], sharded))
 
@@ -80,15 +63,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)  # fp32 weights, on device
         run.check_room(raw_model, dist)
-        # Muon on the blocks' matrices: Nesterov momentum, made orthogonal (every direction moves
-        # at the same rate), at muon_lr; AdamW on the rest (the head; the lookup tables at embedding_lr)
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon for the blocks
         # float16 alone scales its loss up, because its small gradients would round to zero; for
         # every other dtype the scaler is disabled, and each of its calls does nothing
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
-        # y = data[s+1:s+T+1], where T is the model's block_size (for a fine-tuned base, the
-        # base's own); the stream below draws with a seeded generator of its own
+        # y = data[s+1:s+T+1], T being the model's block_size; the stream has its own generator
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -105,10 +85,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
         autocast = (nullcontext() if dtype == torch.float32 or (sharded and device.type == "cuda")
                     else torch.autocast(device.type, dtype=dtype))
-        log.start(iter_num, raw_model.config)
+        log.start(iter_num, raw_model.config)  # TensorBoard's events and the progress bar
         tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
-        # on a CPU, the thread count whose steps are fastest, measured as the run goes, because
-        # another process on the machine can make fewer threads faster than all of them
+        # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
         threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
         peak, peak_source = peak_flops(device, dtype)  # for the thread count that the run starts with
         processes = f" x {dist.world_size} process{'es' * (dist.world_size > 1)}" if dist.enabled else ""
@@ -116,21 +95,17 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 f"device {device}{processes}, optimizer {cfg.optimizer}, writing to {run.path}/")
         log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
         log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
-        if iter_num >= cfg.max_iters:
-            log.say(f"{checkpoint} is at iter {iter_num}, which is max_iters: nothing left to "
-                    f"train; raise --max-iters to train it further")
 
         def evaluate(it: int) -> dict[str, float]:
             """Log and return both splits' losses, then log a sample and the attention pictures."""
+            # the uncompiled model, because a compiled one would compile a second graph for eval mode
             raw_model.eval()  # no dropout while measuring or sampling
-            # uncompiled, so that a compiled run compiles one graph, not a second one at its first evaluation
             losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
             log.losses(it, losses)  # "iter 100: train loss 1.8754, val loss 1.9436"
             if not math.isfinite(losses["val"]):
                 raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
                                     f"checkpoint is kept: lower learning_rate or set grad_clip")
-            log.pictures(it, sample(raw_model, sample_ids, tokenizer, cfg, device, autocast, dist),
-                         raw_model)
+            log.samples(it, raw_model, device, autocast)  # a text sample and the attention pictures
             raw_model.train()
             return losses
 
@@ -170,9 +145,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 train_loss = (distributed.all_sum(loss_sum, dist).item()  # summed over processes
                               / (iters_since_log * dist.world_size))
                 if not math.isfinite(train_loss):
-                    raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; "
-                                        f"the last good checkpoint is kept: lower learning_rate "
-                                        f"or set grad_clip")
+                    raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; the last "
+                                        f"good checkpoint is kept: lower learning_rate or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
                 # TensorBoard and the terminal get what log.point lists; the lr is learning_rate's (the
@@ -189,8 +163,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 losses = evaluate(iter_num)
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
-            # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun the processes
-            # agree on it only at log points)
+            # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:
                 # last.pt, and best.pt when this val loss is the best so far: the weights, the
@@ -209,13 +182,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
 def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
                   scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """Clip the gradients, take each optimizer's step and clear the gradients; return their norm
-    before clipping. Clipping multiplies every gradient by one factor, so that their norm is at
-    most grad_clip (0 clips at inf, which only measures it). Muon's orthogonalized update has the
-    same size whatever the factor, but its momentum, from which that update is made, counts a
-    clipped step less. Under float16, the scaler first divides its scale out of the gradients,
-    and it skips the step where a gradient is inf or NaN; otherwise it is disabled, so that
-    scaler.step(opt) is opt.step() and its other calls do nothing."""
+    """Clip the gradients to a norm of at most grad_clip (0 only measures it), take each optimizer's
+    step and clear the gradients; return the norm before clipping. Under float16 the scaler divides
+    its scale out of the gradients first and skips a step with an inf or NaN gradient; otherwise it
+    is disabled, so that scaler.step(opt) is opt.step() and its other calls do nothing."""
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
@@ -272,47 +242,16 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
     return out
 
 
-def sample(model: GPT, ids: list[int], tokenizer: Tokenizer, cfg: TrainConfig,
-           device: torch.device, autocast: Any, dist: distributed.Dist) -> str | None:
-    """An evaluation's text sample, from sample_prompt with the same seed every time, or
-    None where nothing is sampled. A sharded model samples on every process (its forward is
-    a collective), in eager steps (the C step reads whole weights); rank 0 keeps the text."""
-    fsdp = distributed.is_sharded(model)
-    if not cfg.sample_tokens or not (dist.is_main or fsdp):
-        return None
-    from generate import generate
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    prompt = torch.tensor([ids], dtype=torch.long, device=device)
-    # a CPU samples in the weights' fp32, with the C step, which ignores autocast
-    with autocast if device.type != "cpu" else nullcontext():
-        out = generate(model, prompt, cfg.sample_tokens, generator=generator,
-                       decode="eager" if fsdp else "auto")
-    return tokenizer.decode(out[0].tolist()) if dist.is_main else None
-
-
 def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bool) -> None:
     """Train a GPT. Settings: TrainConfig's defaults < the CONFIG file < options."""
     rank = distributed.environment().rank  # under torchrun, rank 0 reports
-    try:
-        with reported(debug=debug, rank=rank):
-            cfg = load_config(config, overrides)
-            if not cfg.run_name:
-                cfg.run_name = config.stem if config else "run"
-            result = train(cfg, resume)
-    except KeyboardInterrupt:  # a second Ctrl-C, which stops at once (training/runs.py)
-        if rank == 0:
-            print("interrupted: stopped at once by a second Ctrl-C; the last checkpoint, if "
-                  "any, is intact", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
+    with reported(debug=debug, rank=rank):
+        cfg = load_config(config, overrides)
+        if not cfg.run_name:
+            cfg.run_name = config.stem if config else "run"
+        result = train(cfg, resume)
     if rank == 0:
-        sharded = result.checkpoint is not None and result.checkpoint.suffix == ".dcp"
-        ext, plain = (".dcp", f"python export.py {result.run_dir} --plain, then ") if sharded else (".pt", "")
-        print(f"done: {result.iter_num} iters in {result.wall_time:.0f}s, "
-              f"best val loss {result.best_val_loss:.4f}\n"
-              f"checkpoints: {result.run_dir}/best{ext}, {result.run_dir}/last{ext}\n"
-              f"next: {plain}python sample.py --run {result.run_dir}"
-              f"{' --chat' if result.chat else ''}   |   "
-              f"tensorboard --logdir {result.run_dir.parent}")
+        print(result.report())
 
 
 if __name__ == "__main__":

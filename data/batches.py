@@ -1,13 +1,11 @@
-"""The batches a training run draws from a split: random windows of the token stream, or
-whole conversations of a chat dataset (data/chat.Conversations), in a seeded stream.
+"""The batches a training run draws from a split, in a seeded stream: random windows of the
+token stream (one may cross from a shard into the next, never from train into val), or whole
+conversations of a chat dataset (data/chat.py).
 
 Usage:
     from data.batches import BatchStream, batch_sampler
     draw = batch_sampler(splits["train"], meta, block_size=64, batch_size=12)
     x, y = BatchStream(draw, seed=1337).next()   # (12, 64) windows and their next tokens
-
-A window may cross from one shard into the next, which holds the stream's next tokens, but
-never from train into val.
 """
 
 from __future__ import annotations
@@ -63,8 +61,8 @@ class BatchStream:
         self.state = self.generator.get_state()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (x, y), (B, T) int64 each: x holds batch_size windows of block_size tokens at
-        random places in the split (get_batch) or conversations, and y the same shifted by one."""
+        """The next (x, y), (B, T) int64 each: windows at random places (get_batch) or
+        conversations in x, and in y the same shifted by one token."""
         self.state = self.generator.get_state()
         # every process draws all the processes' batches, to keep the generators equal, and takes its own
         batches = [self.draw(self.generator) for _ in range(self.world_size)]

@@ -69,12 +69,12 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues(tmp_path, char_da
 
 def test_a_second_ctrl_c_is_one_line_and_exit_130(tmp_path, char_data):
     # The first Ctrl-C asks the loop to save and stop; a second one raises KeyboardInterrupt
-    # wherever the run is, which two real signals cannot time reliably, so train() raises
-    # it here, and the command's own reporting answers it.
+    # wherever the run is, which two real signals cannot time reliably, so the loop's first
+    # step raises it here, and the run's own handling answers it.
     code = ("import sys, train; from machine.errors import run_command; "
             "from training.config import command_line\n"
-            "def interrupted(cfg, resume): raise KeyboardInterrupt\n"
-            "train.train = interrupted\n"
+            "def interrupted(it, cfg): raise KeyboardInterrupt\n"
+            "train.get_lr_scale = interrupted\n"
             "sys.argv[0] = 'train.py'\n"
             "run_command(command_line(train.main))")
     result = subprocess.run([sys.executable, "-c", code, *TRAIN[2:], "--data-dir", str(char_data),

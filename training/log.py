@@ -3,11 +3,11 @@ attention pictures, and a progress bar on a terminal, or else a plain line per l
 
 Usage:
     from training.log import RunLog
-    with RunLog(run, cfg, dist, tokenizer, probe_ids, attention=True) as log:
+    with RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, attention=True) as log:
         log.start(iter_num, model.config)                     # TensorBoard's events, the bar
         log.step()                                            # after every step
         log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
-        log.losses(it, losses); log.pictures(it, sample_text, model)   # at an evaluation
+        log.losses(it, losses); log.samples(it, model, device, autocast)   # at an evaluation
         log.finish(best_val_loss, it)
 
 A write that fails (a full disk) ends the run with one line that says which checkpoint is
@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from machine.files import quiet_writer_threads
 from model import GPT, GPTConfig
 from training.config import TrainConfig
-from training.distributed import Dist
+from training.distributed import Dist, is_sharded
 from training.runs import Run, TrainingError
 
 if TYPE_CHECKING:
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 
 class RunLog:
     def __init__(self, run: Run, cfg: TrainConfig, dist: Dist, tokenizer: Tokenizer,
-                 probe_ids: list[int], attention: bool) -> None:
+                 sample_ids: list[int], probe_ids: list[int], attention: bool) -> None:
         self.run, self.cfg, self.is_main = run, cfg, dist.is_main
-        self.tokenizer, self.probe_ids, self.attention = tokenizer, probe_ids, attention
+        self.tokenizer, self.sample_ids = tokenizer, sample_ids
+        self.probe_ids, self.attention = probe_ids, attention
         self.writer: SummaryWriter | None = None
         self.layer_pictures = None  # made at the first evaluation
         self.bar: tqdm | None = None
@@ -51,6 +53,9 @@ class RunLog:
         model's (a fine-tuned base's may differ from the config's)."""
         self.probe_ids = self.probe_ids[-shape.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
+        if iter_num >= self.cfg.max_iters:
+            self.say(f"{self.run.checkpoint} is at iter {iter_num}, which is max_iters: nothing "
+                     f"left to train; raise --max-iters to train it further")
         if not self.is_main:
             return
         from torch.utils.tensorboard import SummaryWriter  # slow to import, so only rank 0 does
@@ -115,18 +120,35 @@ class RunLog:
         for split, loss in losses.items():
             self.writer.add_scalar(f"loss/{split}", loss, it)
 
-    def pictures(self, it: int, sample: str | None, model: GPT) -> None:
-        """The text sample and the attention pictures of an evaluation."""
+    def samples(self, it: int, model: GPT, device: torch.device, autocast: Any) -> None:
+        """An evaluation's text sample and attention pictures (the model is in eval mode)."""
+        text = self.sample(model, device, autocast)
         if self.writer is None:
             return
-        if sample is not None:
-            self.writer.add_text("sample", text_block(sample), it)
+        if text is not None:
+            self.writer.add_text("sample", text_block(text), it)
         if self.attention:
             from viz.attention_maps import LayerPictures, log_attention, token_labels
             if self.layer_pictures is None:  # matplotlib is slow to load, so only now
                 self.layer_pictures = LayerPictures(
                     token_labels(self.tokenizer, self.probe_ids), model.config.n_head)
             log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
+
+    def sample(self, model: GPT, device: torch.device, autocast: Any) -> str | None:
+        """sample_tokens from sample_prompt, with the same seed every time, or None where nothing
+        is sampled. A sharded model samples on every process (its forward is a collective), in
+        eager steps (the C step reads whole weights); rank 0 keeps the text."""
+        fsdp = is_sharded(model)
+        if not self.cfg.sample_tokens or not (self.is_main or fsdp):
+            return None
+        from generate import generate  # imported at the first evaluation, by a run that samples
+        generator = torch.Generator(device=device).manual_seed(self.cfg.seed)
+        prompt = torch.tensor([self.sample_ids], dtype=torch.long, device=device)
+        # a CPU samples in the weights' fp32, with the C step, which ignores autocast
+        with autocast if device.type != "cpu" else nullcontext():
+            out = generate(model, prompt, self.cfg.sample_tokens, generator=generator,
+                           decode="eager" if fsdp else "auto")
+        return self.tokenizer.decode(out[0].tolist()) if self.is_main else None
 
     def finish(self, best_val_loss: float, it: int) -> None:
         """The run's settings beside its result, and the last events written."""

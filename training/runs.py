@@ -2,7 +2,7 @@
 when a signal asks it to. A run never writes into another run's folder, old or live.
 
 Usage:
-    from training.runs import run_folder, stop_signals
+    from training.runs import TrainResult, run_folder, stop_signals
     with stop_signals() as stop, run_folder(cfg, resume, dist) as run:
         run.path                      # runs/quickstart (or -2, -3 ...), locked by rank 0
         if stop.asked(dist, device, at_log_point=True): ...   # Ctrl-C, SIGTERM or SIGHUP came
@@ -42,6 +42,29 @@ class Interrupted(TrainingError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum  # the shell's convention for death by signal
+
+
+@dataclass
+class TrainResult:
+    """What train() returns, and what train.py prints when the run ends."""
+    run_dir: Path
+    iter_num: int
+    best_val_loss: float
+    final_losses: dict[str, float]
+    wall_time: float
+    checkpoint: Path | None  # last.pt, or last.dcp under FSDP; None if no checkpoint was saved
+    chat: bool = False  # whether it trained on conversations, to talk to with sample.py --chat
+
+    def report(self) -> str:
+        """The result, where the checkpoints are, and the commands to use them next."""
+        sharded = self.checkpoint is not None and self.checkpoint.suffix == ".dcp"
+        ext, plain = (".dcp", f"python export.py {self.run_dir} --plain, then ") if sharded else (".pt", "")
+        return (f"done: {self.iter_num} iters in {self.wall_time:.0f}s, "
+                f"best val loss {self.best_val_loss:.4f}\n"
+                f"checkpoints: {self.run_dir}/best{ext}, {self.run_dir}/last{ext}\n"
+                f"next: {plain}python sample.py --run {self.run_dir}"
+                f"{' --chat' if self.chat else ''}   |   "
+                f"tensorboard --logdir {self.run_dir.parent}")
 
 
 @dataclass
@@ -115,7 +138,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
                           f"or --out-dir")
     try:
         if resume:
-            check_resumable_folder(base)
+            check_resumable_folder(cfg)
             folder = lock_folder(base, LOCK)
             if folder is None:
                 raise ConfigError(f"{base} is in use by a run that is still going; wait "
@@ -146,8 +169,9 @@ def run_dir_of(cfg: TrainConfig) -> Path:
     return Path(cfg.out_dir) / (cfg.run_name or "run")
 
 
-def check_resumable_folder(run_dir: Path) -> None:
-    """A run folder that --resume can continue: one with a checkpoint."""
+def check_resumable_folder(cfg: TrainConfig) -> None:
+    """That the config's run folder is one --resume can continue: one with a checkpoint."""
+    run_dir = run_dir_of(cfg)
     if not any((run_dir / name).exists() for name in ("last.pt", "last.dcp")):
         raise ConfigError(f"nothing to resume: {run_dir} holds no last.pt (nor last.dcp); "
                           f"drop --resume to start a new run")
@@ -185,7 +209,7 @@ class StopRequest:
 def stop_signals() -> Iterator[StopRequest]:
     """While active, SIGINT, SIGTERM and SIGHUP (the terminal or SSH session closed) only
     set stop.signal, so the loop can finish its step and save. A second Ctrl-C interrupts
-    at once, as usual."""
+    at once, as usual, and leaves as Interrupted, which the command reports in one line."""
     stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop  # signal handlers can only be set from the main thread
@@ -199,6 +223,9 @@ def stop_signals() -> Iterator[StopRequest]:
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield stop
+    except KeyboardInterrupt:
+        raise Interrupted("stopped at once by a second Ctrl-C; the last checkpoint, if any, "
+                          "is intact", signal.SIGINT) from None
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -76,12 +76,15 @@ def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: tor
              tokenizer: Tokenizer, val: Tokens, sharded: bool) -> Iterator[tuple[Run, RunLog]]:
     """The run folder (new, or the one to resume) and its log, opened once the model's memory is
     known to fit; inside, running out of memory is one line that says what to lower. The log's
-    attention pictures show attention_probe, or else the val split's first tokens."""
+    text samples start from sample_prompt, and its attention pictures show attention_probe, or
+    else the val split's first tokens."""
     check_memory(cfg, meta["vocab_size"], device, dist)
+    sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
     probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
                  if cfg.attention_probe else val[:32].tolist())
+    attention = cfg.log_attention and not sharded
     with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
-            RunLog(run, cfg, dist, tokenizer, probe_ids, attention=cfg.log_attention and not sharded) as log:
+            RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, attention) as log:
         yield run, log
 
 
