@@ -8,7 +8,7 @@ Usage:
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT, and then the
 configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
-modded-nanogpt or of their speedruns; at their defaults, the model is GPT-2.
+modded-nanogpt or of their speedruns; at their defaults, the layout is GPT-2's.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension: F.rms_norm on a GPU, and on a CPU the
-    same values and gradients in one pass over x (machine/cpu_kernels.py), where torch makes several."""
+    """x / sqrt(mean(x^2) + eps) over the last dimension: F.rms_norm on a GPU, and in a CPU's float32
+    the same values and gradients in one pass (machine/cpu_kernels.py), where torch makes several."""
     return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
 
 
@@ -72,7 +72,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # bounds the scores q.k, for a higher lr; a rotation after it keeps the RMS
+        if self.qk_norm:  # bounds the scores q.k, for a higher lr; rope below rotates, keeping norms
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -122,7 +122,7 @@ def rope_tables(config: GPTConfig) -> Rope:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by its token's angle,
     so that the dot product of a query and a key depends on how far apart their tokens are."""
-    if can_rotate(x, cos, sin):  # on a CPU, the same rotation and its gradient in one pass, in C
+    if can_rotate(x, cos, sin):  # a CPU's float32: the same rotation and its gradient in one C pass
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
@@ -145,7 +145,7 @@ class MLP(nn.Module):
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
-    """relu(h)^2, and on a CPU the same values and gradients in one pass over h (cpu_kernels.py)."""
+    """relu(h)^2, and in a CPU's float32 the same values and gradients in one pass (cpu_kernels.py)."""
     return F.relu(h).square() if h.is_cuda else ReLUSquared.apply(h)
 
 
@@ -177,7 +177,7 @@ class GPTConfig:
     n_layer: int = switch(6, "transformer blocks")
     n_head: int = switch(6, "attention heads per block")
     n_embd: int = switch(384, "the embedding width; a multiple of n_head")
-    dropout: float = switch(0.0, "dropout probability (0 for small data or short runs)")
+    dropout: float = switch(0.0, "dropout probability, against overfitting a small corpus (0: none)")
     bias: bool = switch(True, "biases in the Linear and LayerNorm layers, as GPT-2 has")
     pos_embedding: str = switch("learned", "learned (GPT-2's table), rope (rotary) or none")
     norm: str = switch("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
@@ -205,7 +205,8 @@ class GPTConfig:
 
 
 def weights_generator() -> torch.Generator:
-    """The initial weights' generator, seeded by one draw from torch's (training/fsdp.py draws it too)."""
+    """The generator that draws the initial weights, seeded by one draw from torch's, so that a
+    model built whole and one that FSDP builds in shards (training/fsdp.py) get the same ones."""
     return torch.Generator().manual_seed(int(torch.randint(2**62, (), device="cpu")))
 
 
@@ -239,9 +240,9 @@ class GPT(nn.Module):
         """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
         targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
         Decoding passes a kv_cache, which this pass writes its keys and values into and attends
-        over whole, and the tokens' positions, (T,) for every row or (B, T) with each row's own
-        (0, 1, ... without a cache). attention is "sdpa" (the fused kernel) or "explicit"
-        (explicit_attention); without targets, logits_from keeps the logits from it on (-1, the last)."""
+        over, and input_pos, the tokens' positions: (T,) for every row, or (B, T) with each row's
+        own; without a cache they are 0 to T-1. attention is "sdpa" (the fused kernel) or
+        "explicit" (explicit_attention). Without targets, the logits start at logits_from (-1: the last)."""
         B, T = idx.size()
         if attention not in ("sdpa", "explicit"):
             raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
@@ -251,7 +252,7 @@ class GPT(nn.Module):
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         if "wtb" in self.transformer:  # the bigram table's row for each token's predecessor
-            none = self.config.vocab_size  # the last row, which stands for "no predecessor"
+            none = self.config.vocab_size  # the last row: no predecessor (a window's first token)
             before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None  # idx shifted by one
                       else kv_cache.update_ids(idx, input_pos, none))
             x = x + self.transformer.wtb(before)
@@ -278,7 +279,7 @@ class GPT(nn.Module):
         """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
         projections into the residual stream (the two c_proj) scaled down with depth, because each
         block adds two terms to it; the bigram table at zero, so that training starts from the plain
-        model. A tied table is drawn as wte, then drawn again as lm_head, and keeps that value."""
+        model. A tied table, one parameter met twice (as wte, then as lm_head), keeps the second draw."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
@@ -303,7 +304,7 @@ class GPT(nn.Module):
             seq_len or self.config.block_size)
 
 
-# the configuration's checks
+# the configuration's checks, by each field's annotation as text ("int"), which is what f.type holds
 FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from training import distributed
 from training.checkpoints import Checkpoints
 from training.config import TrainConfig, command_line, load_config
 from training.optimizer import configure_optimizers
-from training.precision import choose_dtype
+from training.precision import autocast_for, choose_dtype
 from training.runs import Interrupted, TrainingError, TrainResult, check_resumable_folder, stop_signals
 from training.setup import build_model, choose_device, for_training, load_data, open_run
 
@@ -61,7 +61,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             from training.resume import check_resumable, read_saved, restore
             saved, checkpoint = read_saved(run.path, device, mmap=sharded)
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)  # fp32 weights, on device
+        # cfg.model's shape with the dataset's vocab_size (meta.json), fp32 weights, on the device
+        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon for the blocks
         # float16 alone scales its loss up, because its small gradients would round to zero; for
@@ -82,26 +83,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         model = for_training(raw_model, cfg, device, dist, sharded)  # raw_model, or compiled, or DDP-wrapped
         checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg,
                                   meta["tokenizer"], device, dist)
-        # FSDP on a GPU gathers the weights in bf16 (its mixed precision), so no autocast there
-        autocast = (nullcontext() if dtype == torch.float32 or (sharded and device.type == "cuda")
-                    else torch.autocast(device.type, dtype=dtype))
-        log.start(iter_num, raw_model.config)  # TensorBoard's events and the progress bar
+        autocast = autocast_for(dtype, device, sharded)  # the forward passes in dtype
         tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
         threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
         peak, peak_source = peak_flops(device, dtype)  # for the thread count that the run starts with
-        processes = f" x {dist.world_size} process{'es' * (dist.world_size > 1)}" if dist.enabled else ""
-        log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
-                f"device {device}{processes}, optimizer {cfg.optimizer}, writing to {run.path}/")
-        log.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
-        log.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
+        # TensorBoard's events and the progress bar; the first lines say the run's size and dtype
+        log.start(iter_num, raw_model, tokens_per_iter, device, f"{dtype} ({dtype_reason})",
+                  f"{peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
         def evaluate(it: int) -> dict[str, float]:
             """Log and return both splits' losses, then log a sample and the attention pictures."""
             # the uncompiled model, because a compiled one would compile a second graph for eval mode
             raw_model.eval()  # no dropout while measuring or sampling
             losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
-            log.losses(it, losses)  # "iter 100: train loss 1.8754, val loss 1.9436"
+            log.losses(it, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
             if not math.isfinite(losses["val"]):
                 raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
                                     f"checkpoint is kept: lower learning_rate or set grad_clip")
@@ -111,7 +107,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
-        accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share, >= 1
+        # this process's share of the micro-batches, which choose_device checked divides evenly
+        accum_steps = cfg.gradient_accumulation_steps // dist.world_size
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         # the first forward pass's batch: (B, T) windows at random places in the train split, and
@@ -129,8 +126,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 with autocast:
                     _, loss = model(to_device(x, device), to_device(y, device))
                 loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
-                # the next forward pass's batch, drawn before this backward pass (as in nanoGPT), so
-                # that the CPU reads it while a GPU still computes
+                # the next forward pass's batch, drawn before this backward pass (as in nanoGPT):
+                # on a GPU, the CPU reads it while the GPU still computes
                 x, y = batches.next()
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
@@ -157,6 +154,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 loss_sum = torch.zeros_like(loss_sum)
 
             paused = time.perf_counter()  # evaluating and saving do not count as training time
+            # unlike nanoGPT, none at iteration 0: the first log line shows the untrained loss
             evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
             if evaluated:
@@ -183,9 +181,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
                   scaler: torch.amp.GradScaler) -> torch.Tensor:
     """Clip the gradients to a norm of at most grad_clip (0 only measures it), take each optimizer's
-    step and clear the gradients; return the norm before clipping. Under float16 the scaler divides
-    its scale out of the gradients first and skips a step with an inf or NaN gradient; otherwise it
-    is disabled, so that scaler.step(opt) is opt.step() and its other calls do nothing."""
+    step and clear the gradients; return the norm before clipping (Muon's orthogonal update keeps
+    its size, but its momentum counts a clipped step less). Under float16 the scaler unscales the
+    gradients first and skips a step with an inf or NaN one; otherwise it is disabled, and
+    scaler.step(opt) is opt.step()."""
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
@@ -202,7 +201,7 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
     (0 means max_iters), the same fraction for every group."""
     if not cfg.decay_lr:
         return 1.0
-    if it < cfg.warmup_iters:
+    if it < cfg.warmup_iters:  # as in nanoGPT: 1/(w+1), 2/(w+1), ... for w = warmup_iters steps
         return (it + 1) / (cfg.warmup_iters + 1)
     floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 1.0
     decay_iters = cfg.lr_decay_iters or cfg.max_iters

@@ -49,11 +49,10 @@ def batch_sampler(data: Tokens, meta: dict, block_size: int, batch_size: int,
 
 
 class BatchStream:
-    """One process's stream of random training batches. Under torchrun every process draws
-    the same stream and takes every world_size-th batch, as one process with world_size
-    times the gradient accumulation would. `state`, the generator's state before the last
-    batch was drawn, goes into checkpoints, so that a resumed run draws that batch again and
-    then exactly the batches this run would have drawn next."""
+    """One process's stream of random training batches. Under torchrun every process draws the
+    same stream and takes every world_size-th batch, as one process accumulating world_size times
+    as many would. `state`, the generator's state before the last batch was drawn, goes into
+    checkpoints, so that a resumed run draws that batch again and then the batches to come."""
 
     def __init__(self, draw: Sampler, seed: int, rank: int = 0, world_size: int = 1) -> None:
         self.draw, self.rank, self.world_size = draw, rank, world_size

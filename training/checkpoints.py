@@ -21,13 +21,7 @@ from model import GPT
 from training import distributed
 from training.config import TrainConfig
 from training.runs import Run, TrainingError
-from weights.checkpoint import (
-    CheckpointError,
-    TrainState,
-    link_checkpoint,
-    non_finite,
-    save_checkpoint,
-)
+from weights.checkpoint import CheckpointError, TrainState, link_checkpoint, non_finite, save_checkpoint
 
 SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need not import it
 

@@ -14,6 +14,7 @@ The defaults below are the only defaults: train.py's options and --help come fro
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import tomllib
 from collections.abc import Callable
@@ -102,13 +103,13 @@ class TrainConfig:
     parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
                                "fsdp (each holds 1/N of it; see docs/distributed.md)")
     seed: int = opt(1337, "random seed for initialisation, batches and sampling")
-    # the keys that a TOML file or the command line set, not defaults, because a
-    # fine-tuned model keeps its base's context unless block_size is among them
+    # The keys that a TOML file or the command line set (the rest are defaults). A fine-tuned
+    # model keeps its base's context unless block_size is among them.
     given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # nan passes every comparison below, and inf means nothing
-            value = getattr(self, f.name)  # (the model's fields GPTConfig checks itself)
+        for f in fields(self):  # no nan, which passes every comparison below, nor inf
+            value = getattr(self, f.name)
             if type(value) is float and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
         for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval",
@@ -267,8 +268,7 @@ def command_line(main: Callable[[Path | None, dict[str, Any], bool, bool], None]
     ]
     for name in FIELDS:
         default, flag = field_default(name), "--" + name.replace("_", "-")
-        shown = repr(default) if isinstance(default, str) else str(default).lower() \
-            if isinstance(default, bool) else default
+        shown = repr(default) if isinstance(default, str) else json.dumps(default)  # true, as in TOML
         params.append(click.Option(
             [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, name],
             type=CLICK_TYPES[type(default)], default=None,

@@ -4,7 +4,7 @@ attention pictures, and a progress bar on a terminal, or else a plain line per l
 Usage:
     from training.log import RunLog
     with RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, attention=True) as log:
-        log.start(iter_num, model.config)                     # TensorBoard's events, the bar
+        log.start(iter_num, model, tokens_per_iter, device, dtype, peak)   # events, the bar
         log.step()                                            # after every step
         log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
         log.losses(it, losses); log.samples(it, model, device, autocast)   # at an evaluation
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from machine.files import quiet_writer_threads
-from model import GPT, GPTConfig
+from model import GPT
 from training.config import TrainConfig
 from training.distributed import Dist, is_sharded
 from training.runs import Run, TrainingError
@@ -39,19 +39,24 @@ if TYPE_CHECKING:
 class RunLog:
     def __init__(self, run: Run, cfg: TrainConfig, dist: Dist, tokenizer: Tokenizer,
                  sample_ids: list[int], probe_ids: list[int], attention: bool) -> None:
-        self.run, self.cfg, self.is_main = run, cfg, dist.is_main
-        self.tokenizer, self.sample_ids = tokenizer, sample_ids
-        self.probe_ids, self.attention = probe_ids, attention
+        self.run, self.cfg, self.dist, self.is_main, self.tokenizer = run, cfg, dist, dist.is_main, tokenizer
+        self.sample_ids, self.probe_ids, self.attention = sample_ids, probe_ids, attention
         self.writer: SummaryWriter | None = None
         self.layer_pictures = None  # made at the first evaluation
         self.bar: tqdm | None = None
         self.quiet = quiet_writer_threads()
 
-    def start(self, iter_num: int, shape: GPTConfig) -> None:
-        """Open the run's TensorBoard events and its progress bar at iter_num; a resumed
-        run drops the events its predecessor logged after its last checkpoint. shape is the
-        model's (a fine-tuned base's may differ from the config's)."""
-        self.probe_ids = self.probe_ids[-shape.block_size:]
+    def start(self, iter_num: int, model: GPT, tokens_per_iter: int, device: torch.device,
+              dtype: str, peak: str) -> None:
+        """Say what the run trains and how (dtype and peak in words), then open its events and its
+        progress bar at iter_num; a resumed run drops the events logged after its checkpoint."""
+        n = self.dist.world_size
+        processes = f" x {n} process{'es' * (n > 1)}" if self.dist.enabled else ""
+        self.say(f"{model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
+                 f"device {device}{processes}, optimizer {self.cfg.optimizer}, writing to {self.run.path}/")
+        self.say(f"dtype {dtype.removeprefix('torch.')}")
+        self.say(f"MFU is measured against {peak}")
+        self.probe_ids = self.probe_ids[-model.config.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if iter_num >= self.cfg.max_iters:
             self.say(f"{self.run.checkpoint} is at iter {iter_num}, which is max_iters: nothing "
@@ -135,9 +140,8 @@ class RunLog:
             log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
 
     def sample(self, model: GPT, device: torch.device, autocast: Any) -> str | None:
-        """sample_tokens from sample_prompt, with the same seed every time, or None where nothing
-        is sampled. A sharded model samples on every process (its forward is a collective), in
-        eager steps (the C step reads whole weights); rank 0 keeps the text."""
+        """sample_tokens from sample_prompt, with the same seed every time, or None. A sharded model
+        samples on every process (its forward is a collective) in eager steps; rank 0 keeps the text."""
         fsdp = is_sharded(model)
         if not self.cfg.sample_tokens or not (self.is_main or fsdp):
             return None

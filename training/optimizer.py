@@ -5,11 +5,10 @@ Usage:
     from training.optimizer import configure_optimizers
     optimizers = configure_optimizers(model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
 
-Two recipes, chosen by TrainConfig.optimizer: "adamw", GPT-2's, and "muon", nanochat's and
-the modded-nanogpt speedruns', which trains the 2-D weights inside the blocks with Muon and
-the rest with AdamW. Muon orthogonalizes each matrix's smoothed gradient, so that every
-direction of the update moves at the same rate, which suits the hidden matrices and not the
-embeddings, whose rows are looked up one at a time.
+Two recipes, chosen by TrainConfig.optimizer: "adamw", GPT-2's, and "muon", nanochat's and the
+speedruns', with Muon on the 2-D weights inside the blocks and AdamW on the rest. Muon
+orthogonalizes each matrix's smoothed gradient, so that every direction of the update moves at
+the same rate, which suits the hidden matrices, not the embeddings, looked up a row at a time.
 """
 
 from __future__ import annotations
@@ -36,10 +35,11 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     is the run's compute dtype; Muon orthogonalizes in bf16 only when the run is in bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
-    # An untied token table and the bigram table are lookups whose rows move only where their
-    # tokens appear: they learn faster at embedding_lr, far larger (as in nanochat), and without
-    # weight decay, which grows with the lr. The head and wpe, whose rows all train at every
-    # step, are decayed as in nanoGPT; biases and norm gains, which a pull to zero only hurts, are not.
+    # AdamW's groups: the other matrices (the head, wpe), decayed as in nanoGPT; biases and norm
+    # gains, which a pull towards zero only hurts, not decayed; and the lookup tables (an untied
+    # wte, the bigram table), whose rows move only where their tokens appear, at embedding_lr, far
+    # larger (as in nanochat), and not decayed, because the decay grows with the lr. In the
+    # quickstart the head is in the first group, wte and wtb in the third, and the second is empty.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
@@ -73,9 +73,8 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
 
 class Unguarded:
     """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, which imports
-    the compiler (torch._dynamo, slow to import) on its first call, to keep torch.compile out.
-    This trainer never compiles its optimizers, so without it the first step comes sooner.
-    inspect.unwrap follows a wrapper's __wrapped__ attribute to the function it wraps."""
+    the compiler (slow to import) on its first call: this trainer never compiles its optimizers,
+    and so starts sooner. inspect.unwrap follows __wrapped__ to the function a wrapper wraps."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
@@ -92,8 +91,8 @@ class AdamW(Unguarded, torch.optim.AdamW):
 class Muon(Unguarded, torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype (torch's is in bf16, which
     most x86 CPUs emulate far more slowly than fp32), on all the matrices of one shape in one
-    batched product, and on each equal block of rows apart of a matrix in row_blocks. Without
-    row_blocks, a step equals torch.optim.Muon's to rounding."""
+    batched product, and separately on each of the equal blocks of rows of a matrix in
+    row_blocks. Without row_blocks, a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -114,6 +113,7 @@ class Muon(Unguarded, torch.optim.Muon):
             updates = self.blended(params, group["momentum"], group["nesterov"])
             blocks = [self.row_blocks.get(p, 1) for p in params]
 
+            # group is bound as a default, since a function defined in a loop sees its variables' last values
             def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
                                      group["eps"], self.ns_dtype, blocks)

@@ -1,8 +1,9 @@
 """The number format a run computes in: what `dtype = "auto"` chooses, and why.
 
 Usage:
-    from training.precision import choose_dtype
+    from training.precision import autocast_for, choose_dtype
     dtype, why = choose_dtype("auto", device)   # torch.bfloat16, "auto: the GPU supports bf16"
+    with autocast_for(dtype, device, sharded=False): ...   # the forward passes in that dtype
 
 auto is bfloat16 where the hardware multiplies bf16 natively (a GPU that supports it, a CPU
 with avx512_bf16 or amx_bf16), else float32, whose emulation of bf16 is much slower
@@ -11,6 +12,7 @@ with avx512_bf16 or amx_bf16), else float32, whose emulation of bf16 is much slo
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +43,13 @@ def choose_dtype(name: str, device: torch.device, saved: TrainState | None = Non
     if sharded:
         return torch.float32, "auto: a sharded model on CPUs trains in float32"
     return choose_cpu_dtype(cpu_flags())
+
+
+def autocast_for(dtype: torch.dtype, device: torch.device, sharded: bool) -> AbstractContextManager:
+    """autocast to dtype, or nothing for float32 and for FSDP on a GPU, whose mixed precision casts."""
+    if dtype == torch.float32 or (sharded and device.type == "cuda"):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def choose_cpu_dtype(flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:

@@ -46,7 +46,7 @@ class Interrupted(TrainingError):
 
 @dataclass
 class TrainResult:
-    """What train() returns, and what train.py prints when the run ends."""
+    """What train() returns; report() is what train.py prints when the run ends."""
     run_dir: Path
     iter_num: int
     best_val_loss: float
@@ -56,7 +56,6 @@ class TrainResult:
     chat: bool = False  # whether it trained on conversations, to talk to with sample.py --chat
 
     def report(self) -> str:
-        """The result, where the checkpoints are, and the commands to use them next."""
         sharded = self.checkpoint is not None and self.checkpoint.suffix == ".dcp"
         ext, plain = (".dcp", f"python export.py {self.run_dir} --plain, then ") if sharded else (".pt", "")
         return (f"done: {self.iter_num} iters in {self.wall_time:.0f}s, "

@@ -75,16 +75,14 @@ def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
 def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device, meta: dict,
              tokenizer: Tokenizer, val: Tokens, sharded: bool) -> Iterator[tuple[Run, RunLog]]:
     """The run folder (new, or the one to resume) and its log, opened once the model's memory is
-    known to fit; inside, running out of memory is one line that says what to lower. The log's
-    text samples start from sample_prompt, and its attention pictures show attention_probe, or
-    else the val split's first tokens."""
+    known to fit; inside, running out of memory is one line that says what to lower. The log
+    samples from sample_prompt and pictures the attention to attention_probe (or the val split's)."""
     check_memory(cfg, meta["vocab_size"], device, dist)
     sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
     probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
                  if cfg.attention_probe else val[:32].tolist())
-    attention = cfg.log_attention and not sharded
-    with run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist), \
-            RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, attention) as log:
+    with (run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist),
+          RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, cfg.log_attention and not sharded) as log):
         yield run, log
 
 
