@@ -72,7 +72,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # bounds the scores q.k, for a higher lr; rope below rotates, keeping norms
+        if self.qk_norm:  # caps |q.k| at head_dim, which allows a higher lr; rope then only rotates
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -252,7 +252,7 @@ class GPT(nn.Module):
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         if "wtb" in self.transformer:  # the bigram table's row for each token's predecessor
-            none = self.config.vocab_size  # the last row: no predecessor (a window's first token)
+            none = self.config.vocab_size  # the last row, for a window's first token: none in view
             before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None  # idx shifted by one
                       else kv_cache.update_ids(idx, input_pos, none))
             x = x + self.transformer.wtb(before)

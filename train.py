@@ -43,9 +43,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     last checkpoint. Under torchrun every process runs this."""
     t_start = time.time()
     with ExitStack() as stack:  # each context entered below closes when the run ends, however it ends
-        dist = stack.enter_context(distributed.process_group(cfg.device))  # one process: rank 0 of 1
-        stop = stack.enter_context(stop_signals())  # Ctrl-C saves and stops, even while data is prepared
-        device, sharded = choose_device(cfg, dist)
+        # --- where the run computes -------------------------------------------------------
+        dist = stack.enter_context(distributed.process_group(cfg.device))  # a plain run: rank 0 of 1
+        stop = stack.enter_context(stop_signals())  # Ctrl-C asks the run to save and stop after a step
+        device, sharded = choose_device(cfg, dist)  # sharded: FSDP splits the model across processes
         torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
         if resume:  # a run to continue must exist, which is checked before the data is read
             check_resumable_folder(cfg)
@@ -55,47 +56,47 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
                                                 splits["val"], sharded))
 
-        # --- the model and its optimizers: new, or as the checkpoint left them -----------
-        saved = checkpoint = None
+        # --- the model and how it computes: new, or in the checkpoint's shape and dtype ---
+        saved = None
         if resume:  # resuming's code is imported only by a run that resumes
-            from training.resume import check_resumable, read_saved, restore
-            saved, checkpoint = read_saved(run.path, device, mmap=sharded)
+            from training.resume import read_saved, restore
+            saved = read_saved(run, device, mmap=sharded)  # run.checkpoint is now its file
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        # cfg.model's shape with the dataset's vocab_size (meta.json), fp32 weights, on the device
-        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
-        run.check_room(raw_model, dist)
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon for the blocks
-        # float16 alone scales its loss up, because its small gradients would round to zero; for
-        # every other dtype the scaler is disabled, and each of its calls does nothing
+        autocast = autocast_for(dtype, device, sharded)  # the forward passes in dtype
+        # float16 alone scales its loss up, lest small gradients round to zero; elsewhere it is off
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
+        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
+        run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
+
+        # --- the optimizers and the batches, then the checkpoint's state put back ---------
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon if chosen
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
         # y = data[s+1:s+T+1], T being the model's block_size; the stream has its own generator
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
         iter_num, best_val_loss = 0, math.inf
-        if saved is not None:
-            check_resumable(saved, raw_model, meta, cfg, checkpoint)
-            iter_num, best_val_loss = restore(saved, checkpoint, raw_model, optimizers, scaler,
-                                              batches, device)
-            run.saved(checkpoint, iter_num)
+        if saved is not None:  # the weights, the optimizers' moments, the random streams
+            iter_num, best_val_loss = restore(saved, run.checkpoint, raw_model, optimizers, scaler,
+                                              batches, meta, cfg, device)
             del saved  # its tensors are copied into the model and optimizers, so free them
         model = for_training(raw_model, cfg, device, dist, sharded)  # raw_model, or compiled, or DDP-wrapped
         checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg,
                                   meta["tokenizer"], device, dist)
-        autocast = autocast_for(dtype, device, sharded)  # the forward passes in dtype
+
+        # --- what the log measures --------------------------------------------------------
         tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
         threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
-        peak, peak_source = peak_flops(device, dtype)  # for the thread count that the run starts with
+        peak, peak_source = peak_flops(device, dtype)  # measured once, at the starting thread count
         # TensorBoard's events and the progress bar; the first lines say the run's size and dtype
         log.start(iter_num, raw_model, tokens_per_iter, device, f"{dtype} ({dtype_reason})",
                   f"{peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
         def evaluate(it: int) -> dict[str, float]:
-            """Log and return both splits' losses, then log a sample and the attention pictures."""
-            # the uncompiled model, because a compiled one would compile a second graph for eval mode
-            raw_model.eval()  # no dropout while measuring or sampling
+            """Log both splits' losses, a text sample and the attention pictures; return the losses."""
+            raw_model.eval()  # no dropout; uncompiled, lest a compiled model build a graph for eval mode
             losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
             log.losses(it, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
             if not math.isfinite(losses["val"]):
@@ -105,19 +106,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             raw_model.train()
             return losses
 
-        # --- the loop ---------------------------------------------------------------------
+        # --- the loop --------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
-        # this process's share of the micro-batches, which choose_device checked divides evenly
+        # this process's share of the micro-batches (choose_device refuses a count that does not divide)
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         # the first forward pass's batch: (B, T) windows at random places in the train split, and
-        # y is x shifted by one token; each forward pass below draws the batch of the next
+        # y is x shifted by one token; each forward pass below draws the next pass's batch
         x, y = batches.next()
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:  # peak_lr, from configure_optimizers: muon_lr, embedding_lr, learning_rate
+            for opt in optimizers:  # each group's peak_lr (muon_lr, embedding_lr or learning_rate), scaled
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
@@ -154,7 +155,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 loss_sum = torch.zeros_like(loss_sum)
 
             paused = time.perf_counter()  # evaluating and saving do not count as training time
-            # unlike nanoGPT, none at iteration 0: the first log line shows the untrained loss
+            # unlike nanoGPT, none at iteration 0, whose loss is known (about ln vocab_size) and costs time
             evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
             if evaluated:
@@ -165,7 +166,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
             if evaluated or stopping:
                 # last.pt, and best.pt when this val loss is the best so far: the weights, the
-                # optimizers and the random generators, from which --resume goes on to the bit
+                # optimizers and the random generators, from which --resume continues bit for bit
                 checkpoints.save(iter_num, best_val_loss, losses["val"] if evaluated else math.nan,
                                  is_best)
             t_log += time.perf_counter() - paused
@@ -181,10 +182,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
                   scaler: torch.amp.GradScaler) -> torch.Tensor:
     """Clip the gradients to a norm of at most grad_clip (0 only measures it), take each optimizer's
-    step and clear the gradients; return the norm before clipping (Muon's orthogonal update keeps
-    its size, but its momentum counts a clipped step less). Under float16 the scaler unscales the
-    gradients first and skips a step with an inf or NaN one; otherwise it is disabled, and
-    scaler.step(opt) is opt.step()."""
+    step and clear the gradients; return the norm before clipping (Muon's update keeps its size,
+    but its momentum takes in less). Under float16 the scaler unscales the gradients first and
+    skips a step with an inf or NaN one; otherwise it is off, and scaler.step(opt) is opt.step()."""
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
@@ -212,7 +212,7 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":  # pinned memory lets the copy overlap with compute
+    if device.type == "cuda":  # from pinned memory, the copy to the GPU does not block the CPU
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
 

@@ -113,7 +113,7 @@ class Muon(Unguarded, torch.optim.Muon):
             updates = self.blended(params, group["momentum"], group["nesterov"])
             blocks = [self.row_blocks.get(p, 1) for p in params]
 
-            # group is bound as a default, since a function defined in a loop sees its variables' last values
+            # group is bound as a default argument, as bugbear asks of a function defined in a loop
             def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
                                      group["eps"], self.ns_dtype, blocks)

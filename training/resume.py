@@ -3,10 +3,10 @@ into the model, the optimizers and the random streams. train.py imports this onl
 --resume is given.
 
 Usage:
-    from training.resume import check_resumable, read_saved, restore
-    saved, path = read_saved(run.path, device, mmap=False)   # a TrainState
-    check_resumable(saved, model, meta, cfg, path)            # ConfigError naming the key
-    iter_num, best_val_loss = restore(saved, path, model, optimizers, scaler, batches, device)
+    from training.resume import read_saved, restore
+    saved = read_saved(run, device, mmap=False)   # a TrainState; run.checkpoint is its file
+    iter_num, best_val_loss = restore(saved, run.checkpoint, model, optimizers, scaler, batches,
+                                      meta, cfg, device)   # ConfigError naming a changed key
 
 A run folder's checkpoint is last.dcp if it has one (only a run under FSDP writes it), else
 last.pt. Either resumes on any number of processes, sharded or not.
@@ -23,6 +23,7 @@ from model import GPT
 from training import distributed
 from training.checkpoints import SHARDED
 from training.config import ConfigError, TrainConfig
+from training.runs import Run
 from weights.checkpoint import CheckpointError, TrainState, load_checkpoint
 from weights.lazy import state_dict_mismatch
 
@@ -35,27 +36,32 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def read_saved(run_dir: Path, device: torch.device, mmap: bool) -> tuple[TrainState, Path]:
-    """The state a resumed run starts from, and its checkpoint. A sharded checkpoint's
-    weights and optimizer state are not read yet, because restore() reads each process's part
-    of them. With mmap, a plain last.pt is mapped rather than read, so that each of several
-    processes touches only the parts it keeps (its shards)."""
-    path = last_checkpoint(run_dir)
+def read_saved(run: Run, device: torch.device, mmap: bool) -> TrainState:
+    """The state a resumed run starts from; run.checkpoint becomes its file. A sharded
+    checkpoint's weights and optimizer state are not read yet, because restore() reads each
+    process's part of them. With mmap, a plain last.pt is mapped rather than read, so that each
+    of several processes touches only the parts it keeps (its shards)."""
+    path = last_checkpoint(run.path)
     if path is None:
-        raise CheckpointError(f"nothing to resume in {run_dir}")
+        raise CheckpointError(f"nothing to resume in {run.path}")
     if path.suffix == SHARDED:
         from weights import sharded
         state = sharded.read_state(path, resume=True)
-        return TrainState.from_checkpoint({**state, "model": {}, "optimizer": []}), path
-    ckpt = load_checkpoint(path, "cpu" if mmap else device, resume=True, mmap=mmap)
-    return TrainState.from_checkpoint(ckpt), path
+        saved = TrainState.from_checkpoint({**state, "model": {}, "optimizer": []})
+    else:
+        ckpt = load_checkpoint(path, "cpu" if mmap else device, resume=True, mmap=mmap)
+        saved = TrainState.from_checkpoint(ckpt)
+    run.saved(path, saved.iter_num)
+    return saved
 
 
 def restore(saved: TrainState, checkpoint: Path, model: GPT,
             optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
-            batches: BatchStream, device: torch.device) -> tuple[int, float]:
+            batches: BatchStream, meta: dict, cfg: TrainConfig, device: torch.device) -> tuple[int, float]:
     """Put the run back as its checkpoint left it: weights, optimizer state, random
-    streams and batches. Returns the iteration and the best val loss it had reached."""
+    streams and batches, once check_resumable has found nothing that the new command changes.
+    Returns the iteration and the best val loss it had reached."""
+    check_resumable(saved, model, meta, cfg, checkpoint)
     if checkpoint.suffix == SHARDED:  # each process reads its own shards
         from training.fsdp import fill_from_shards
         fill_from_shards(saved, checkpoint, model, optimizers)
