@@ -94,18 +94,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         log.start(iter_num, raw_model, tokens_per_iter, device, f"{dtype} ({dtype_reason})",
                   f"{peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
-        def evaluate(it: int) -> dict[str, float]:
-            """Log both splits' losses, a text sample and the attention pictures; return the losses."""
-            raw_model.eval()  # no dropout; uncompiled, lest a compiled model build a graph for eval mode
-            losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
-            log.losses(it, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
-            if not math.isfinite(losses["val"]):
-                raise TrainingError(f"val loss is {losses['val']} at iter {it}; the last good "
-                                    f"checkpoint is kept: lower learning_rate or set grad_clip")
-            log.samples(it, raw_model, device, autocast)  # a text sample and the attention pictures
-            raw_model.train()
-            return losses
-
         # --- the loop --------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
         # this process's share of the micro-batches (choose_device refuses a count that does not divide)
@@ -158,8 +146,15 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             # unlike nanoGPT, none at iteration 0, whose loss is known (about ln vocab_size) and costs time
             evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
-            if evaluated:
-                losses = evaluate(iter_num)
+            if evaluated:  # both splits' losses, then a text sample and the attention pictures
+                raw_model.eval()  # no dropout; uncompiled, lest a compiled model build a graph for eval mode
+                losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
+                log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
+                if not math.isfinite(losses["val"]):
+                    raise TrainingError(f"val loss is {losses['val']} at iter {iter_num}; the last "
+                                        f"good checkpoint is kept: lower learning_rate or set grad_clip")
+                log.samples(iter_num, raw_model, device, autocast)
+                raw_model.train()
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
             # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
