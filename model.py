@@ -47,8 +47,8 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension: F.rms_norm on a GPU, and in a CPU's float32
-    the same values and gradients in one pass (machine/cpu_kernels.py), where torch makes several."""
+    """x / sqrt(mean(x^2) + eps) over the last dimension: F.rms_norm on a GPU; on a CPU, the same
+    values and gradients in one pass for float32 (machine/cpu_kernels.py), else torch's operations."""
     return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
 
 
@@ -145,7 +145,7 @@ class MLP(nn.Module):
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
-    """relu(h)^2, and in a CPU's float32 the same values and gradients in one pass (cpu_kernels.py)."""
+    """relu(h)^2; on a CPU, in one pass for float32 (cpu_kernels.py), else torch's operations."""
     return F.relu(h).square() if h.is_cuda else ReLUSquared.apply(h)
 
 

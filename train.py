@@ -177,9 +177,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
                   scaler: torch.amp.GradScaler) -> torch.Tensor:
     """Clip the gradients to a norm of at most grad_clip (0 only measures it), take each optimizer's
-    step and clear the gradients; return the norm before clipping (Muon's update keeps its size,
-    but its momentum takes in less). Under float16 the scaler unscales the gradients first and
-    skips a step with an inf or NaN one; otherwise it is off, and scaler.step(opt) is opt.step()."""
+    step and clear the gradients; return the norm before clipping (Muon orthogonalizes away the
+    clip's scale, so the clip only shrinks what enters its momentum). Under float16 the scaler
+    unscales the gradients first and skips a step with an inf or NaN one; otherwise it is off,
+    and scaler.step(opt) is opt.step()."""
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
@@ -221,7 +222,7 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
     dist = dist or distributed.Dist()
     out = {}
     for split, draw in samplers.items():
-        generator = torch.Generator().manual_seed(cfg.seed + 1)
+        generator = torch.Generator().manual_seed(cfg.seed + 1)  # not the training stream's seed
         batches = [draw(generator) for _ in range(cfg.eval_iters)]
         total = torch.zeros((), device=device)
         for x, y in batches[dist.rank::dist.world_size]:
