@@ -6,8 +6,8 @@ Usage:
     logits, loss = model(idx, targets)                                    # training
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
-In nanoGPT's order: a block's parts, the block, the configuration, the GPT, and then the
-configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
+In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks
+of a KV cache, and the configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
 modded-nanogpt or of their speedruns; at their defaults, the layout is GPT-2's.
 """
 
@@ -16,16 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate
-
-if TYPE_CHECKING:  # named in annotations only: decoding passes its cache in (generate.py)
-    from generate import KVCache
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
 
@@ -66,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache | None = None,
+    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: Cache | None = None,
                 input_pos: torch.Tensor | None = None, attention: str = "sdpa") -> torch.Tensor:
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
@@ -159,7 +156,7 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache | None = None,
+    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: Cache | None = None,
                 input_pos: torch.Tensor | None = None, attention: str = "sdpa") -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, kv_cache, input_pos, attention)
         return x + self.mlp(self.ln_2(x))
@@ -235,7 +232,7 @@ class GPT(nn.Module):
         self.init_weights(generator)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
+                kv_cache: Cache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
         targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
@@ -302,6 +299,18 @@ class GPT(nn.Module):
         """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
         return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * (
             seq_len or self.config.block_size)
+
+
+class Cache(Protocol):
+    """What the model and the C decode step ask of a KV cache; decoding builds generate.KVCache."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    ids: torch.Tensor
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor: ...
 
 
 # the configuration's checks, by each field's annotation as text ("int"), which is what f.type holds

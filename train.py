@@ -179,8 +179,7 @@ def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip
     """Clip the gradients to a norm of at most grad_clip (0 only measures it), take each optimizer's
     step and clear the gradients; return the norm before clipping (Muon orthogonalizes away the
     clip's scale, so the clip only shrinks what enters its momentum). Under float16 the scaler
-    unscales the gradients first and skips a step with an inf or NaN one; otherwise it is off,
-    and scaler.step(opt) is opt.step()."""
+    unscales the gradients and skips a step with an inf or NaN; otherwise scaler.step is opt.step."""
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
@@ -215,11 +214,9 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
-                  device: torch.device, autocast: Any,
-                  dist: distributed.Dist | None = None) -> dict[str, float]:
+                  device: torch.device, autocast: Any, dist: distributed.Dist) -> dict[str, float]:
     """The mean loss over the same eval_iters batches of each split at every evaluation (call it in
     eval mode), so that the curve shows how the model changes; under torchrun the processes share them."""
-    dist = dist or distributed.Dist()
     out = {}
     for split, draw in samplers.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)  # not the training stream's seed
@@ -242,8 +239,7 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
     rank = distributed.environment().rank  # under torchrun, rank 0 reports
     with reported(debug=debug, rank=rank):
         cfg = load_config(config, overrides)
-        if not cfg.run_name:
-            cfg.run_name = config.stem if config else "run"
+        cfg.run_name = cfg.run_name or (config.stem if config else "run")  # the folder's name
         result = train(cfg, resume)
     if rank == 0:
         print(result.report())

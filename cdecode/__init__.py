@@ -20,15 +20,11 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from machine.cbuild import BuildError, build_library
-from model import GPT, GPTConfig
-
-if TYPE_CHECKING:  # named in annotations only, because generate.py imports this package
-    from generate import KVCache
+from model import GPT, Cache, GPTConfig
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # the weight dtypes the step runs, and the define that builds decode_step.c for each; for
@@ -164,7 +160,7 @@ class CDecodeStep:
         self.blocks = pointers(self.block_params)
         self.work = torch.empty(0)  # scratch, sized for the cache in use (see __call__)
 
-    def __call__(self, idx: torch.Tensor, kv_cache: KVCache, input_pos: torch.Tensor,
+    def __call__(self, idx: torch.Tensor, kv_cache: Cache, input_pos: torch.Tensor,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_pos is one (T,) tensor for every sequence, or (B, T) with each sequence's own
         positions. rows is each sequence's cache row (by default row b); a server's batch

@@ -66,6 +66,3 @@ class BatchStream:
         # every process draws all the processes' batches, to keep the generators equal, and takes its own
         batches = [self.draw(self.generator) for _ in range(self.world_size)]
         return batches[self.rank]
-
-    def restore(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)

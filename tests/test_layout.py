@@ -24,26 +24,11 @@ def project_modules() -> dict[str, Path]:
     return names
 
 
-def type_checking(node: ast.AST) -> bool:
-    """Whether node is `if TYPE_CHECKING:`, whose imports name types for annotations and are
-    never run, so they are no dependency (model.py names generate.KVCache so)."""
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
-def run_time_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of the tree, outside `if TYPE_CHECKING:` blocks."""
-    nodes, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        nodes.append(node)
-        stack += [child for child in ast.iter_child_nodes(node) if not type_checking(child)]
-    return nodes
-
-
 def imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules that `path` imports at run time, at the top or inside a function."""
+    """The project modules that `path` imports, at the top, inside a function or for type
+    checking alone (a type named upwards ties the layers as an import does)."""
     found = set()
-    for node in run_time_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             candidates = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -150,8 +135,6 @@ def module_level_imports(path: Path, modules: dict[str, Path]) -> set[str]:
     found, stack = set(), list(ast.parse(path.read_text()).body)
     while stack:
         node = stack.pop()
-        if type_checking(node):
-            continue
         if isinstance(node, ast.If | ast.Try):
             stack += node.body + node.orelse + [n for h in getattr(node, "handlers", []) for n in h.body]
         elif isinstance(node, ast.Import | ast.ImportFrom):

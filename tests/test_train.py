@@ -26,6 +26,7 @@ from tests.forked import python
 from tests.layouts import LAYOUTS
 from train import estimate_loss, train
 from training.config import ConfigError, load_config
+from training.distributed import Dist
 from weights.checkpoint import (
     CheckpointError,
     link_checkpoint,
@@ -103,7 +104,8 @@ def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     # the preset's device auto is the GPU, whose sums differ from the CPU's in the last bits)
     device, dtype = resolve_device(tiny_config.device), getattr(torch, ckpt["dtype"])
     losses = estimate_loss(model.to(device), splits, tiny_config, device,
-                           torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
+                           torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32),
+                           Dist())
     assert losses["val"] == ckpt["val_loss"] == result.final_losses["val"]
     assert (result.run_dir / "best.pt").is_file()
 

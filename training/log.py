@@ -126,33 +126,26 @@ class RunLog:
             self.writer.add_scalar(f"loss/{split}", loss, it)
 
     def samples(self, it: int, model: GPT, device: torch.device, autocast: Any) -> None:
-        """An evaluation's text sample and attention pictures (the model is in eval mode)."""
-        text = self.sample(model, device, autocast)
-        if self.writer is None:
-            return
-        if text is not None:
-            self.writer.add_text("sample", text_block(text), it)
-        if self.attention:
+        """An evaluation's text sample, sample_tokens from sample_prompt with the same seed every
+        time, and its attention pictures (the model is in eval mode). A sharded model samples on
+        every process, because its forward is a collective, in eager steps; rank 0 logs the text."""
+        fsdp = is_sharded(model)
+        if self.cfg.sample_tokens and (self.is_main or fsdp):
+            from generate import generate  # imported at the first evaluation, by a run that samples
+            generator = torch.Generator(device=device).manual_seed(self.cfg.seed)
+            prompt = torch.tensor([self.sample_ids], dtype=torch.long, device=device)
+            # a CPU samples in the weights' fp32, with the C step, which ignores autocast
+            with autocast if device.type != "cpu" else nullcontext():
+                out = generate(model, prompt, self.cfg.sample_tokens, generator=generator,
+                               decode="eager" if fsdp else "auto")
+            if self.writer is not None:
+                self.writer.add_text("sample", text_block(self.tokenizer.decode(out[0].tolist())), it)
+        if self.writer is not None and self.attention:
             from viz.attention_maps import LayerPictures, log_attention, token_labels
             if self.layer_pictures is None:  # matplotlib is slow to load, so only now
                 self.layer_pictures = LayerPictures(
                     token_labels(self.tokenizer, self.probe_ids), model.config.n_head)
             log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
-
-    def sample(self, model: GPT, device: torch.device, autocast: Any) -> str | None:
-        """sample_tokens from sample_prompt, with the same seed every time, or None. A sharded model
-        samples on every process (its forward is a collective) in eager steps; rank 0 keeps the text."""
-        fsdp = is_sharded(model)
-        if not self.cfg.sample_tokens or not (self.is_main or fsdp):
-            return None
-        from generate import generate  # imported at the first evaluation, by a run that samples
-        generator = torch.Generator(device=device).manual_seed(self.cfg.seed)
-        prompt = torch.tensor([self.sample_ids], dtype=torch.long, device=device)
-        # a CPU samples in the weights' fp32, with the C step, which ignores autocast
-        with autocast if device.type != "cpu" else nullcontext():
-            out = generate(model, prompt, self.cfg.sample_tokens, generator=generator,
-                           decode="eager" if fsdp else "auto")
-        return self.tokenizer.decode(out[0].tolist()) if self.is_main else None
 
     def finish(self, best_val_loss: float, it: int) -> None:
         """The run's settings beside its result, and the last events written."""

@@ -94,7 +94,7 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
     torch.set_rng_state(rng["torch"])
     if device.type == "cuda" and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], device)
-    batches.restore(rng["batches"])
+    batches.generator.set_state(rng["batches"])
     return saved.iter_num, saved.best_val_loss
 
 
