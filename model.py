@@ -7,8 +7,8 @@ Usage:
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks
-of a KV cache, and the configuration's checks. Each switch of GPTConfig turns on one idea of nanochat, of
-modded-nanogpt or of their speedruns; at their defaults, the layout is GPT-2's.
+of a KV cache, and the configuration's checks. Each switch of GPTConfig turns on one idea of
+nanochat or of the modded-nanogpt speedruns; at their defaults, the layout is GPT-2's.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # caps |q.k| at head_dim, which allows a higher lr; rope then only rotates
+        if self.qk_norm:  # caps |q.k| at head_dim, for a higher lr; rope keeps norms, so the cap holds
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -56,7 +56,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
                                                 splits["val"], sharded))
 
-        # --- the model and how it computes: new, or in the checkpoint's shape and dtype ---
+        # --- the model, new or in the checkpoint's shape, and the dtype it computes in ----
         saved = None
         if resume:  # resuming's code is imported only by a run that resumes
             from training.resume import read_saved, restore
@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         log.start(iter_num, raw_model, tokens_per_iter, device, f"{dtype} ({dtype_reason})",
                   f"{peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
-        # --- the loop --------------------------------------------------------------------
+        # --- the loop ---------------------------------------------------------------------
         losses: dict[str, float] = {}  # the last evaluation's
         # this process's share of the micro-batches (choose_device refuses a count that does not divide)
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size

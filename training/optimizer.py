@@ -127,8 +127,8 @@ class Muon(Unguarded, torch.optim.Muon):
                 updates = by_shape(updates, blocks, newton_schulz)
             torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
             for p, update, b in zip(params, updates, blocks, strict=True):
-                # Muon's original lr rule: an orthogonal tall block has smaller entries, so its lr
-                # is scaled by sqrt(rows/cols), where a block is p's shape[0] / b rows (b is 3 for
+                # Muon's original lr rule: an orthogonal tall block has smaller entries than a square
+                # one, so its lr is scaled by sqrt(rows/cols), a block being shape[0] / b rows (b is 3 for
                 # c_attn, whose queries, keys and values were orthogonalized apart, else 1): the
                 # quickstart's c_fc, 256 x 128, gets sqrt(2), and c_attn's three 128 x 128 blocks 1
                 p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])))
