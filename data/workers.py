@@ -2,8 +2,14 @@
 batches of documents into token ids; ordered_map hands the batches out and gives the
 results back in input order, with a bounded number in flight.
 
+The results come back through files, not the pool's pipe. A result of more than a few
+kilobytes is sent in several writes, and a process killed between two of them leaves
+the pool's reader waiting for the rest forever, because the parent itself holds the
+pipe's other end open. A file's name is a message short enough for one write, which
+the kernel makes whole or not at all, so a killed process is always seen as killed.
+
 Usage:
-    for batch, (ids, starts) in ordered_map(tokenize_batch, batches, workers, tokenizer_meta):
+    for batch, (ids, starts, skipped) in ordered_map(tokenize_batch, batches, workers, meta):
         ...
 """
 
@@ -11,14 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from functools import partial
 from multiprocessing import get_context
 from typing import Any
 
@@ -187,19 +196,38 @@ def ordered_map(fn: Callable[[Batch], Any], batches: Iterable[Batch], workers: i
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
                                initializer=init_worker, initargs=(tokenizer_meta, os.getpid()))
     pending: deque = deque()
-    try:
-        for batch in batches:
-            pending.append((batch, pool.submit(fn, batch)))
-            if len(pending) >= 4 * workers:
+    with tempfile.TemporaryDirectory(prefix="gptlab-results-") as folder:
+        call = partial(call_into_file, fn, folder)
+        try:
+            for batch in batches:
+                pending.append((batch, pool.submit(call, batch)))
+                if len(pending) >= 4 * workers:
+                    done, future = pending.popleft()
+                    yield done, result_from_file(future.result())
+            while pending:
                 done, future = pending.popleft()
-                yield done, future.result()
-        while pending:
-            done, future = pending.popleft()
-            yield done, future.result()
-    except BrokenProcessPool:
-        raise WorkerDied(f"a tokenizer process died (killed; the out-of-memory killer is the "
-                         f"usual cause); run the same command again to resume after the "
-                         f"last whole shard, with fewer --workers than {workers} if memory "
-                         f"is short") from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+                yield done, result_from_file(future.result())
+        except BrokenProcessPool:
+            raise WorkerDied(f"a tokenizer process died (killed; the out-of-memory killer is "
+                             f"the usual cause); run the same command again to resume after "
+                             f"the last whole shard, with fewer --workers than {workers} if "
+                             f"memory is short") from None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def call_into_file(fn: Callable[[Batch], Any], folder: str, batch: Batch) -> str:
+    """fn(batch) in a worker, pickled into a new file in folder; return the file's path."""
+    result = fn(batch)
+    fd, path = tempfile.mkstemp(dir=folder)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def result_from_file(path: str) -> Any:
+    """The result that call_into_file wrote, read once: the file is removed."""
+    with open(path, "rb") as f:
+        result = pickle.load(f)
+    os.remove(path)
+    return result

@@ -5,6 +5,7 @@ validation holds whole documents, old datasets load, and bad input is reported i
 import gzip
 import json
 import os
+import platform
 import random
 import resource
 import signal
@@ -460,6 +461,53 @@ def test_a_damaged_parquet_page_is_named_as_such_and_nothing_is_written(tmp_path
     assert report.startswith(f"error: {path} is damaged after row ")
     assert "fetch or write the file again" in report and "space" not in report
     assert not (tmp_path / "out").exists()
+
+
+WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}.get(platform.machine())
+KILLED_IN_A_WRITE = f'''
+import os, signal, threading, time
+from data.workers import WorkerDied, ordered_map
+
+RESULT = b"x" * (16 << 20)
+
+def waits_on_a_reader(thread: int) -> bool:
+    """Whether the thread is blocked in a write() of more than 64 KiB, which a write to a
+    pipe is while its reader has yet to take the bytes (Linux's /proc says so)."""
+    with open(f"/proc/self/task/{{thread}}/syscall") as f:
+        fields = f.read().split()  # "running", or the syscall's number and arguments
+    return fields[0] == "{WRITE_SYSCALL}" and int(fields[3], 16) > 1 << 16
+
+def die_in_a_pipe_write(batch):
+    """RESULT, and a thread that kills this process if it hands RESULT back through a pipe."""
+    def watch(thread):
+        while not waits_on_a_reader(thread):
+            time.sleep(0.0002)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, args=(threading.get_native_id(),), daemon=True).start()
+    return RESULT
+
+if __name__ == "__main__":
+    try:
+        [(_, result)] = ordered_map(die_in_a_pipe_write, [0], 2, None)
+        print("whole" if result == RESULT else "not whole")
+    except WorkerDied as e:
+        print("died:", e)
+'''
+
+
+@pytest.mark.skipif(WRITE_SYSCALL is None or not Path("/proc/self/syscall").exists(),
+                    reason="finds a blocked write through Linux's /proc")
+def test_a_worker_killed_as_it_hands_back_its_result_leaves_no_one_waiting(tmp_path):
+    # A worker killed halfway through handing back a large result must not leave the main
+    # process waiting for the rest, as a pipe did: the result arrives whole, or the worker's
+    # death is the one line.
+    script = tmp_path / "killed_in_a_write.py"
+    script.write_text(KILLED_IN_A_WRITE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "whole\n" or done.stdout.startswith("died: a tokenizer process died"), \
+        done.stdout
 
 
 def test_a_killed_worker_is_one_line_and_the_same_command_resumes_whole(tmp_path):
