@@ -42,7 +42,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Train the model cfg describes on its data; with resume, go on from the run folder's
     last checkpoint. Under torchrun every process runs this."""
     t_start = time.time()
-    with ExitStack() as stack:  # each context entered below closes when the run ends, however it ends
+    # the contexts entered below (the process group, the stop signals, the run folder with its log,
+    # and the thread fit) close in reverse order when the run ends, however it ends
+    with ExitStack() as stack:
         # --- where the run computes -------------------------------------------------------
         dist = stack.enter_context(distributed.process_group(cfg.device))  # a plain run: rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C asks the run to save and stop after a step
@@ -53,6 +55,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
+        # the log's text samples need the tokenizer, and its attention pictures a piece of val text
         run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
                                                 splits["val"], sharded))
 
@@ -60,19 +63,23 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         saved = None
         if resume:  # resuming's code is imported only by a run that resumes
             from training.resume import read_saved, restore
-            saved = read_saved(run, device, mmap=sharded)  # run.checkpoint is now its file
+            saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        autocast = autocast_for(dtype, device, sharded)  # the forward passes in dtype
+        autocast = autocast_for(dtype, device, sharded)  # torch.autocast to dtype, or nothing in float32
         # float16 alone scales its loss up, lest small gradients round to zero; elsewhere it is off
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
-        raw_model = build_model(cfg, meta, device, dtype, dist, sharded, saved)
+        raw_model: GPT = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
 
         # --- the optimizers and the batches, then the checkpoint's state put back ---------
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # AdamW, and Muon if chosen
+        # [AdamW], or [AdamW, Muon] with Muon for the blocks' matrices; each param group holds its
+        # "peak_lr", which the loop scales. Muon orthogonalizes its update, so clipping the gradients
+        # changes only what enters its momentum, not the size of its step
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
-        # y = data[s+1:s+T+1], T being the model's block_size; the stream has its own generator
+        # y = data[s+1:s+T+1], T being the model's block_size (estimate_loss calls them too);
+        # the training stream draws with a generator of its own, which checkpoints save
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -101,7 +108,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         # the first forward pass's batch: (B, T) windows at random places in the train split, and
-        # y is x shifted by one token; each forward pass below draws the next pass's batch
+        # y is x shifted by one token; each forward pass below draws the next pass's batch. A
+        # resumed stream's generator is as it was before its last batch, so this draws that again
         x, y = batches.next()
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
@@ -120,16 +128,25 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 x, y = batches.next()
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
-            grad_norm = clip_and_step(optimizers, raw_model, cfg.grad_clip, scaler)
+            for opt in optimizers:  # under float16, the gradients are divided back to their true size
+                scaler.unscale_(opt)
+            # the norm before clipping, which the log shows; grad_clip 0 measures it without clipping
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+            for opt in optimizers:
+                scaler.step(opt)  # opt.step(), which float16 skips when a gradient is inf or NaN
+                opt.zero_grad(set_to_none=True)
+            scaler.update()  # float16's next scale: smaller after an inf or NaN, larger after a good run
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on
-            threads.step(time.perf_counter() - t_step)  # from which the thread count is chosen
+            # on a CPU, the step's time; after a few steps, the fit may change torch's thread count
+            threads.step(time.perf_counter() - t_step)
 
-            if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+            at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
+            if at_log_point:
                 # .item() waits for the device, so it is called only here, every log_interval steps
-                train_loss = (distributed.all_sum(loss_sum, dist).item()  # summed over processes
-                              / (iters_since_log * dist.world_size))
+                loss_sum = distributed.all_sum(loss_sum, dist)  # over the processes under torchrun
+                train_loss = loss_sum.item() / (iters_since_log * dist.world_size)
                 if not math.isfinite(train_loss):
                     raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; the last "
                                         f"good checkpoint is kept: lower learning_rate or set grad_clip")
@@ -142,11 +159,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 t_log, iters_since_log = time.perf_counter(), 0
                 loss_sum = torch.zeros_like(loss_sum)
 
-            paused = time.perf_counter()  # evaluating and saving do not count as training time
+            t_pause = time.perf_counter()  # evaluating and saving do not count as training time
             # unlike nanoGPT, none at iteration 0, whose loss is known (about ln vocab_size) and costs time
-            evaluated = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+            eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
-            if evaluated:  # both splits' losses, then a text sample and the attention pictures
+            if eval_now:  # both splits' losses, then a text sample and the attention pictures
                 raw_model.eval()  # no dropout; uncompiled, lest a compiled model build a graph for eval mode
                 losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                 log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
@@ -158,36 +175,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 is_best = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
             # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
-            stopping = stop.asked(dist, device, at_log_point=iter_num % cfg.log_interval == 0)
-            if evaluated or stopping:
+            stopping = stop.asked(dist, device, at_log_point)
+            if eval_now or stopping:
                 # last.pt, and best.pt when this val loss is the best so far: the weights, the
-                # optimizers and the random generators, from which --resume continues bit for bit
-                checkpoints.save(iter_num, best_val_loss, losses["val"] if evaluated else math.nan,
+                # optimizers and the random generators, from which --resume continues where it stopped
+                checkpoints.save(iter_num, best_val_loss, losses["val"] if eval_now else math.nan,
                                  is_best)
-            t_log += time.perf_counter() - paused
+            t_log += time.perf_counter() - t_pause
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
                                   f"{iter_num}; saved {run.checkpoint}; continue with the "
                                   f"same command and {run.resume_flags}", stop.signal)
         log.finish(best_val_loss, iter_num)
-    return TrainResult(run.path, iter_num, best_val_loss, losses, time.time() - t_start,
-                       run.checkpoint, bool(meta.get("chat")))
-
-
-def clip_and_step(optimizers: list[torch.optim.Optimizer], model: GPT, grad_clip: float,
-                  scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """Clip the gradients to a norm of at most grad_clip (0 only measures it), take each optimizer's
-    step and clear the gradients; return the norm before clipping (Muon orthogonalizes away the
-    clip's scale, so the clip only shrinks what enters its momentum). Under float16 the scaler
-    unscales the gradients and skips a step with an inf or NaN; otherwise scaler.step is opt.step."""
-    for opt in optimizers:
-        scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-    for opt in optimizers:
-        scaler.step(opt)
-        opt.zero_grad(set_to_none=True)
-    scaler.update()  # a smaller scale after an inf or NaN, a larger one after a run of good steps
-    return grad_norm
+    return TrainResult(run_dir=run.path, iter_num=iter_num, best_val_loss=best_val_loss,
+                       final_losses=losses, wall_time=time.time() - t_start,
+                       checkpoint=run.checkpoint, chat=bool(meta.get("chat")))
 
 
 def get_lr_scale(it: int, cfg: TrainConfig) -> float:
@@ -225,8 +227,8 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
         for x, y in batches[dist.rank::dist.world_size]:
             with autocast:
                 _, loss = model(to_device(x, device), to_device(y, device))
-            total += loss.float()
-        if distributed.is_sharded(model):
+            total += loss
+        if distributed.is_sharded(model):  # FSDP's processes must all run as many forward passes
             from training.fsdp import forward_as_often_as_the_others
             forward_as_often_as_the_others(batches, dist, lambda x, y: model(
                 to_device(x, device), to_device(y, device)), autocast)
@@ -246,4 +248,6 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
 
 
 if __name__ == "__main__":
+    # command_line makes main a command with an option for each TrainConfig field; run_command
+    # runs it, and turns a mistake in the input into one line and a non-zero exit
     run_command(command_line(main))
