@@ -69,7 +69,9 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # caps |q.k| at head_dim, for a higher lr; rope keeps norms, so the cap holds
+        # with unit RMS, |q.k| is at most head_dim, so a score (q.k / sqrt(head_dim)) is at most
+        # sqrt(head_dim), which allows a higher lr; rope keeps the norms, so the bound holds
+        if self.qk_norm:
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

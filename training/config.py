@@ -74,8 +74,9 @@ class TrainConfig:
     warmup_iters: int = opt(100, "steps of linear warmup to each group's peak learning rate")
     lr_decay_iters: int = opt(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
     decay_lr: bool = opt(True, "warmup, then cosine decay; false keeps every group at its peak")
-    weight_decay: float = opt(0.1, "decoupled weight decay on weight matrices (not on biases, "
-                              "norms or the lookup tables)")
+    weight_decay: float = opt(0.1, "decoupled weight decay on AdamW's matrices (wpe and a tied wte "
+                              "among them, as in nanoGPT), not on biases, norm gains, an untied "
+                              "wte or the bigram table")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the gradient norm to this; 0 disables clipping")

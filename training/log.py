@@ -102,7 +102,9 @@ class RunLog:
     def point(self, it: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
               mfu: float) -> None:
         """Log the steps since the last point as TensorBoard's scalars, and show them: on a
-        terminal, the loss, tokens/s and MFU on the progress bar; elsewhere, as one line."""
+        terminal, the loss, tokens/s and MFU on the progress bar; elsewhere, as one line. loss
+        is the mean of those steps' losses (train/loss_step), and lr is learning_rate's, which
+        the other groups' peak lrs follow on the same schedule."""
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), ("train/lr", lr),
