@@ -8,7 +8,9 @@ Usage:
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks
 of a KV cache, and the configuration's checks. Each switch of GPTConfig turns on one idea of
-nanochat or of the modded-nanogpt speedruns; at their defaults, the layout is GPT-2's.
+nanochat or of the modded-nanogpt speedruns; at their defaults, the layout is GPT-2's. On a
+CPU, rms_norm, relu_squared and apply_rope call machine/cpu_kernels.py, which gives the values
+and gradients of the torch expressions written here in fewer passes over memory.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension: F.rms_norm on a GPU; on a CPU, the same
-    values and gradients in one pass for float32 (machine/cpu_kernels.py), else torch's operations."""
-    return F.rms_norm(x, (x.size(-1),), eps=eps) if x.is_cuda else RMSNormFunction.apply(x, eps)
+    """x / sqrt(mean(x^2) + eps) over the last dimension."""
+    if x.device.type == "cpu":  # the same, in one pass for float32 (machine/cpu_kernels.py)
+        return RMSNormFunction.apply(x, eps)
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
 class CausalSelfAttention(nn.Module):
@@ -121,7 +124,7 @@ def rope_tables(config: GPTConfig) -> Rope:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by its token's angle,
     so that the dot product of a query and a key depends on how far apart their tokens are."""
-    if can_rotate(x, cos, sin):  # a CPU's float32: the same rotation and its gradient in one C pass
+    if can_rotate(x, cos, sin):  # a CPU's float32: the same, in one pass (machine/cpu_kernels.py)
         return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
@@ -144,8 +147,9 @@ class MLP(nn.Module):
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
-    """relu(h)^2; on a CPU, in one pass for float32 (cpu_kernels.py), else torch's operations."""
-    return F.relu(h).square() if h.is_cuda else ReLUSquared.apply(h)
+    if h.device.type == "cpu":  # the same, in one pass for float32 (machine/cpu_kernels.py)
+        return ReLUSquared.apply(h)
+    return F.relu(h).square()
 
 
 class Block(nn.Module):
@@ -184,7 +188,7 @@ class GPTConfig:
     mlp: str = switch("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
     tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
     n_kv_head: int = switch(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
-    embed_norm: bool = switch(False, "RMS-normalize the token embedding before the first block")
+    embed_norm: bool = switch(False, "RMS-normalize the embeddings' sum before the first block")
     bigram_embedding: bool = switch(False, "add a learned vector for each token's predecessor")
     logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")

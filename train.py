@@ -42,9 +42,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Train the model cfg describes on its data; with resume, go on from the run folder's
     last checkpoint. Under torchrun every process runs this."""
     t_start = time.time()
-    # the contexts entered below (the process group, the stop signals, the run folder with its log,
-    # and the thread fit) close in reverse order when the run ends, however it ends
-    with ExitStack() as stack:
+    with ExitStack() as stack:  # the four contexts entered below close, in reverse, however the run ends
         # --- where the run computes -------------------------------------------------------
         dist = stack.enter_context(distributed.process_group(cfg.device))  # a plain run: rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C asks the run to save and stop after a step
@@ -73,9 +71,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
 
         # --- the optimizers and the batches, then the checkpoint's state put back ---------
-        # [AdamW], or [AdamW, Muon] with Muon for the blocks' matrices; each param group holds its
-        # "peak_lr", which the loop scales. Muon orthogonalizes its update, so clipping the gradients
-        # changes only what enters its momentum, not the size of its step
+        # [AdamW], or [AdamW, Muon] for the blocks' matrices, each group with the "peak_lr" the loop
+        # scales; Muon orthogonalizes its update, so clipping changes its momentum, not its step's size
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
         # y = data[s+1:s+T+1], T being the model's block_size (estimate_loss calls them too);
@@ -139,8 +136,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on
-            # on a CPU, the step's time; after a few steps, the fit may change torch's thread count
-            threads.step(time.perf_counter() - t_step)
+            threads.step(time.perf_counter() - t_step)  # on a CPU, the fit may change the thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
@@ -248,6 +244,4 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
 
 
 if __name__ == "__main__":
-    # command_line makes main a command with an option for each TrainConfig field; run_command
-    # runs it, and turns a mistake in the input into one line and a non-zero exit
-    run_command(command_line(main))
+    run_command(command_line(main))  # an option per TrainConfig field; bad input is one line, exit 1

@@ -64,8 +64,8 @@ class TrainConfig:
     optimizer: str = opt("adamw", "adamw (GPT-2's recipe) or muon (Muon on the matrices inside "
                          "the blocks, AdamW on the rest); see training/optimizer.py")
     learning_rate: float = opt(1e-3, "peak AdamW learning rate")
-    min_lr: float = opt(1e-4, "AdamW learning rate at the end of the cosine decay; every "
-                        "group decays to the same fraction of its peak")
+    min_lr: float = opt(1e-4, "learning_rate at the end of the cosine decay; every group, "
+                        "Muon's too, decays to the same fraction of its peak")
     embedding_lr: float = opt(0.0, "peak AdamW learning rate of the lookup tables: wte when the "
                               "head is untied (tie_embeddings false), and the bigram table; "
                               "0 means learning_rate")
@@ -74,9 +74,9 @@ class TrainConfig:
     warmup_iters: int = opt(100, "steps of linear warmup to each group's peak learning rate")
     lr_decay_iters: int = opt(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
     decay_lr: bool = opt(True, "warmup, then cosine decay; false keeps every group at its peak")
-    weight_decay: float = opt(0.1, "decoupled weight decay on AdamW's matrices (wpe and a tied wte "
-                              "among them, as in nanoGPT), not on biases, norm gains, an untied "
-                              "wte or the bigram table")
+    weight_decay: float = opt(0.1, "decoupled weight decay on the matrices, Muon's and AdamW's (wpe "
+                              "and a tied wte among them, as in nanoGPT); not on biases, norm "
+                              "gains, an untied wte or the bigram table")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the gradient norm to this; 0 disables clipping")

@@ -103,8 +103,7 @@ class RunLog:
               mfu: float) -> None:
         """Log the steps since the last point as TensorBoard's scalars, and show them: on a
         terminal, the loss, tokens/s and MFU on the progress bar; elsewhere, as one line. loss
-        is the mean of those steps' losses (train/loss_step), and lr is learning_rate's, which
-        the other groups' peak lrs follow on the same schedule."""
+        is the steps' mean (train/loss_step); lr is learning_rate's, on every group's schedule."""
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), ("train/lr", lr),
