@@ -7,10 +7,11 @@ Usage:
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks
-of a KV cache, and the configuration's checks. Each switch of GPTConfig turns on one idea of
-nanochat or of the modded-nanogpt speedruns; at their defaults, the layout is GPT-2's. On a
-CPU, rms_norm, relu_squared and apply_rope call machine/cpu_kernels.py, which gives the values
-and gradients of the torch expressions written here in fewer passes over memory.
+of a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns
+on one idea of nanochat or of the modded-nanogpt speedruns (at their defaults, the layout is
+GPT-2's); forward takes a KV cache and positions, for decoding; and on a CPU, rms_norm,
+relu_squared and apply_rope call machine/cpu_kernels.py, which computes the torch expressions
+written here, and their gradients, in fewer passes over memory.
 """
 
 from __future__ import annotations

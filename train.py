@@ -104,10 +104,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
-        # the first forward pass's batch: (B, T) windows at random places in the train split, and
-        # y is x shifted by one token; each forward pass below draws the next pass's batch. A
-        # resumed stream's generator is as it was before its last batch, so this draws that again
-        x, y = batches.next()
+        # the first batch: (B, T) windows at random places in the train split, and y is x shifted
+        # by one token (resumed, the stream draws first the batch that the saved run had drawn next)
+        x, y = to_device(batches.next(), device)
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
@@ -118,16 +117,15 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 if dist.enabled:  # the processes reduce their gradients after the last one only
                     distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
                 with autocast:
-                    _, loss = model(to_device(x, device), to_device(y, device))
+                    _, loss = model(x, y)
                 loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
-                # the next forward pass's batch, drawn before this backward pass (as in nanoGPT):
-                # on a GPU, the CPU reads it while the GPU still computes
-                x, y = batches.next()
+                # the next batch, drawn and sent to a GPU while it runs this backward pass, as in nanoGPT
+                x, y = to_device(batches.next(), device)
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
-            for opt in optimizers:  # under float16, the gradients are divided back to their true size
-                scaler.unscale_(opt)
-            # the norm before clipping, which the log shows; grad_clip 0 measures it without clipping
+            for opt in optimizers:
+                scaler.unscale_(opt)  # float16's gradients back to their true size; elsewhere nothing
+            # the norm before clipping, for the log; grad_clip 0 measures it and clips nothing
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), which float16 skips when a gradient is inf or NaN
@@ -204,10 +202,10 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # 1 -> floor
 
 
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     if device.type == "cuda":  # from pinned memory, the copy to the GPU does not block the CPU
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+    return tuple(t.to(device) for t in batch)
 
 
 @torch.no_grad()
@@ -220,14 +218,15 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
         generator = torch.Generator().manual_seed(cfg.seed + 1)  # not the training stream's seed
         batches = [draw(generator) for _ in range(cfg.eval_iters)]
         total = torch.zeros((), device=device)
-        for x, y in batches[dist.rank::dist.world_size]:
+        for batch in batches[dist.rank::dist.world_size]:
+            x, y = to_device(batch, device)
             with autocast:
-                _, loss = model(to_device(x, device), to_device(y, device))
+                _, loss = model(x, y)
             total += loss
         if distributed.is_sharded(model):  # FSDP's processes must all run as many forward passes
             from training.fsdp import forward_as_often_as_the_others
-            forward_as_often_as_the_others(batches, dist, lambda x, y: model(
-                to_device(x, device), to_device(y, device)), autocast)
+            forward_as_often_as_the_others(batches, dist, lambda *batch: model(*to_device(batch, device)),
+                                           autocast)
         out[split] = distributed.all_sum(total, dist).item() / cfg.eval_iters
     return out
 
