@@ -72,9 +72,9 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
 
 
 class Unguarded:
-    """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, which imports
-    the compiler (slow to import) on its first call: this trainer never compiles its optimizers,
-    and so starts sooner. inspect.unwrap follows __wrapped__ to the function a wrapper wraps."""
+    """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, whose first
+    call imports the compiler (a second; docs/performance.md), which this trainer never uses on
+    its optimizers. inspect.unwrap follows __wrapped__ to the function a wrapper wraps."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
