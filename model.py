@@ -10,8 +10,8 @@ In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then
 of a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns
 on one idea of nanochat or of the modded-nanogpt speedruns (at their defaults, the layout is
 GPT-2's); forward takes a KV cache and positions, for decoding; and on a CPU, rms_norm,
-relu_squared and apply_rope call machine/cpu_kernels.py, which computes the torch expressions
-written here, and their gradients, in fewer passes over memory.
+relu_squared and apply_rope call machine/cpu_kernels.py, which computes in float32 the torch
+expressions written here, and their gradients, in one pass over memory each.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class GPTConfig:
     bigram_embedding: bool = switch(False, "add a learned vector for each token's predecessor")
     logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
     n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
-    norm_eps: float = switch(1e-5, "every norm's epsilon; nanochat's is 1e-6")
+    norm_eps: float = switch(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
     rope_theta: float = switch(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:

@@ -119,7 +119,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 with autocast:
                     _, loss = model(x, y)
                 loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
-                # the next batch, drawn and sent to a GPU while it runs this backward pass, as in nanoGPT
+                # the next batch, drawn while a GPU still runs this forward pass (as in nanoGPT)
                 x, y = to_device(batches.next(), device)
                 scaler.scale(loss).backward()
                 loss_sum += loss.detach()
@@ -194,7 +194,7 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
         return 1.0
     if it < cfg.warmup_iters:  # as in nanoGPT: 1/(w+1), 2/(w+1), ... for w = warmup_iters steps
         return (it + 1) / (cfg.warmup_iters + 1)
-    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 1.0
+    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0  # min_lr is 0 then
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
     if it >= decay_iters:
         return floor

@@ -128,7 +128,7 @@ def test_sigkill_at_random_moments_never_leaves_an_unreadable_checkpoint(tmp_pat
         # machine is.
         resumed_at = load_checkpoint(last)["iter_num"] if resume else 0
         wait_for_line(proc, "iter 2:" if not resume else
-                      f"iter {resumed_at + 2}:" if kill == kills - 1 else "parameters,")
+                      f"iter {resumed_at + 2}:" if kill == kills - 1 else " tokens/iter, ")
         time.sleep(rng.uniform(0.2, 2.0))
         proc.kill()
         proc.communicate()

@@ -52,8 +52,9 @@ class RunLog:
         progress bar at iter_num; a resumed run drops the events logged after its checkpoint."""
         n = self.dist.world_size
         processes = f" x {n} process{'es' * (n > 1)}" if self.dist.enabled else ""
-        self.say(f"{model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter, "
-                 f"device {device}{processes}, optimizer {self.cfg.optimizer}, writing to {self.run.path}/")
+        self.say(f"{model.num_params() / 1e6:.2f}M parameters (embeddings aside), {tokens_per_iter:,} "
+                 f"tokens/iter, device {device}{processes}, optimizer {self.cfg.optimizer}, "
+                 f"writing to {self.run.path}/")
         self.say(f"dtype {dtype.removeprefix('torch.')}")
         self.say(f"MFU is measured against {peak}")
         self.probe_ids = self.probe_ids[-model.config.block_size:]
