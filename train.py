@@ -9,8 +9,9 @@ Usage:
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the run folder and the model (each a
-step of training/setup.py), the optimizers, then the loop. A run writes runs/<run_name>/:
-TensorBoard events, last.pt at every evaluation, and best.pt at the best val loss.
+step of training/setup.py), the optimizers, then the loop. In a plain run, one process,
+distributed's calls do nothing, stop_signals makes Ctrl-C a request that the loop answers after
+its step, and fit_threads times a CPU's thread counts. A run writes runs/<run_name>/.
 """
 
 from __future__ import annotations

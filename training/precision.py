@@ -6,8 +6,8 @@ Usage:
     with autocast_for(dtype, device, sharded=False): ...   # the forward passes in that dtype
 
 auto is bfloat16 where the hardware multiplies bf16 natively (a GPU that supports it, a CPU
-with avx512_bf16 or amx_bf16), else float32, because a CPU that emulates bf16 computes it
-much more slowly (docs/performance.md); it depends on the machine alone, so a command's numbers repeat.
+with avx512_bf16 or amx_bf16), else float32, because emulated bf16 is much slower
+(docs/performance.md); it depends on the machine alone, so a command's numbers repeat.
 """
 
 from __future__ import annotations
