@@ -6,12 +6,11 @@ Usage:
     logits, loss = model(idx, targets)                                    # training
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
-In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks
-of a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns
-on one idea of nanochat or of the modded-nanogpt speedruns (at their defaults, the layout is
-GPT-2's); forward takes a KV cache and positions, for decoding; and on a CPU, rms_norm,
-relu_squared and apply_rope call machine/cpu_kernels.py, which computes in float32 the torch
-expressions written here, and their gradients, in one pass over memory each.
+In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
+a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on
+one idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults), and on
+a CPU, rms_norm, relu_squared and apply_rope call machine/cpu_kernels.py, which computes these
+torch expressions on float32 tensors, with their gradients, in one pass each.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension."""
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # over the last dimension
     if x.device.type == "cpu":  # the same, in one pass for float32 (machine/cpu_kernels.py)
         return RMSNormFunction.apply(x, eps)
     return F.rms_norm(x, (x.size(-1),), eps=eps)
@@ -73,9 +71,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        # with unit RMS, |q.k| is at most head_dim, so a score (q.k / sqrt(head_dim)) is at most
-        # sqrt(head_dim), which allows a higher lr; rope keeps the norms, so the bound holds
-        if self.qk_norm:
+        if self.qk_norm:  # unit RMS caps a score at sqrt(head_dim), for a higher lr; rope keeps norms
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

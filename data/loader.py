@@ -4,7 +4,7 @@
 Usage:
     from data.loader import load_dataset
     meta, splits, tokenizer = load_dataset("data/shakespeare_char")
-    splits["train"][0:65]     # token ids 0..64, an ndarray, read and checked when asked for
+    splits["train"][0:65]     # the first 65 token ids, an ndarray, read and checked when asked for
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def open_shards(folder: str | Path, meta: dict) -> list[np.ndarray]:
 
 class Tokens:
     """The token ids of one split: a range of memory-mapped pieces that reads like one
-    array. `tokens[a:b]` gives ids a..b-1 as an ndarray, reading only those.
+    array. `tokens[a:b]` gives the ids at positions a to b-1 as an ndarray, reading only those.
 
     Every read is checked against the vocabulary. The ids were checked when the dataset was
     prepared; this catches a shard damaged since, which would otherwise index outside the
