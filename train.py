@@ -147,10 +147,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"good checkpoint is kept: lower learning_rate or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard and the terminal get what log.point lists; the lr is learning_rate's (the
-                # other groups follow the same schedule), and whole() gathers FSDP's grad norm
-                log.point(iter_num, train_loss, cfg.learning_rate * lr_scale,
-                          distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
+                # TensorBoard and the terminal get what log.point lists, each group's lr under the
+                # name it is logged as, and whole() gathers FSDP's grad norm
+                lrs = {group["logged_as"]: group["lr"] for opt in optimizers for group in opt.param_groups}
+                log.point(iter_num, train_loss, lrs, distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
                 loss_sum = torch.zeros_like(loss_sum)
 

@@ -53,6 +53,13 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tiny_config):
     assert configure_optimizers(model, tiny_config, torch.device("cpu"))[0].param_groups[0][
         "peak_lr"] == tiny_config.learning_rate
     assert len(configure_optimizers(model, tiny_config, torch.device("cpu"))) == 1
+    # an untied table trains at embedding_lr, and its lr is logged as lr_embedding
+    untied = dataclasses.replace(muon_cfg, embedding_lr=0.1, model=dataclasses.replace(
+        muon_cfg.model, tie_embeddings=False))
+    groups = [g for opt in configure_optimizers(GPT(untied.model_config(30)), untied,
+                                                torch.device("cpu")) for g in opt.param_groups]
+    assert {g["logged_as"]: g["peak_lr"] for g in groups if g["params"]} == {
+        "lr": untied.learning_rate, "lr_embedding": 0.1, "lr_muon": untied.muon_lr}
 
 
 def test_muon_loss_falls_and_its_state_lands_in_the_checkpoint(tiny_config):
@@ -63,6 +70,16 @@ def test_muon_loss_falls_and_its_state_lands_in_the_checkpoint(tiny_config):
     vocab_size = load_meta(cfg.data_dir)["vocab_size"]
     assert len(val) == 2 and val[0] > val[-1]  # evaluated at 30 and 60
     assert val[-1] < 2.1
+    # each group's lr is logged under its own name, on one schedule: GPT-2's layout ties wte
+    # to the head, so there are no tables at embedding_lr
+    acc = EventAccumulator(str(result.run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert "train/lr_embedding" not in acc.Tags()["scalars"]
+    for tag, peak in (("train/lr", cfg.learning_rate), ("train/lr_muon", cfg.muon_lr)):
+        logged = [(e.step, e.value) for e in acc.Scalars(tag)]
+        assert [step for step, _ in logged] == list(range(5, 61, 5))
+        for step, value in logged:  # the lr of the step that ended at `step`
+            assert value == pytest.approx(peak * get_lr_scale(step - 1, cfg), rel=1e-6)
     ckpt = load_checkpoint(result.run_dir / "last.pt")
     adamw_state, muon_state = ckpt["optimizer"]
     assert len(muon_state["state"]) == 4 * cfg.model.n_layer

@@ -100,14 +100,15 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
 
-    def point(self, it: int, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
-              mfu: float) -> None:
+    def point(self, it: int, loss: float, lrs: dict[str, float], grad_norm: float,
+              tokens_per_sec: float, mfu: float) -> None:
         """Log the steps since the last point as TensorBoard's scalars, and show them: on a
         terminal, the loss, tokens/s and MFU on the progress bar; elsewhere, as one line. loss
-        is the steps' mean (train/loss_step); lr is learning_rate's, on every group's schedule."""
+        is the steps' mean (train/loss_step); lrs holds train/lr (learning_rate's), and Muon's
+        and the tables' (train/lr_muon, train/lr_embedding) where they train."""
         if self.writer is None:
             return
-        for tag, value in (("train/loss_step", loss), ("train/lr", lr),
+        for tag, value in (("train/loss_step", loss), *((f"train/{name}", lr) for name, lr in lrs.items()),
                            ("train/grad_norm", grad_norm), ("perf/tokens_per_sec", tokens_per_sec),
                            ("perf/mfu", mfu)):
             self.writer.add_scalar(tag, value, it)

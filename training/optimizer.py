@@ -31,8 +31,8 @@ def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
 
 def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
                          dtype: torch.dtype = torch.float32) -> list[torch.optim.Optimizer]:
-    """The recipe's optimizers, each param group tagged with its peak lr ("peak_lr"). dtype
-    is the run's compute dtype; Muon orthogonalizes in bf16 only when the run is in bf16."""
+    """The recipe's optimizers, each group with its "peak_lr" and the name its lr is logged as
+    ("logged_as"). Muon orthogonalizes in bf16 only when dtype, the run's, is bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
     # AdamW's groups: the other matrices (the head, wpe), decayed as in nanoGPT; biases and norm
@@ -45,12 +45,12 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
     adamw_groups = [
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay,
-         "peak_lr": cfg.learning_rate},
+         "peak_lr": cfg.learning_rate, "logged_as": "lr"},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0,
-         "peak_lr": cfg.learning_rate},
+         "peak_lr": cfg.learning_rate, "logged_as": "lr"},
     ]
     if tables := [t for t in tables if t.requires_grad]:
-        adamw_groups.append({"params": tables, "weight_decay": 0.0,
+        adamw_groups.append({"params": tables, "weight_decay": 0.0, "logged_as": "lr_embedding",
                              "peak_lr": cfg.embedding_lr or cfg.learning_rate})
     # the fused kernel updates all plain tensors in one pass; FSDP's sharded ones cannot use it
     sharded = any(is_dtensor(p) for p in trained)
@@ -64,8 +64,8 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
         # separately, as nanochat's three matrices, unless GQA makes them unequal
         blocks = {b.attn.c_attn.weight: 3 for b in model.transformer.h if b.attn.n_kv_head == b.attn.n_head}
         optimizers.append(Muon(
-            [{"params": matrices, "peak_lr": cfg.muon_lr}], lr=cfg.muon_lr, row_blocks=blocks,
-            weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
+            [{"params": matrices, "peak_lr": cfg.muon_lr, "logged_as": "lr_muon"}], lr=cfg.muon_lr,
+            row_blocks=blocks, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
             ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,  # torch's defaults
             ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
     return optimizers
