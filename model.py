@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # over the last dimension
-    if x.device.type == "cpu":  # the same, in one pass for float32 (machine/cpu_kernels.py)
+    if x.device.type == "cpu":  # the same values and gradients, in one pass for float32 (cpu_kernels.py)
         return RMSNormFunction.apply(x, eps)
     return F.rms_norm(x, (x.size(-1),), eps=eps)
 
@@ -71,9 +71,9 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # unit RMS caps a score at sqrt(head_dim), for a higher lr; rope keeps norms
+        if self.qk_norm:  # at unit RMS a score is at most sqrt(head_dim), which allows a higher lr
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
-        if self.rope:
+        if self.rope:  # a rotation keeps the norms, so the bound on the scores holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         mask = None  # None means causal attention over these T tokens; a cache gives its own mask
@@ -144,7 +144,7 @@ class MLP(nn.Module):
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
-    if h.device.type == "cpu":  # the same, in one pass for float32 (machine/cpu_kernels.py)
+    if h.device.type == "cpu":  # the same values and gradients, in one pass for float32 (cpu_kernels.py)
         return ReLUSquared.apply(h)
     return F.relu(h).square()
 

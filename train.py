@@ -106,7 +106,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         # the first batch: (B, T) windows at random places in the train split, and y is x shifted
-        # by one token (resumed, the stream draws first the batch that the saved run had drawn next)
+        # by one token; after a resume, it is the batch that the saved run had drawn for its next step
         x, y = to_device(batches.next(), device)
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
@@ -195,7 +195,7 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
         return 1.0
     if it < cfg.warmup_iters:  # as in nanoGPT: 1/(w+1), 2/(w+1), ... for w = warmup_iters steps
         return (it + 1) / (cfg.warmup_iters + 1)
-    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0  # min_lr is 0 then
+    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0  # min_lr <= learning_rate
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
     if it >= decay_iters:
         return floor
@@ -244,4 +244,4 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
 
 
 if __name__ == "__main__":
-    run_command(command_line(main))  # an option per TrainConfig field; bad input is one line, exit 1
+    run_command(command_line(main))  # an option for each TrainConfig field; bad input is one line

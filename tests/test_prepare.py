@@ -499,8 +499,8 @@ if __name__ == "__main__":
                     reason="finds a blocked write through Linux's /proc")
 def test_a_worker_killed_as_it_hands_back_its_result_leaves_no_one_waiting(tmp_path):
     # A worker killed halfway through handing back a large result must not leave the main
-    # process waiting for the rest, as a pipe did: the result arrives whole, or the worker's
-    # death is the one line.
+    # process waiting for the rest of it, as a large message on the pool's pipe would: the
+    # result arrives whole, or the worker's death is the one line.
     script = tmp_path / "killed_in_a_write.py"
     script.write_text(KILLED_IN_A_WRITE)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -73,8 +73,8 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
 
 class Unguarded:
     """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, whose first
-    call imports the compiler (a second; docs/performance.md), which this trainer never uses on
-    its optimizers. inspect.unwrap follows __wrapped__ to the function a wrapper wraps."""
+    call imports the compiler, which is slow to import and which this trainer never uses on its
+    optimizers (docs/performance.md). inspect.unwrap follows __wrapped__ to the wrapped function."""
 
     add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
     zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
