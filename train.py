@@ -65,8 +65,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         autocast = autocast_for(dtype, device, sharded)  # torch.autocast to dtype, or nothing in float32
-        # float16 alone scales its loss up, lest small gradients round to zero; elsewhere it is off
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        # float16 alone needs its loss scaled up, lest small gradients round to zero; bf16 has fp32's range
+        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
         raw_model: GPT = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
@@ -105,8 +105,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size
         t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
-        # the first batch: (B, T) windows at random places in the train split, and y is x shifted
-        # by one token; after a resume, it is the batch that the saved run had drawn for its next step
+        # the first batch; after a resume, the one that the saved run had drawn for its next step
         x, y = to_device(batches.next(), device)
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
@@ -122,16 +121,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
                 # the next batch, drawn while a GPU still runs this forward pass (as in nanoGPT)
                 x, y = to_device(batches.next(), device)
-                scaler.scale(loss).backward()
                 loss_sum += loss.detach()
-            for opt in optimizers:
-                scaler.unscale_(opt)  # float16's gradients back to their true size; elsewhere nothing
+                (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:  # float16's gradients back to their true size, to be clipped
+                for opt in optimizers:
+                    scaler.unscale_(opt)
             # the norm before clipping, for the log; grad_clip 0 measures it and clips nothing
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
-                scaler.step(opt)  # opt.step(), which float16 skips when a gradient is inf or NaN
+                if scaler:  # opt.step(), unless float16's gradients hold an inf or NaN
+                    scaler.step(opt)
+                else:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
-            scaler.update()  # float16's next scale: smaller after an inf or NaN, larger after a good run
+            if scaler:  # the next scale: smaller after an inf or NaN, larger after a good run
+                scaler.update()
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on
@@ -147,8 +151,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"good checkpoint is kept: lower learning_rate or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # TensorBoard and the terminal get what log.point lists, each group's lr under the
-                # name it is logged as, and whole() gathers FSDP's grad norm
+                # each group's lr under the name TensorBoard shows it by; whole() gathers FSDP's grad norm
                 lrs = {group["logged_as"]: group["lr"] for opt in optimizers for group in opt.param_groups}
                 log.point(iter_num, train_loss, lrs, distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -172,10 +175,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
             stopping = stop.asked(dist, device, at_log_point)
             if eval_now or stopping:
-                # last.pt, and best.pt when this val loss is the best so far: the weights, the
-                # optimizers and the random generators, from which --resume continues where it stopped
-                checkpoints.save(iter_num, best_val_loss, losses["val"] if eval_now else math.nan,
-                                 is_best)
+                # last.pt (and best.pt, when this val loss is the best yet), which --resume continues
+                checkpoints.save(iter_num, best_val_loss, losses["val"] if eval_now else math.nan, is_best)
             t_log += time.perf_counter() - t_pause
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
@@ -226,8 +227,7 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
             total += loss
         if distributed.is_sharded(model):  # FSDP's processes must all run as many forward passes
             from training.fsdp import forward_as_often_as_the_others
-            forward_as_often_as_the_others(batches, dist, lambda *batch: model(*to_device(batch, device)),
-                                           autocast)
+            forward_as_often_as_the_others(model, batches, dist, device, autocast)
         out[split] = distributed.all_sum(total, dist).item() / cfg.eval_iters
     return out
 

@@ -90,6 +90,21 @@ def test_bf16_autocast_run_trains_and_samples(tiny_config):
     assert load_checkpoint(result.run_dir / "last.pt")["model"]["lm_head.weight"].dtype == torch.float32
 
 
+def test_float16_keeps_a_loss_scale_that_resumes_and_a_run_may_turn_to_float16(tiny_config):
+    # float16 alone scales its loss, and a checkpoint keeps the scale for the resumed run; a
+    # run saved in bf16 that resumes in float16 starts from a fresh scale
+    cfg = tiny_config.updated(max_iters=10, eval_interval=5, sample_tokens=0)
+    train(cfg.updated(dtype="bfloat16"))
+    assert load_checkpoint(Path(cfg.out_dir) / "tiny" / "last.pt")["scaler"] == {}
+    turned = train(cfg.updated(dtype="float16", max_iters=20), resume=True)
+    first = load_checkpoint(turned.run_dir / "last.pt")["scaler"]
+    assert first["scale"] > 1 and turned.iter_num == 20 and math.isfinite(turned.best_val_loss)
+    train(cfg.updated(dtype="float16", max_iters=25), resume=True)
+    then = load_checkpoint(turned.run_dir / "last.pt")["scaler"]
+    # five more steps on the saved scale: it grew towards its next doubling, or it changed
+    assert then["_growth_tracker"] == first["_growth_tracker"] + 5 or then["scale"] != first["scale"]
+
+
 def test_checkpoint_holds_the_model_that_was_evaluated(tiny_config):
     result = train(tiny_config)
     ckpt = load_checkpoint(result.run_dir / "last.pt")

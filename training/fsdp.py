@@ -260,11 +260,12 @@ def fill_from_shards(saved: TrainState, path: Path, model: GPT,
         for i, (opt, opt_names) in enumerate(zip(optimizers, names, strict=True))]
 
 
-def forward_as_often_as_the_others(batches: list, info: Dist, forward: Callable,
-                                   autocast: Any) -> None:
+def forward_as_often_as_the_others(model: torch.nn.Module, batches: list, info: Dist,
+                                   device: torch.device, autocast: Any) -> None:
     """A sharded model's forward is a collective, so every process must call it as often as
     the others. Where an evaluation's batches do not divide among the processes, those with
     one fewer run the forward once more on the last batch, whose loss is not counted."""
     for _ in range(-(-len(batches) // info.world_size) - len(batches[info.rank::info.world_size])):
+        x, y = (t.to(device) for t in batches[-1])
         with autocast:
-            forward(*batches[-1])
+            model(x, y)
