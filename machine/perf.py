@@ -29,32 +29,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s, the yardstick the field
-# quotes GPU MFU against. They match the device name in order, so longer names come first.
-GPU_BF16_PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
-    ("H200", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-)
-
-
-def datasheet_peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU named like torch.cuda.get_device_name(), if known."""
-    return next((flops for key, flops in GPU_BF16_PEAK_FLOPS if key in device_name), None)
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The FLOP/s that MFU is measured against, and where the figure comes from: a known
     GPU's datasheet bf16 peak (whatever the training dtype, as is usual); else this
     machine's best matmul throughput in `dtype`, measured once and kept in the cache folder
     under the CPU's name, the dtype and the thread count, so that a busy moment at a run's
     start never moves the yardstick."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # the datasheets are read on a GPU only
+        from machine.datasheets import datasheet_peak_flops
         name = torch.cuda.get_device_name(device)
         flops = datasheet_peak_flops(name)
         if flops is not None:

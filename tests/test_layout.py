@@ -156,12 +156,12 @@ def test_a_plain_training_run_reads_only_what_it_uses():
             seen.add(name)
             todo += module_level_imports(modules[name], modules) - seen
     # FSDP, torchrun, sharded checkpoints, resuming and reading a checkpoint, data preparation
-    # and its shard writer, fine-tuning, chat batches, sampling and timing a CPU's peak are
-    # imported where a run needs them
+    # and its shard writer, fine-tuning, chat batches, sampling, timing a CPU's peak and a GPU's
+    # datasheet peak are imported where a run needs them
     assert not seen & {"training.fsdp", "training.torchrun", "weights.sharded", "training.resume",
                        "weights.safe_load", "weights.fields", "data.prepare", "data.shards",
                        "data.assets", "data.bpe", "training.init_from", "data.chat", "generate",
-                       "cdecode", "viz", "machine.peak"}, seen
+                       "cdecode", "viz", "machine.peak", "machine.datasheets"}, seen
     lines = sum(len(modules[name].read_text().splitlines()) for name in seen)
     assert lines <= 3500, f"train.py's imports reach {len(seen)} modules, {lines} lines"
 

@@ -18,9 +18,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from data.batches import batch_sampler
 from data.loader import load_meta, load_split
 from data.sources import DataError
+from machine.datasheets import datasheet_peak_flops
 from machine.device import resolve_device
 from machine.errors import UserError
-from machine.perf import datasheet_peak_flops, peak_flops
+from machine.perf import peak_flops
 from model import GPT, GPTConfig
 from tests.forked import python
 from tests.layouts import LAYOUTS
