@@ -9,8 +9,8 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on
 one idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults), and on
-a CPU, rms_norm, relu_squared and apply_rope call machine/cpu_kernels.py, which computes these
-torch expressions on float32 tensors, with their gradients, in one pass each.
+a CPU, machine/cpu_kernels.py computes rms_norm, relu_squared and apply_rope (marked @cpu_kernel),
+their values and gradients, in one pass each, where torch makes several.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate, cpu_kernel
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
 
@@ -35,7 +35,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps): LayerNorm without its mean, bias and gain, as in nanochat."""
+    """x / sqrt(mean(x^2) + eps): LayerNorm without the mean subtracted, bias or gain (nanochat's)."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -45,10 +45,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # over the last dimension
-    if x.device.type == "cpu":  # the same values and gradients, in one pass for float32 (cpu_kernels.py)
-        return RMSNormFunction.apply(x, eps)
-    return F.rms_norm(x, (x.size(-1),), eps=eps)
+@cpu_kernel(RMSNormFunction)
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),), eps=eps)  # over the last dimension
 
 
 class CausalSelfAttention(nn.Module):
@@ -57,7 +56,7 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx, self.dropout = layer_idx, config.dropout
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
-        # one matmul gives the queries, and the keys and values, which GQA gives fewer heads
+        # one matmul projects to the queries, keys and values; under GQA the last two have fewer heads
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -91,8 +90,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # computed in fp32, because torch's CPU kernel is slower on short bf16 sequences, and with
-        # autocast off, because it would cast the fp32 inputs straight back
+        # below 256 keys torch's CPU kernel is slower in bf16 than in fp32 (docs/performance.md), so
+        # these run in fp32, with autocast off, because it would cast the fp32 inputs straight back
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
@@ -118,11 +117,10 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
+@cpu_kernel(RotatePairs, can_rotate)  # float32 alone, with one angle per position
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i + hd/2}) of every head of (B, T, heads, hd) by its token's angle,
+    """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by pos / theta^(2i / hd),
     so that the dot product of a query and a key depends on how far apart their tokens are."""
-    if can_rotate(x, cos, sin):  # a CPU's float32: the same, in one pass (machine/cpu_kernels.py)
-        return RotatePairs.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
     y2 = x1 * sin + x2 * cos  # [y2] = [sin   cos] [x2]
@@ -143,9 +141,8 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(h))
 
 
+@cpu_kernel(ReLUSquared)
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
-    if h.device.type == "cpu":  # the same values and gradients, in one pass for float32 (cpu_kernels.py)
-        return ReLUSquared.apply(h)
     return F.relu(h).square()
 
 
@@ -205,8 +202,9 @@ class GPTConfig:
 
 
 def weights_generator() -> torch.Generator:
-    """The generator that draws the initial weights, seeded by one draw from torch's, so that a
-    model built whole and one that FSDP builds in shards (training/fsdp.py) get the same ones."""
+    """The generator of the initial weights, seeded by one draw from torch's. GPT draws it before
+    its layers' default init draws from torch's, and training/fsdp.py before it builds them on the
+    meta device, where nothing is drawn, so that both get the same weights."""
     return torch.Generator().manual_seed(int(torch.randint(2**62, (), device="cpu")))
 
 
@@ -214,7 +212,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        generator = weights_generator()  # seeded first, so the weights depend on torch's seed alone
+        generator = weights_generator()  # first, as its docstring says
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -252,7 +250,7 @@ class GPT(nn.Module):
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         if "wtb" in self.transformer:  # the bigram table's row for each token's predecessor
-            none = self.config.vocab_size  # the last row, for a window's first token: none in view
+            none = self.config.vocab_size  # the last row: a window's first token sees no predecessor
             before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None  # idx shifted by one
                       else kv_cache.update_ids(idx, input_pos, none))
             x = x + self.transformer.wtb(before)
@@ -267,7 +265,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
         x = self.transformer.ln_f(x if targets is not None else x[:, logits_from:, :])
-        logits = self.lm_head(x)  # (B, T, vocab)
+        logits = self.lm_head(x)  # (B, T, vocab), or from logits_from on
         if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
             logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:

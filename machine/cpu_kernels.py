@@ -2,10 +2,10 @@
 RMSNorm, relu(h)^2 and the rotation of rotary positions.
 
 Usage:
-    from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs
-    y = RMSNormFunction.apply(x, 1e-5)    # x / sqrt(mean(x^2) + eps), no gain
-    h = ReLUSquared.apply(h)              # relu(h)^2
-    q = RotatePairs.apply(q, cos, sin)    # model.apply_rope's rotation, (B, T, heads, hd)
+    from machine.cpu_kernels import ReLUSquared, cpu_kernel
+    @cpu_kernel(ReLUSquared)    # as model.py writes them: the plain expression, which
+    def relu_squared(h):        # ReLUSquared.apply replaces on a CPU
+        return F.relu(h).square()
 
 Each is several small operations, and PyTorch passes over the whole tensor once for each,
 forward and backward, which on a CPU is much of a small model's step. In float32 they run as
@@ -19,10 +19,28 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional as F
+
+
+def on_a_cpu(x: torch.Tensor, *rest: Any) -> bool:
+    return x.device.type == "cpu"
+
+
+def cpu_kernel(kernel: type[torch.autograd.Function],
+               runs_on: Callable[..., bool] = on_a_cpu) -> Callable[[Callable], Callable]:
+    """Decorate a function of plain torch operations with the kernel that computes the same
+    values and gradients: a call goes to kernel.apply where runs_on(*args), else to the function."""
+    def decorate(plain: Callable) -> Callable:
+        @functools.wraps(plain)  # plain stays reachable as __wrapped__, which the tests compare with
+        def either(*args: Any) -> torch.Tensor:
+            return kernel.apply(*args) if runs_on(*args) else plain(*args)
+        return either
+    return decorate
 
 
 @functools.cache
@@ -129,7 +147,7 @@ class ReLUSquared(torch.autograd.Function):
 class RotatePairs(torch.autograd.Function):
     """model.apply_rope's rotation of (B, T, heads, hd) queries or keys in one pass, with
     (T, 1, hd / 2) tables whose row t turns the t-th token of every sequence. The gradient
-    turns each pair back by the same angle. model.apply_rope checks can_rotate first."""
+    turns each pair back by the same angle, and it runs where can_rotate says it can."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

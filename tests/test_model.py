@@ -7,8 +7,16 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from machine.cpu_kernels import ReLUSquared, RMSNormFunction
-from model import GPT, GPTConfig, apply_rope, explicit_attention, sdpa_attention, weights_generator
+from model import (
+    GPT,
+    GPTConfig,
+    apply_rope,
+    explicit_attention,
+    relu_squared,
+    rms_norm,
+    sdpa_attention,
+    weights_generator,
+)
 from tests.layouts import LAYOUTS, with_bigrams
 
 
@@ -125,20 +133,25 @@ def rotated_as_complex_numbers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gradients_written_out_equal_autograds(dtype):
     # RMSNorm, ReLU^2 and the rotary rotation are written out for speed (in C for float32, in
-    # machine/cpu_kernels.c); they must give the same values and gradients as autograd through
-    # the composed operations, in fp32 and from bf16 activations
+    # machine/cpu_kernels.c), and model.py's @cpu_kernel calls them on a CPU in place of the
+    # plain expressions it shows; they must give those expressions' values and gradients, in
+    # fp32 and from bf16 activations, and the rotation must be the complex numbers' too
     from machine.cpu_kernels import kernels
     assert kernels() is not None  # the C kernels are built here, so float32 runs them
     gen = torch.Generator().manual_seed(0)
     angles = torch.rand(7, 1, 16, generator=gen) * 6  # (T, 1, hd / 2): one row per position
     cos, sin = angles.cos(), angles.sin()
-    for fast, composed in [
-        (lambda x: RMSNormFunction.apply(x, 1e-6), lambda x: F.rms_norm(x, (x.size(-1),), eps=1e-6)),
-        (ReLUSquared.apply, lambda h: F.relu(h) * F.relu(h)),
-        (lambda x: apply_rope(x, cos, sin), lambda x: rotated_as_complex_numbers(x, cos, sin)),
+    as_complex = lambda x: rotated_as_complex_numbers(x, cos, sin)  # noqa: E731
+    for fast, composed, kernel in [
+        (lambda x: rms_norm(x, 1e-6), lambda x: rms_norm.__wrapped__(x, 1e-6), "RMSNormFunction"),
+        (relu_squared, relu_squared.__wrapped__, "ReLUSquared"),
+        (lambda x: apply_rope(x, cos, sin), as_complex, "RotatePairs" if dtype == torch.float32 else ""),
+        (lambda x: apply_rope.__wrapped__(x, cos, sin), as_complex, ""),
     ]:
         x = (3 * torch.randn(4, 7, 3, 32, generator=gen)).to(dtype).requires_grad_()
         g = torch.randn(4, 7, 3, 32, generator=gen).to(dtype)
+        ran = type(fast(x).grad_fn).__name__  # the kernel's backward, or a torch operation's
+        assert ran.startswith(kernel) if kernel else not ran.startswith("RotatePairs"), ran
         ours, = torch.autograd.grad(fast(x), x, g)
         theirs, = torch.autograd.grad(composed(x), x, g)
         assert fast(x).dtype == composed(x).dtype == ours.dtype == dtype
