@@ -71,24 +71,20 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     return optimizers
 
 
-class Unguarded:
-    """torch.optim.Optimizer's methods without their torch._disable_dynamo wrapper, whose first
-    call imports the compiler, which is slow to import and which this trainer never uses on its
-    optimizers (docs/performance.md). inspect.unwrap follows __wrapped__ to the wrapped function."""
-
-    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
-    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
-    state_dict = inspect.unwrap(torch.optim.Optimizer.state_dict)
-    load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
-
-
-class AdamW(Unguarded, torch.optim.AdamW):
-    """torch.optim.AdamW without the guards; its step runs in no_grad, as torch's wrapper ran it."""
-
-    step = torch.no_grad()(inspect.unwrap(torch.optim.AdamW.step))
+def unguarded(optimizer: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The optimizer class with its methods unwrapped from torch._disable_dynamo, whose first call
+    imports the compiler, which is slow to import and never runs on these optimizers
+    (docs/performance.md); the step runs in no_grad, as torch's wrapper ran it."""
+    methods = {name: inspect.unwrap(getattr(optimizer, name))  # follows __wrapped__ to the function
+               for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict", "step")}
+    methods["step"] = torch.no_grad()(methods["step"])
+    return type(optimizer.__name__, (optimizer,), methods)
 
 
-class Muon(Unguarded, torch.optim.Muon):
+AdamW = unguarded(torch.optim.AdamW)
+
+
+class Muon(unguarded(torch.optim.Muon)):
     """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype (torch's is in bf16, which
     most x86 CPUs emulate far more slowly than fp32), on all the matrices of one shape in one
     batched product, and separately on each of the equal blocks of rows of a matrix in
