@@ -9,9 +9,7 @@ Usage:
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the run folder and the model (each a
-step of training/setup.py), the optimizers, then the loop. In a plain run, one process,
-distributed's calls do nothing, stop_signals makes Ctrl-C a request that the loop answers after
-its step, and fit_threads times a CPU's thread counts. A run writes runs/<run_name>/.
+step of training/setup.py), the optimizers, then the loop. A run writes runs/<run_name>/.
 """
 
 from __future__ import annotations
@@ -41,7 +39,13 @@ from training.setup import build_model, choose_device, for_training, load_data, 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Train the model cfg describes on its data; with resume, go on from the run folder's
-    last checkpoint. Under torchrun every process runs this."""
+    last checkpoint. Under torchrun every process runs this.
+
+    What a plain run, one process like the quickstart's, gets from the setup: dist is rank 0 of
+    1, so every call into training/distributed.py returns at once; sharded is False; dtype is
+    bf16 where the CPU or GPU multiplies it natively, else fp32, and autocast casts to it (or
+    does nothing in fp32); scaler is None (float16 alone has one); model is raw_model itself
+    (unless --compile); and Ctrl-C is a request that the loop answers after its step."""
     t_start = time.time()
     with ExitStack() as stack:  # the four contexts entered below close, in reverse, however the run ends
         # --- where the run computes -------------------------------------------------------
@@ -64,7 +68,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             from training.resume import read_saved, restore
             saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        autocast = autocast_for(dtype, device, sharded)  # torch.autocast to dtype, or nothing in float32
+        autocast = autocast_for(dtype, device, sharded)  # torch.autocast to dtype, or nothing (fp32, FSDP)
         # float16 alone needs its loss scaled up, lest small gradients round to zero; bf16 has fp32's range
         scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
@@ -72,8 +76,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
 
         # --- the optimizers and the batches, then the checkpoint's state put back ---------
-        # [AdamW], or [AdamW, Muon] for the blocks' matrices, each group with the "peak_lr" the loop
-        # scales; Muon orthogonalizes its update, so clipping changes its momentum, not its step's size
+        # [AdamW], or [AdamW, Muon] for the blocks' matrices, each group with the "peak_lr" the loop scales
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
         # y = data[s+1:s+T+1], T being the model's block_size (estimate_loss calls them too);
@@ -94,7 +97,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
         threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
-        peak, peak_source = peak_flops(device, dtype)  # measured once, at the starting thread count
+        # the machine's peak, at the starting (largest) thread count, which MFU is measured against
+        peak, peak_source = peak_flops(device, dtype)
         # TensorBoard's events and the progress bar; the first lines say the run's size and dtype
         log.start(iter_num, raw_model, tokens_per_iter, device, f"{dtype} ({dtype_reason})",
                   f"{peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
@@ -126,7 +130,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             if scaler:  # float16's gradients back to their true size, to be clipped
                 for opt in optimizers:
                     scaler.unscale_(opt)
-            # the norm before clipping, for the log; grad_clip 0 measures it and clips nothing
+            # the norm before clipping, for the log (grad_clip 0 clips nothing); Muon's matrices are
+            # clipped too, which changes what enters its momentum, though not its step's size
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 if scaler:  # opt.step(), unless float16's gradients hold an inf or NaN
@@ -151,7 +156,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                         f"good checkpoint is kept: lower learning_rate or set grad_clip")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
-                # each group's lr under the name TensorBoard shows it by; whole() gathers FSDP's grad norm
+                # each group's lr by its TensorBoard name, and the last step's grad norm (whole under FSDP)
                 lrs = {group["logged_as"]: group["lr"] for opt in optimizers for group in opt.param_groups}
                 log.point(iter_num, train_loss, lrs, distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
                 t_log, iters_since_log = time.perf_counter(), 0
@@ -162,7 +167,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             is_best = False
             if eval_now:  # both splits' losses, then a text sample and the attention pictures
-                raw_model.eval()  # no dropout; uncompiled, lest a compiled model build a graph for eval mode
+                raw_model.eval()  # no dropout; raw_model, so that torch.compile builds no graph for eval mode
                 losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                 log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
                 if not math.isfinite(losses["val"]):
@@ -196,12 +201,13 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
         return 1.0
     if it < cfg.warmup_iters:  # as in nanoGPT: 1/(w+1), 2/(w+1), ... for w = warmup_iters steps
         return (it + 1) / (cfg.warmup_iters + 1)
-    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0  # min_lr <= learning_rate
+    # the config refuses min_lr > learning_rate, so the floor is at most 1
+    floor = cfg.min_lr / cfg.learning_rate if cfg.learning_rate > 0 else 0.0
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
     if it >= decay_iters:
         return floor
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # 1 -> floor
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # from 1 down to floor
 
 
 def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
