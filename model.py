@@ -10,7 +10,7 @@ In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on
 one idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults), and on
 a CPU, machine/cpu_kernels.py computes rms_norm, relu_squared and apply_rope (marked @cpu_kernel),
-their values and gradients, in one pass each, where torch makes several.
+their values and gradients, in one pass each in float32, where torch makes several.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # at unit RMS a score is at most sqrt(head_dim), which allows a higher lr
+        if self.qk_norm:  # at unit RMS, q.k / sqrt(head_dim) is at most sqrt(head_dim): a higher lr holds
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:  # a rotation keeps the norms, so the bound on the scores holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -117,7 +117,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@cpu_kernel(RotatePairs, can_rotate)  # float32 alone, with one angle per position
+@cpu_kernel(RotatePairs, can_rotate)  # where the tensors are float32 and each position has one angle
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by pos / theta^(2i / hd),
     so that the dot product of a query and a key depends on how far apart their tokens are."""
@@ -202,9 +202,9 @@ class GPTConfig:
 
 
 def weights_generator() -> torch.Generator:
-    """The generator of the initial weights, seeded by one draw from torch's. GPT draws it before
-    its layers' default init draws from torch's, and training/fsdp.py before it builds them on the
-    meta device, where nothing is drawn, so that both get the same weights."""
+    """A generator for the initial weights, seeded by one draw from torch's. Building the layers
+    draws from torch's generator too (their default init), but not on the meta device, where
+    training/fsdp.py builds them; drawing this seed first gives both builds the same weights."""
     return torch.Generator().manual_seed(int(torch.randint(2**62, (), device="cpu")))
 
 
@@ -212,7 +212,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        generator = weights_generator()  # first, as its docstring says
+        generator = weights_generator()  # before building the layers, which draws from torch's
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),

@@ -43,7 +43,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
     What a plain run, one process like the quickstart's, gets from the setup: dist is rank 0 of
     1, so every call into training/distributed.py returns at once; sharded is False; dtype is
-    bf16 where the CPU or GPU multiplies it natively, else fp32, and autocast casts to it (or
+    bf16 where a CUDA GPU or the CPU multiplies it natively, else fp32, and autocast casts to it (or
     does nothing in fp32); scaler is None (float16 alone has one); model is raw_model itself
     (unless --compile); and Ctrl-C is a request that the loop answers after its step."""
     t_start = time.time()
@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             from training.resume import read_saved, restore
             saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        autocast = autocast_for(dtype, device, sharded)  # torch.autocast to dtype, or nothing (fp32, FSDP)
+        autocast = autocast_for(dtype, device, sharded)  # autocast to dtype; fp32 and GPU FSDP have none
         # float16 alone needs its loss scaled up, lest small gradients round to zero; bf16 has fp32's range
         scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
@@ -131,7 +131,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 for opt in optimizers:
                     scaler.unscale_(opt)
             # the norm before clipping, for the log (grad_clip 0 clips nothing); Muon's matrices are
-            # clipped too, which changes what enters its momentum, though not its step's size
+            # clipped too, which changes its momentum, though not its step's size, which it sets itself
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 if scaler:  # opt.step(), unless float16's gradients hold an inf or NaN
@@ -148,12 +148,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
-                # .item() waits for the device, so it is called only here, every log_interval steps
+                # .item() waits for the device, so the loop calls it only at log points
                 loss_sum = distributed.all_sum(loss_sum, dist)  # over the processes under torchrun
                 train_loss = loss_sum.item() / (iters_since_log * dist.world_size)
                 if not math.isfinite(train_loss):
-                    raise TrainingError(f"training loss became {train_loss} at iter {iter_num}; the last "
-                                        f"good checkpoint is kept: lower learning_rate or set grad_clip")
+                    raise TrainingError.diverged(f"training loss became {train_loss} at iter {iter_num}")
                 tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
                 mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
                 # each group's lr by its TensorBoard name, and the last step's grad norm (whole under FSDP)
@@ -171,8 +170,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                 log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
                 if not math.isfinite(losses["val"]):
-                    raise TrainingError(f"val loss is {losses['val']} at iter {iter_num}; the last "
-                                        f"good checkpoint is kept: lower learning_rate or set grad_clip")
+                    raise TrainingError.diverged(f"val loss is {losses['val']} at iter {iter_num}")
                 log.samples(iter_num, raw_model, device, autocast)
                 raw_model.train()
                 is_best = losses["val"] < best_val_loss
@@ -182,7 +180,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             if eval_now or stopping:
                 # last.pt (and best.pt, when this val loss is the best yet), which --resume continues
                 checkpoints.save(iter_num, best_val_loss, losses["val"] if eval_now else math.nan, is_best)
-            t_log += time.perf_counter() - t_pause
+            t_log += time.perf_counter() - t_pause  # so that tokens/s counts the steps' time alone
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
                                   f"{iter_num}; saved {run.checkpoint}; continue with the "

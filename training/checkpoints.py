@@ -68,9 +68,8 @@ class Checkpoints:
             broken = distributed.from_main(
                 lambda: non_finite({"model": state.model, "optimizer": state.optimizer}), dist)
         if broken is not None:  # only this check sees weights that turned NaN between log points
-            raise TrainingError(f"{broken} holds NaN or inf at iter {iter_num}, so no "
-                                f"checkpoint was written and the last good one is kept: "
-                                f"lower learning_rate or set grad_clip", everywhere=True)
+            raise TrainingError.diverged(f"{broken} holds NaN or inf at iter {iter_num}, so no "
+                                         f"checkpoint was written", everywhere=True)
         try:
             if sharded:
                 checkpoint = write_sharded(run.path, state, tensors, self.model, self.optimizers,

@@ -33,6 +33,12 @@ LOCK = ".lock"
 class TrainingError(UserError):
     """Training cannot go on (a non-finite loss, a failed write); the last checkpoint stays."""
 
+    @classmethod
+    def diverged(cls, problem: str, everywhere: bool | None = None) -> TrainingError:
+        """The error of a run whose loss or weights became NaN or inf, with what to do."""
+        return cls(f"{problem}; the last good checkpoint is kept: lower the learning rates or set a "
+                   f"lower grad_clip", everywhere=everywhere)
+
 
 class Interrupted(TrainingError):
     """SIGINT, SIGTERM or SIGHUP arrived; the last finished step was saved."""
