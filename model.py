@@ -9,8 +9,8 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on
 one idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults), and on
-a CPU, machine/cpu_kernels.py computes rms_norm, relu_squared and apply_rope (marked @cpu_kernel),
-their values and gradients, in one pass each in float32, where torch makes several.
+a CPU, machine/cpu_kernels.py computes rms_norm, relu_squared and apply_rope (each marked
+@cpu_kernel) with their gradients in one pass each in float32, where torch makes several passes.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # at unit RMS, q.k / sqrt(head_dim) is at most sqrt(head_dim): a higher lr holds
+        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), so a higher lr stays stable
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if self.rope:  # a rotation keeps the norms, so the bound on the scores holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

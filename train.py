@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             from training.resume import read_saved, restore
             saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        autocast = autocast_for(dtype, device, sharded)  # autocast to dtype; fp32 and GPU FSDP have none
+        autocast = autocast_for(dtype, device, sharded)  # torch.autocast, or none for fp32 and GPU FSDP
         # float16 alone needs its loss scaled up, lest small gradients round to zero; bf16 has fp32's range
         scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
