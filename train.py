@@ -44,7 +44,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     What a plain run, one process like the quickstart's, gets from the setup: dist is rank 0 of
     1, so every call into training/distributed.py returns at once; sharded is False; dtype is
     bf16 where a CUDA GPU or the CPU multiplies it natively, else fp32, and autocast casts to it (or
-    does nothing in fp32); scaler is None (float16 alone has one); model is raw_model itself
+    does nothing in fp32); scaler is disabled (float16 alone needs one); model is raw_model itself
     (unless --compile); and Ctrl-C is a request that the loop answers after its step."""
     t_start = time.time()
     with ExitStack() as stack:  # the four contexts entered below close, in reverse, however the run ends
@@ -69,8 +69,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         autocast = autocast_for(dtype, device, sharded)  # torch.autocast, or none for fp32 and GPU FSDP
-        # float16 alone needs its loss scaled up, lest small gradients round to zero; bf16 has fp32's range
-        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        # float16 alone needs its loss scaled up, lest small gradients round to zero, because bf16
+        # has fp32's range; as in nanoGPT, a disabled scaler's calls below pass straight through
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
         raw_model: GPT = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
@@ -126,21 +127,16 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 # the next batch, drawn while a GPU still runs this forward pass (as in nanoGPT)
                 x, y = to_device(batches.next(), device)
                 loss_sum += loss.detach()
-                (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:  # float16's gradients back to their true size, to be clipped
-                for opt in optimizers:
-                    scaler.unscale_(opt)
+                scaler.scale(loss).backward()
+            for opt in optimizers:  # float16's gradients back to their true size, to be clipped
+                scaler.unscale_(opt)
             # the norm before clipping, for the log (grad_clip 0 clips nothing); Muon's matrices are
             # clipped too, which changes its momentum, though not its step's size, which it sets itself
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
-                if scaler:  # opt.step(), unless float16's gradients hold an inf or NaN
-                    scaler.step(opt)
-                else:
-                    opt.step()
+                scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
-            if scaler:  # the next scale: smaller after an inf or NaN, larger after a good run
-                scaler.update()
+            scaler.update()  # float16's next scale: smaller after an inf or NaN, larger after a good run
             iter_num += 1
             iters_since_log += 1
             log.step()  # the progress bar moves on

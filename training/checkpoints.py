@@ -30,7 +30,7 @@ class Checkpoints:
     """A training run's checkpoints: what goes into one, from the parts given here, and writing it."""
 
     def __init__(self, run: Run, model: GPT, optimizers: list[torch.optim.Optimizer],
-                 scaler: torch.amp.GradScaler | None, batches: BatchStream, dtype: torch.dtype,
+                 scaler: torch.amp.GradScaler, batches: BatchStream, dtype: torch.dtype,
                  cfg: TrainConfig, tokenizer: dict, device: torch.device,
                  dist: distributed.Dist) -> None:
         self.run, self.model, self.optimizers, self.scaler = run, model, optimizers, scaler
@@ -49,7 +49,7 @@ class Checkpoints:
             model_args=vars(self.model.config).copy(),
             model=self.model.state_dict() if plain else {},
             optimizer=[opt.state_dict() for opt in self.optimizers] if plain else [],
-            scaler=self.scaler.state_dict() if self.scaler else {},  # float16's loss scale
+            scaler=self.scaler.state_dict(),  # float16's loss scale; {} when disabled
             iter_num=iter_num, dtype=str(self.dtype).removeprefix("torch."),
             best_val_loss=best_val_loss, val_loss=val_loss, config=self.cfg.to_dict(),
             tokenizer=self.tokenizer, rng=rng)

@@ -56,7 +56,7 @@ def read_saved(run: Run, device: torch.device, mmap: bool) -> TrainState:
 
 
 def restore(saved: TrainState, checkpoint: Path, model: GPT,
-            optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None,
+            optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler,
             batches: BatchStream, meta: dict, cfg: TrainConfig, device: torch.device) -> tuple[int, float]:
     """Put the run back as its checkpoint left it: weights, optimizer state, random
     streams and batches, once check_resumable has found nothing that the new command changes.
@@ -87,7 +87,9 @@ def restore(saved: TrainState, checkpoint: Path, model: GPT,
         opt.load_state_dict(state)
         for group, setting in zip(opt.param_groups, settings, strict=True):
             group.update(setting)
-    if scaler and saved.scaler:  # float16's loss scale; a run that turns to float16 starts afresh
+    # float16's loss scale, which a disabled scaler ignores; a run that turns to float16 from a
+    # bf16 or fp32 checkpoint, which saved none, starts from a fresh scale
+    if saved.scaler:
         scaler.load_state_dict(saved.scaler)
     # The checkpoint was read onto the device, but torch takes every generator's state as a CPU
     # tensor, the GPU's too.
