@@ -7,6 +7,7 @@ Usage:
     turns = check_conversation(messages)               # [(role, text)], or ConversationError
     ids, mask = render_conversation(tokenizer, turns)   # SFT: learn ids[i] where mask[i]
     ids = render_prompt(tokenizer, turns)               # ends with <|assistant_start|>
+    meta = with_specials(tokenizer.to_meta(), CHAT_SPECIALS)   # a tokenizer's description, to chat
 
 The format is nanochat's:
 
@@ -36,7 +37,7 @@ import torch
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
 from data.text import check_text
-from data.tokenizer import Tokenizer
+from data.tokenizer import Tokenizer, load_tokenizer
 from machine.errors import InputError
 
 BOS, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = CHAT_SPECIALS
@@ -240,3 +241,23 @@ class Conversations:
             x[row, :end - start - 1] = self.ids[start:end - 1]
             y[row, :end - start - 1] = self.targets[start + 1:end]
         return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def with_specials(meta: dict, tokens: tuple[str, ...]) -> dict:
+    """The description of this tokenizer with the special tokens it lacks added after its
+    vocabulary, so every text keeps its ids and only the new tokens get new ones."""
+    if not tokens:
+        return meta
+    tokenizer = load_tokenizer(meta)
+    missing = tuple(t for t in tokens if t not in tokenizer.specials)
+    if not missing:
+        return meta
+    if meta["kind"] != "hf":
+        return {**meta, "vocab_size": meta["vocab_size"] + len(missing),
+                "specials": [*meta.get("specials", []), *missing]}
+    from tokenizers import AddedToken
+
+    from data.hf_tokenizer import HFTokenizer
+    backend = tokenizer.backend
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    return HFTokenizer(backend.to_str()).to_meta()

@@ -46,6 +46,7 @@ from tqdm import tqdm
 from data.assets import sha256_bytes, shakespeare_text
 from data.bpe import check_vocab_size, train_bpe_apart
 from data.bpe_tokenizers import GPT2Tokenizer
+from data.chat import with_specials
 from data.chat_demo import conversations
 from data.documents import BATCH_BYTES, Batch, Input, batch_texts, list_inputs, read_batches
 from data.folder import (
@@ -63,7 +64,7 @@ from data.hf_tokenizer import HFTokenizer
 from data.shards import ShardWriter, token_dtype
 from data.sources import BUILTIN, DataError
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer, with_specials
+from data.tokenizer import TOKENIZERS, CharTokenizer, load_tokenizer
 from data.workers import (
     CHAR_SEPARATOR,
     alphabet_of,

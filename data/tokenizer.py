@@ -133,23 +133,3 @@ def load_tokenizer(meta: dict) -> Tokenizer:
         return GPT2Tokenizer(added) if kind == "gpt2" else BPETokenizer.from_meta(meta)
     from data.hf_tokenizer import HFTokenizer  # only a folder's tokenizer needs `tokenizers`
     return HFTokenizer(meta["json"])
-
-
-def with_specials(meta: dict, tokens: tuple[str, ...]) -> dict:
-    """The description of this tokenizer with the special tokens it lacks added after its
-    vocabulary, so every text keeps its ids and only the new tokens get new ones."""
-    if not tokens:
-        return meta
-    tokenizer = load_tokenizer(meta)
-    missing = tuple(t for t in tokens if t not in tokenizer.specials)
-    if not missing:
-        return meta
-    if meta["kind"] != "hf":
-        return {**meta, "vocab_size": meta["vocab_size"] + len(missing),
-                "specials": [*meta.get("specials", []), *missing]}
-    from tokenizers import AddedToken
-
-    from data.hf_tokenizer import HFTokenizer
-    backend = tokenizer.backend
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-    return HFTokenizer(backend.to_str()).to_meta()

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from data.chat import ASSISTANT_END, check_conversation, render_prompt, special_ids
+from data.chat import ASSISTANT_END, check_conversation, render_prompt, special_ids, with_specials
 from data.chat_demo import conversations
 from data.documents import read_records
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import Tokenizer, load_tokenizer, with_specials
+from data.tokenizer import Tokenizer, load_tokenizer
 from generate import stream
 from model import GPT
 from weights.loading import grow_vocabulary

@@ -24,6 +24,7 @@ from data.chat import (
     render_conversation,
     render_prompt,
     special_ids,
+    with_specials,
 )
 from data.documents import list_inputs
 from data.hf_tokenizer import HFTokenizer
@@ -32,7 +33,7 @@ from data.prepare import prepare
 from data.sources import DataError
 from data.specials import CHAT_SPECIALS
 from data.text import StopText
-from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
+from data.tokenizer import CharTokenizer, load_tokenizer
 from data.tokenizer_json import tokenizer_files
 from generate import Chat, generate, prompt_ids
 from machine.errors import InputError

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from data.bpe_tokenizers import GPT2Tokenizer
+from data.chat import with_specials
 from data.specials import CHAT_SPECIALS
 from data.text import TextStream
-from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
+from data.tokenizer import CharTokenizer, load_tokenizer
 from generate import (
     DECODE_BACKENDS,
     cache_length,

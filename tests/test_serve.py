@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from data.bpe_tokenizers import GPT2Tokenizer
+from data.chat import with_specials
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import CharTokenizer, load_tokenizer, with_specials
+from data.tokenizer import CharTokenizer, load_tokenizer
 from model import GPT, GPTConfig
 from serving.app import METRICS, prometheus
 from tests.forked import python

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.chat import with_specials
 from data.specials import CHAT_SPECIALS
-from data.tokenizer import with_specials
 from model import GPTConfig
 from training import distributed
 from training.config import ConfigError, TrainConfig
