@@ -7,10 +7,10 @@ Usage:
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
-a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on
-one idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults), and on
-a CPU, machine/cpu_kernels.py computes rms_norm, relu_squared and apply_rope (each marked
-@cpu_kernel) with their gradients in one pass each in float32, where torch makes several passes.
+a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
+idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
+marked @cpu_kernel is the plain torch expression; on a CPU, for float32 tensors, a kernel of
+machine/cpu_kernels.py computes it and its gradient in one pass each, where torch makes several.
 """
 
 from __future__ import annotations
@@ -53,14 +53,16 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx, self.dropout = layer_idx, config.dropout
+        self.layer_idx = layer_idx  # which of the KV cache's layers this block writes
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.rope, self.qk_norm, self.eps = config.pos_embedding == "rope", config.qk_norm, config.norm_eps
+        self.dropout = config.dropout
+        self.rope = config.pos_embedding == "rope"
+        self.qk_norm, self.eps = config.qk_norm, config.norm_eps
         # one matmul projects to the queries, keys and values; under GQA the last two have fewer heads
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # the explicit path's attention weights pass here, where a forward hook can read them
+        # the dropout of explicit_attention's weights, which a forward hook on it can read (viz/)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -72,7 +74,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
         if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), so a higher lr stays stable
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
-        if self.rope:  # a rotation keeps the norms, so the bound on the scores holds
+        if self.rope:  # a rotation keeps each vector's norm, so with qk_norm the bound still holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         mask = None  # None means causal attention over these T tokens; a cache gives its own mask
@@ -90,8 +92,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # below 256 keys torch's CPU kernel is slower in bf16 than in fp32 (docs/performance.md), so
-        # these run in fp32, with autocast off, because it would cast the fp32 inputs straight back
+        # Below 256 keys torch's CPU kernel is slower in bf16 than in fp32 (docs/performance.md),
+        # so this same call runs in fp32, with autocast off, lest it cast the inputs back to bf16.
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
@@ -117,7 +119,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@cpu_kernel(RotatePairs, can_rotate)  # where the tensors are float32 and each position has one angle
+@cpu_kernel(RotatePairs, can_rotate)  # in float32, where every row has the same positions
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by pos / theta^(2i / hd),
     so that the dot product of a query and a key depends on how far apart their tokens are."""
@@ -162,35 +164,36 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def switch(default: object, help: str) -> Any:
+def setting(default: object, help: str) -> Any:
     """A GPTConfig field and its description, which train.py's --help shows."""
     return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = switch(65, "tokens in the vocabulary (the dataset's)")
-    block_size: int = switch(256, "the context length: the most tokens the model sees at once")
-    n_layer: int = switch(6, "transformer blocks")
-    n_head: int = switch(6, "attention heads per block")
-    n_embd: int = switch(384, "the embedding width; a multiple of n_head")
-    dropout: float = switch(0.0, "dropout probability, against overfitting a small corpus (0: none)")
-    bias: bool = switch(True, "biases in the Linear and LayerNorm layers, as GPT-2 has")
-    pos_embedding: str = switch("learned", "learned (GPT-2's table), rope (rotary) or none")
-    norm: str = switch("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
-    qk_norm: bool = switch(False, "RMS-normalize each head's queries and keys before attention")
-    mlp: str = switch("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
-    tie_embeddings: bool = switch(True, "the output layer shares the token embedding's table")
-    n_kv_head: int = switch(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
-    embed_norm: bool = switch(False, "RMS-normalize the embeddings' sum before the first block")
-    bigram_embedding: bool = switch(False, "add a learned vector for each token's predecessor")
-    logit_softcap: float = switch(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
-    n_inner: int = switch(0, "the MLP's hidden width; 0 means 4 n_embd")
-    norm_eps: float = switch(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
-    rope_theta: float = switch(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
+    vocab_size: int = setting(65, "tokens in the vocabulary (the dataset's)")
+    block_size: int = setting(256, "the context length: the most tokens the model sees at once")
+    n_layer: int = setting(6, "transformer blocks")
+    n_head: int = setting(6, "attention heads per block")
+    n_embd: int = setting(384, "the embedding width; a multiple of n_head")
+    dropout: float = setting(0.0, "dropout probability, against overfitting a small corpus (0: none)")
+    bias: bool = setting(True, "biases in the Linear and LayerNorm layers, as GPT-2 has")
+    pos_embedding: str = setting("learned", "learned (GPT-2's table), rope (rotary) or none")
+    norm: str = setting("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
+    qk_norm: bool = setting(False, "RMS-normalize each head's queries and keys before attention")
+    mlp: str = setting("gelu", "the MLP's nonlinearity: gelu (GPT-2's) or relu2 (relu(x)^2)")
+    tie_embeddings: bool = setting(True, "the output layer shares the token embedding's table")
+    n_kv_head: int = setting(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
+    embed_norm: bool = setting(False, "RMS-normalize the embeddings' sum before the first block")
+    bigram_embedding: bool = setting(False, "add a learned vector for each token's predecessor")
+    logit_softcap: float = setting(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
+    n_inner: int = setting(0, "the MLP's hidden width; 0 means 4 n_embd")
+    norm_eps: float = setting(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
+    rope_theta: float = setting(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
-        check_config(self)  # which also turns n_kv_head 0 into n_head
+        check_config(self)
+        self.n_kv_head = self.n_kv_head or self.n_head  # 0: one key/value head per query head
 
     @property
     def mlp_hidden(self) -> int:
@@ -201,18 +204,10 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-def weights_generator() -> torch.Generator:
-    """A generator for the initial weights, seeded by one draw from torch's. Building the layers
-    draws from torch's generator too (their default init), but not on the meta device, where
-    training/fsdp.py builds them; drawing this seed first gives both builds the same weights."""
-    return torch.Generator().manual_seed(int(torch.randint(2**62, (), device="cpu")))
-
-
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        generator = weights_generator()  # before building the layers, which draws from torch's
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -230,17 +225,19 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:  # the head reads tokens with the table that embeds them
             self.transformer.wte.weight = self.lm_head.weight
-        self.init_weights(generator)
+        self.init_weights()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: Cache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
         targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
-        Decoding passes a kv_cache, which this pass writes its keys and values into and attends
-        over, and input_pos, the tokens' positions: (T,) for every row, or (B, T) with each row's
-        own; without a cache they are 0 to T-1. attention is "sdpa" (the fused kernel) or
-        "explicit" (explicit_attention). Without targets, the logits start at logits_from (-1: the last)."""
+
+        Decoding (generate.py) passes a kv_cache, which this pass writes its keys and values into
+        and attends over, and input_pos, the tokens' positions: (T,) for every row, or (B, T) with
+        each row's own; without a cache they are 0 to T-1. Without targets, the logits start at
+        logits_from (-1: the last position alone). attention is "sdpa" (the fused kernel) or
+        "explicit" (explicit_attention, whose weights a hook can read)."""
         B, T = idx.size()
         if attention not in ("sdpa", "explicit"):
             raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
@@ -248,36 +245,47 @@ class GPT(nn.Module):
             if T > self.config.block_size:
                 raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx)  # (B, T, C)
-        if "wtb" in self.transformer:  # the bigram table's row for each token's predecessor
-            none = self.config.vocab_size  # the last row: a window's first token sees no predecessor
-            before = (F.pad(idx[:, :-1], (1, 0), value=none) if kv_cache is None  # idx shifted by one
-                      else kv_cache.update_ids(idx, input_pos, none))
-            x = x + self.transformer.wtb(before)
-        if "wpe" in self.transformer:  # GPT-2's positions, a learned vector added to each token
-            x = x + self.transformer.wpe(input_pos)
-        if self.config.embed_norm:
-            x = rms_norm(x, self.config.norm_eps)
+        x = self.embed(idx, input_pos, kv_cache)  # (B, T, C)
         rope = None  # no rotation, because the positions are learned or there are none
         if self.config.pos_embedding == "rope":  # each token's angles, to broadcast over the heads
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
-        x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
-        x = self.transformer.ln_f(x if targets is not None else x[:, logits_from:, :])
-        logits = self.lm_head(x)  # (B, T, vocab), or from logits_from on
+        if targets is None:  # the positions whose logits are wanted
+            x = x[:, logits_from:, :]
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
             logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
 
+    def embed(self, idx: torch.Tensor, input_pos: torch.Tensor, kv_cache: Cache | None) -> torch.Tensor:
+        """Each token's vector: its row of wte, plus its predecessor's row of the bigram table and
+        its position's row of wpe where the model has them, normalized if embed_norm is set."""
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if "wtb" in self.transformer:
+            none = self.config.vocab_size  # the last row: a window's first token has no predecessor
+            if kv_cache is None:
+                before = F.pad(idx[:, :-1], (1, 0), value=none)  # idx shifted right by one
+            else:  # the cache keeps every id it was given, so a predecessor may be an earlier call's
+                before = kv_cache.update_ids(idx, input_pos, none)
+            x = x + self.transformer.wtb(before)
+        if "wpe" in self.transformer:  # GPT-2's positions, a learned vector added to each token
+            x = x + self.transformer.wpe(input_pos)
+        if self.config.embed_norm:
+            x = rms_norm(x, self.config.norm_eps)
+        return self.transformer.drop(x)
+
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
+    def init_weights(self) -> None:
         """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
         projections into the residual stream (the two c_proj) scaled down with depth, because each
         block adds two terms to it; the bigram table at zero, so that training starts from the plain
-        model. A tied table, one parameter met twice (as wte, then as lm_head), keeps the second draw."""
+        model. A tied table, one parameter met twice (as wte, then as lm_head), keeps the second draw.
+        The draws come from a generator seeded with torch's seed (torch.manual_seed), so that the
+        weights depend on the seed alone, not on what drew from torch's generator before."""
+        generator = torch.Generator().manual_seed(torch.initial_seed())
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
@@ -292,9 +300,12 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         """The parameter count, by default without the embedding tables (wpe, wtb, an untied wte)."""
-        tables = [self.transformer[name].weight for name in ("wpe", "wtb") if name in self.transformer]
-        tables += [] if self.config.tie_embeddings else [self.transformer.wte.weight]
-        return sum(p.numel() for p in self.parameters()) - non_embedding * sum(t.numel() for t in tables)
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            tables = [name for name in ("wpe", "wtb") if name in self.transformer]
+            tables += [] if self.config.tie_embeddings else ["wte"]
+            n -= sum(self.transformer[name].weight.numel() for name in tables)
+        return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
@@ -314,7 +325,7 @@ class Cache(Protocol):
     def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor: ...
 
 
-# the configuration's checks, by each field's annotation as text ("int"), which is what f.type holds
+# the configuration's checks, by each field's annotation: text such as "int", under __future__'s annotations
 FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
                "bool": (bool, "true or false"), "str": (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
@@ -328,14 +339,16 @@ def check_config(config: GPTConfig) -> None:
         value, (kind, described) = getattr(config, f.name), FIELD_TYPES[f.type]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ValueError(f"{f.name} must be {described}, got {value!r}")
-    config.n_kv_head = config.n_kv_head or config.n_head
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.n_embd % config.n_head != 0:
         raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
-    if config.n_head % config.n_kv_head != 0:  # each key/value head serves a group of query heads
-        raise ValueError(f"n_head ({config.n_head}) must be divisible by n_kv_head ({config.n_kv_head})")
+    n_kv = config.n_kv_head or config.n_head  # 0 means n_head, as __post_init__ sets it
+    if n_kv < 1:
+        raise ValueError(f"n_kv_head must be at least 0 (0 means n_head), got {n_kv}")
+    if config.n_head % n_kv != 0:  # each key/value head serves a group of query heads
+        raise ValueError(f"n_head ({config.n_head}) must be divisible by n_kv_head ({n_kv})")
     if config.pos_embedding == "rope" and config.head_dim % 2:  # rope turns pairs of dimensions
         raise ValueError(f"with rope, the head size n_embd / n_head ({config.head_dim}) must be even")
     for name, choices in CHOICES.items():
@@ -344,6 +357,6 @@ def check_config(config: GPTConfig) -> None:
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
     for name, low in {"logit_softcap": 0, "n_inner": 0, "norm_eps": 1e-12, "rope_theta": 1}.items():
-        if not (math.isfinite(value := getattr(config, name)) and value >= low):  # NaN too
+        if not (math.isfinite(value := getattr(config, name)) and value >= low):  # NaN fails too
             raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
 

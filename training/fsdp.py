@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from model import GPT, GPTConfig, rope_tables, weights_generator
+from model import GPT, GPTConfig, rope_tables
 from training import distributed
 from training.distributed import Dist, is_dtensor
 from weights import sharded
@@ -49,8 +49,6 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
                                   if param_dtype else None)
-    with torch.random.fork_rng(devices=[]):  # the seed that GPT() draws first, read without using it up
-        generator = weights_generator()
     with torch.device("meta"):
         model = GPT(config)  # shapes only: nothing is allocated, and init_weights draws nothing
     for block in model.transformer.h:
@@ -61,7 +59,7 @@ def shard_model(config: GPTConfig, device: torch.device, param_dtype: torch.dtyp
     model.to_empty(device=device)
     with torch.no_grad():
         with WholeValues():  # the same values as a model built whole, from the same draws
-            model.init_weights(generator)
+            model.init_weights()
         if config.pos_embedding == "rope":  # computed, not drawn, and empty after to_empty
             cos, sin = rope_tables(config)
             model.rope_cos.copy_(cos)
