@@ -25,7 +25,6 @@ import torch
 
 from data.batches import BatchStream, Sampler, batch_sampler
 from machine.errors import reported, run_command
-from machine.perf import peak_flops
 from machine.threads import fit_threads
 from model import GPT
 from training import distributed
@@ -38,14 +37,9 @@ from training.setup import build_model, choose_device, for_training, load_data, 
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
-    """Train the model cfg describes on its data; with resume, go on from the run folder's
-    last checkpoint. Under torchrun every process runs this.
-
-    What a plain run, one process like the quickstart's, gets from the setup: dist is rank 0 of
-    1, so every call into training/distributed.py returns at once; sharded is False; dtype is
-    bf16 where a CUDA GPU or the CPU multiplies it natively, else fp32, and autocast casts to it (or
-    does nothing in fp32); scaler is disabled (float16 alone needs one); model is raw_model itself
-    (unless --compile); and Ctrl-C is a request that the loop answers after its step."""
+    """Train the model cfg describes on its data; with resume, go on from the run folder's last
+    checkpoint. Under torchrun every process runs this; in a plain run every call into
+    training/distributed.py returns at once."""
     t_start = time.time()
     with ExitStack() as stack:  # the four contexts entered below close, in reverse, however the run ends
         # --- where the run computes -------------------------------------------------------
@@ -65,12 +59,16 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # --- the model, new or in the checkpoint's shape, and the dtype it computes in ----
         saved = None
         if resume:  # resuming's code is imported only by a run that resumes
-            from training.resume import read_saved, restore
-            saved = read_saved(run, device, mmap=sharded)  # and run.checkpoint is the file it read
+            from training.resume import read_saved
+            # which sets run.checkpoint to the file it read; under FSDP each process maps last.pt
+            # rather than reading it whole, because it keeps only its own shards
+            saved = read_saved(run, device, mmap=sharded)
+        # bf16 where a CUDA GPU or the CPU multiplies it natively, else fp32 (or as --dtype says)
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        autocast = autocast_for(dtype, device, sharded)  # torch.autocast, or none for fp32 and GPU FSDP
-        # float16 alone needs its loss scaled up, lest small gradients round to zero, because bf16
-        # has fp32's range; as in nanoGPT, a disabled scaler's calls below pass straight through
+        # torch.autocast, or a context that does nothing (in fp32, and under FSDP on a GPU)
+        autocast = autocast_for(dtype, device, sharded)
+        # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
+        # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
         raw_model: GPT = build_model(cfg, meta, device, dtype, dist, sharded, saved)
@@ -79,36 +77,27 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # --- the optimizers and the batches, then the checkpoint's state put back ---------
         # [AdamW], or [AdamW, Muon] for the blocks' matrices, each group with the "peak_lr" the loop scales
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-        # each split's sampler draws batch_size random starts s and returns x = data[s:s+T] and
-        # y = data[s+1:s+T+1], T being the model's block_size (estimate_loss calls them too);
-        # the training stream draws with a generator of its own, which checkpoints save
+        # each split's sampler draws batch_size windows x = data[s:s+T], y = data[s+1:s+T+1] at random
+        # starts s, T being block_size (chat data draws whole conversations); estimate_loss calls them
+        # too, and the training stream draws with a generator of its own, which checkpoints save
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
+        # a checkpoint holds the weights, the optimizers' moments, the scaler and the random streams
+        checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg, meta, device, dist)
         iter_num, best_val_loss = 0, math.inf
-        if saved is not None:  # the weights, the optimizers' moments, the random streams
-            iter_num, best_val_loss = restore(saved, run.checkpoint, raw_model, optimizers, scaler,
-                                              batches, meta, cfg, device)
+        if saved is not None:
+            iter_num, best_val_loss = checkpoints.restore(saved)
             del saved  # its tensors are copied into the model and optimizers, so free them
         model = for_training(raw_model, cfg, device, dist, sharded)  # raw_model, or compiled, or DDP-wrapped
-        checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg,
-                                  meta["tokenizer"], device, dist)
-
-        # --- what the log measures --------------------------------------------------------
-        tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * raw_model.config.block_size
-        # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
-        threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
-        # the machine's peak, at the starting (largest) thread count, which MFU is measured against
-        peak, peak_source = peak_flops(device, dtype)
-        # TensorBoard's events and the progress bar; the first lines say the run's size and dtype
-        log.start(iter_num, raw_model, tokens_per_iter, device, f"{dtype} ({dtype_reason})",
-                  f"{peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
 
         # --- the loop ---------------------------------------------------------------------
+        # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
+        threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
+        log.start(iter_num, raw_model, device, dtype, dtype_reason)  # the first lines, TensorBoard, the bar
         losses: dict[str, float] = {}  # the last evaluation's
         # this process's share of the micro-batches (choose_device refuses a count that does not divide)
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size
-        t_log, iters_since_log = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         # the first batch; after a resume, the one that the saved run had drawn for its next step
         x, y = to_device(batches.next(), device)
@@ -138,45 +127,43 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 opt.zero_grad(set_to_none=True)
             scaler.update()  # float16's next scale: smaller after an inf or NaN, larger after a good run
             iter_num += 1
-            iters_since_log += 1
-            log.step()  # the progress bar moves on
+            log.step()  # the progress bar moves on, and the log counts the step
             threads.step(time.perf_counter() - t_step)  # on a CPU, the fit may change the thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
-                # .item() waits for the device, so the loop calls it only at log points
-                loss_sum = distributed.all_sum(loss_sum, dist)  # over the processes under torchrun
-                train_loss = loss_sum.item() / (iters_since_log * dist.world_size)
+                # the steps' mean loss, over every process under torchrun; .item() waits for the
+                # device, so the loop calls it only at log points
+                loss_sum = distributed.all_sum(loss_sum, dist)
+                train_loss = loss_sum.item() / (log.steps_since_point * dist.world_size)
                 if not math.isfinite(train_loss):
                     raise TrainingError.diverged(f"training loss became {train_loss} at iter {iter_num}")
-                tokens_per_sec = iters_since_log * tokens_per_iter / (time.perf_counter() - t_log)
-                mfu = raw_model.flops_per_token() * tokens_per_sec / (peak * dist.world_size)
                 # each group's lr by its TensorBoard name, and the last step's grad norm (whole under FSDP)
                 lrs = {group["logged_as"]: group["lr"] for opt in optimizers for group in opt.param_groups}
-                log.point(iter_num, train_loss, lrs, distributed.whole(grad_norm).item(), tokens_per_sec, mfu)
-                t_log, iters_since_log = time.perf_counter(), 0
+                log.point(iter_num, train_loss, lrs, distributed.whole(grad_norm).item())  # and tokens/s, MFU
                 loss_sum = torch.zeros_like(loss_sum)
 
-            t_pause = time.perf_counter()  # evaluating and saving do not count as training time
-            # unlike nanoGPT, none at iteration 0, whose loss is known (about ln vocab_size) and costs time
-            eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
-            is_best = False
-            if eval_now:  # both splits' losses, then a text sample and the attention pictures
-                raw_model.eval()  # no dropout; raw_model, so that torch.compile builds no graph for eval mode
-                losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
-                log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
-                if not math.isfinite(losses["val"]):
-                    raise TrainingError.diverged(f"val loss is {losses['val']} at iter {iter_num}")
-                log.samples(iter_num, raw_model, device, autocast)
-                raw_model.train()
-                is_best = losses["val"] < best_val_loss
-                best_val_loss = min(best_val_loss, losses["val"])
-            # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
-            stopping = stop.asked(dist, device, at_log_point)
-            if eval_now or stopping:
-                # last.pt (and best.pt, when this val loss is the best yet), which --resume continues
-                checkpoints.save(iter_num, best_val_loss, losses["val"] if eval_now else math.nan, is_best)
-            t_log += time.perf_counter() - t_pause  # so that tokens/s counts the steps' time alone
+            with log.paused():  # evaluating and saving do not count toward tokens/s
+                # unlike nanoGPT, none at iteration 0, whose loss is known (about ln vocab_size)
+                eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+                is_best = False
+                if eval_now:  # both splits' losses, then a text sample and the attention pictures
+                    # no dropout; raw_model, so that torch.compile builds no graph for eval mode
+                    raw_model.eval()
+                    losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
+                    log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
+                    if not math.isfinite(losses["val"]):
+                        raise TrainingError.diverged(f"val loss is {losses['val']} at iter {iter_num}")
+                    log.samples(iter_num, raw_model, device, autocast)
+                    raw_model.train()
+                    is_best = losses["val"] < best_val_loss
+                    best_val_loss = min(best_val_loss, losses["val"])
+                # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
+                stopping = stop.asked(dist, device, at_log_point)
+                if eval_now or stopping:
+                    # last.pt (and best.pt, when this val loss is the best yet), which --resume continues
+                    val_loss = losses["val"] if eval_now else math.nan
+                    checkpoints.save(iter_num, best_val_loss, val_loss, is_best)
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
                                   f"{iter_num}; saved {run.checkpoint}; continue with the "

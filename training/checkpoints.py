@@ -6,7 +6,8 @@ if it has one, else last.pt, and best.* likewise; either resumes on any number o
 
 Usage:
     from training.checkpoints import Checkpoints
-    checkpoints = Checkpoints(run, model, optimizers, scaler, batches, dtype, cfg, tokenizer, device, dist)
+    checkpoints = Checkpoints(run, model, optimizers, scaler, batches, dtype, cfg, meta, device, dist)
+    iter_num, best_val_loss = checkpoints.restore(saved)   # a resumed run's TrainState put back
     checkpoints.save(iter_num, best_val_loss, val_loss, is_best)   # every process calls it
 """
 
@@ -20,22 +21,26 @@ from data.batches import BatchStream
 from model import GPT
 from training import distributed
 from training.config import TrainConfig
-from training.runs import Run, TrainingError
+from training.runs import SHARDED, Run, TrainingError
 from weights.checkpoint import CheckpointError, TrainState, link_checkpoint, non_finite, save_checkpoint
-
-SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so a plain run need not import it
 
 
 class Checkpoints:
-    """A training run's checkpoints: what goes into one, from the parts given here, and writing it."""
+    """A training run's checkpoints: what goes into one, from the parts given here, writing it,
+    and putting a saved one back into those parts."""
 
     def __init__(self, run: Run, model: GPT, optimizers: list[torch.optim.Optimizer],
                  scaler: torch.amp.GradScaler, batches: BatchStream, dtype: torch.dtype,
-                 cfg: TrainConfig, tokenizer: dict, device: torch.device,
-                 dist: distributed.Dist) -> None:
+                 cfg: TrainConfig, meta: dict, device: torch.device, dist: distributed.Dist) -> None:
         self.run, self.model, self.optimizers, self.scaler = run, model, optimizers, scaler
-        self.batches, self.dtype, self.cfg, self.tokenizer = batches, dtype, cfg, tokenizer
+        self.batches, self.dtype, self.cfg, self.meta = batches, dtype, cfg, meta  # meta: the dataset's
         self.device, self.dist = device, dist
+
+    def restore(self, saved: TrainState) -> tuple[int, float]:
+        """Put a resumed run's state back into the parts: its iteration and best val loss."""
+        from training.resume import restore
+        return restore(saved, self.run.checkpoint, self.model, self.optimizers, self.scaler,
+                       self.batches, self.meta, self.cfg, self.device)
 
     def state(self, iter_num: int, best_val_loss: float, val_loss: float) -> TrainState:
         """What a checkpoint of the run holds now, with the batch stream's state from before it
@@ -52,7 +57,7 @@ class Checkpoints:
             scaler=self.scaler.state_dict(),  # float16's loss scale; {} when disabled
             iter_num=iter_num, dtype=str(self.dtype).removeprefix("torch."),
             best_val_loss=best_val_loss, val_loss=val_loss, config=self.cfg.to_dict(),
-            tokenizer=self.tokenizer, rng=rng)
+            tokenizer=self.meta["tokenizer"], rng=rng)
 
     def save(self, iter_num: int, best_val_loss: float, val_loss: float, is_best: bool) -> None:
         """Write last, and best too (a second name for it) when is_best; val_loss is NaN for a

@@ -4,9 +4,10 @@ attention pictures, and a progress bar on a terminal, or else a plain line per l
 Usage:
     from training.log import RunLog
     with RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, attention=True) as log:
-        log.start(iter_num, model, tokens_per_iter, device, dtype, peak)   # events, the bar
-        log.step()                                            # after every step
-        log.point(it, loss, lr, grad_norm, tokens_per_sec, mfu)   # every log_interval steps
+        log.start(iter_num, model, device, dtype, dtype_reason)  # events, the bar
+        log.step()                                     # after every step
+        log.point(it, loss, lrs, grad_norm)            # every log_interval steps, with tokens/s and MFU
+        with log.paused(): ...                         # time that tokens/s leaves out
         log.losses(it, losses); log.samples(it, model, device, autocast)   # at an evaluation
         log.finish(best_val_loss, it)
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import nullcontext, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ from tqdm import tqdm
 
 from data.tokenizer import Tokenizer
 from machine.files import quiet_writer_threads
+from machine.perf import peak_flops
 from model import GPT
 from training.config import TrainConfig
 from training.distributed import Dist, is_sharded
@@ -46,17 +49,23 @@ class RunLog:
         self.bar: tqdm | None = None
         self.quiet = quiet_writer_threads()
 
-    def start(self, iter_num: int, model: GPT, tokens_per_iter: int, device: torch.device,
-              dtype: str, peak: str) -> None:
-        """Say what the run trains and how (dtype and peak in words), then open its events and its
-        progress bar at iter_num; a resumed run drops the events logged after its checkpoint."""
-        n = self.dist.world_size
+    def start(self, iter_num: int, model: GPT, device: torch.device, dtype: torch.dtype,
+              dtype_reason: str) -> None:
+        """Say what the run trains and how, with the peak FLOP/s that MFU is measured against; then
+        open its events and its progress bar at iter_num (a resumed run drops the events logged
+        after its checkpoint), and start the clock of tokens/s."""
+        n, cfg = self.dist.world_size, self.cfg
+        # every process's micro-batches of one step, which tokens/s counts
+        self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
         processes = f" x {n} process{'es' * (n > 1)}" if self.dist.enabled else ""
-        self.say(f"{model.num_params() / 1e6:.2f}M parameters (embeddings aside), {tokens_per_iter:,} "
+        self.say(f"{model.num_params() / 1e6:.2f}M parameters (embeddings aside), {self.tokens_per_iter:,} "
                  f"tokens/iter, device {device}{processes}, optimizer {self.cfg.optimizer}, "
                  f"writing to {self.run.path}/")
-        self.say(f"dtype {dtype.removeprefix('torch.')}")
-        self.say(f"MFU is measured against {peak}")
+        self.say(f"dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})")
+        peak, peak_source = peak_flops(device, dtype)  # at the thread count the run starts with
+        self.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
+        self.flops_per_token, self.peak = model.flops_per_token(), peak * n  # for MFU
+        self.steps_since_point, self.t_point = 0, time.perf_counter()
         self.probe_ids = self.probe_ids[-model.config.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if iter_num >= self.cfg.max_iters:
@@ -97,15 +106,24 @@ class RunLog:
 
     def step(self) -> None:
         self.iter_num += 1
+        self.steps_since_point += 1
         if self.bar is not None:
             self.bar.update(1)
 
-    def point(self, it: int, loss: float, lrs: dict[str, float], grad_norm: float,
-              tokens_per_sec: float, mfu: float) -> None:
-        """Log the steps since the last point as TensorBoard's scalars, and show them: on a
-        terminal, the loss, tokens/s and MFU on the progress bar; elsewhere, as one line. loss
-        is the steps' mean (train/loss_step); lrs holds train/lr (learning_rate's), and Muon's
-        and the tables' (train/lr_muon, train/lr_embedding) where they train."""
+    @contextmanager
+    def paused(self) -> Iterator[None]:  # leave the time inside (an evaluation, a save) out of tokens/s
+        t_pause = time.perf_counter()
+        yield
+        self.t_point += time.perf_counter() - t_pause
+
+    def point(self, it: int, loss: float, lrs: dict[str, float], grad_norm: float) -> None:
+        """Log the steps since the last point, with their tokens/s and MFU, as TensorBoard's scalars,
+        and show them on the progress bar (elsewhere than a terminal, as one line). loss is their mean
+        (train/loss_step); lrs holds train/lr (learning_rate's), train/lr_muon and train/lr_embedding."""
+        # the time since the last point includes the wait for the device in the loss's .item()
+        tokens_per_sec = self.steps_since_point * self.tokens_per_iter / (time.perf_counter() - self.t_point)
+        mfu = self.flops_per_token * tokens_per_sec / self.peak  # the share of every process's peak
+        self.steps_since_point, self.t_point = 0, time.perf_counter()
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), *((f"train/{name}", lr) for name, lr in lrs.items()),

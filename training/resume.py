@@ -21,9 +21,8 @@ import torch
 from data.batches import BatchStream
 from model import GPT
 from training import distributed
-from training.checkpoints import SHARDED
 from training.config import ConfigError, TrainConfig
-from training.runs import Run
+from training.runs import SHARDED, Run
 from weights.checkpoint import CheckpointError, TrainState, load_checkpoint
 from weights.lazy import state_dict_mismatch
 

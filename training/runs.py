@@ -28,6 +28,7 @@ from training import distributed
 from training.config import ConfigError, TrainConfig
 
 LOCK = ".lock"
+SHARDED = ".dcp"  # weights/sharded.py's suffix, named here so that a plain run need not import it
 
 
 class TrainingError(UserError):
@@ -62,8 +63,8 @@ class TrainResult:
     chat: bool = False  # whether it trained on conversations, to talk to with sample.py --chat
 
     def report(self) -> str:
-        sharded = self.checkpoint is not None and self.checkpoint.suffix == ".dcp"
-        ext, plain = (".dcp", f"python export.py {self.run_dir} --plain, then ") if sharded else (".pt", "")
+        sharded = self.checkpoint is not None and self.checkpoint.suffix == SHARDED
+        ext, plain = (SHARDED, f"python export.py {self.run_dir} --plain, then ") if sharded else (".pt", "")
         return (f"done: {self.iter_num} iters in {self.wall_time:.0f}s, "
                 f"best val loss {self.best_val_loss:.4f}\n"
                 f"checkpoints: {self.run_dir}/best{ext}, {self.run_dir}/last{ext}\n"
@@ -177,7 +178,7 @@ def run_dir_of(cfg: TrainConfig) -> Path:
 def check_resumable_folder(cfg: TrainConfig) -> None:
     """That the config's run folder is one --resume can continue: one with a checkpoint."""
     run_dir = run_dir_of(cfg)
-    if not any((run_dir / name).exists() for name in ("last.pt", "last.dcp")):
+    if not any((run_dir / name).exists() for name in ("last.pt", f"last{SHARDED}")):
         raise ConfigError(f"nothing to resume: {run_dir} holds no last.pt (nor last.dcp); "
                           f"drop --resume to start a new run")
 
