@@ -46,13 +46,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dist = stack.enter_context(distributed.process_group(cfg.device))  # a plain run: rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C asks the run to save and stop after a step
         device, sharded = choose_device(cfg, dist)  # sharded: FSDP splits the model across processes
-        torch.manual_seed(cfg.seed)  # for the initial weights; the batches have a generator of their own
+        torch.manual_seed(cfg.seed)  # the initial weights' seed, and dropout's; the batches have their own
         if resume:  # a run to continue must exist, which is checked before the data is read
             check_resumable_folder(cfg)
 
         # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
-        # the log's text samples need the tokenizer, and its attention pictures a piece of val text
+        # the log decodes its text samples with the tokenizer, and pictures the attention to val text
         run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
                                                 splits["val"], sharded))
 
@@ -60,8 +60,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         saved = None
         if resume:  # resuming's code is imported only by a run that resumes
             from training.resume import read_saved
-            # which sets run.checkpoint to the file it read; under FSDP each process maps last.pt
-            # rather than reading it whole, because it keeps only its own shards
+            # read_saved also sets run.checkpoint to the file it read. Under FSDP each process maps
+            # last.pt rather than reading it whole, because it keeps only its own shards.
             saved = read_saved(run, device, mmap=sharded)
         # bf16 where a CUDA GPU or the CPU multiplies it natively, else fp32 (or as --dtype says)
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
@@ -70,7 +70,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        # the config's shape (with init_from, the base's) and the data's vocab_size, fp32, on device
+        # in fp32 on the device: the config's shape (a fine-tuning's: its base's), the data's vocab_size
         raw_model: GPT = build_model(cfg, meta, device, dtype, dist, sharded, saved)
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
 
@@ -78,10 +78,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # [AdamW], or [AdamW, Muon] for the blocks' matrices, each group with the "peak_lr" the loop scales
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # each split's sampler draws batch_size windows x = data[s:s+T], y = data[s+1:s+T+1] at random
-        # starts s, T being block_size (chat data draws whole conversations); estimate_loss calls them
-        # too, and the training stream draws with a generator of its own, which checkpoints save
+        # starts s, T being block_size (chat data draws whole conversations)
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          log.say) for split, data in splits.items()}
+        # the training stream draws with a generator of its own, which the checkpoints save
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
         # a checkpoint holds the weights, the optimizers' moments, the scaler and the random streams
         checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg, meta, device, dist)
@@ -95,10 +95,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
         threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
         log.start(iter_num, raw_model, device, dtype, dtype_reason)  # the first lines, TensorBoard, the bar
-        losses: dict[str, float] = {}  # the last evaluation's
+        losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         # this process's share of the micro-batches (choose_device refuses a count that does not divide)
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
+        steps_since_log = 0
         # the first batch; after a resume, the one that the saved run had drawn for its next step
         x, y = to_device(batches.next(), device)
         while iter_num < cfg.max_iters:
@@ -119,15 +120,16 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 scaler.scale(loss).backward()
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
-            # the norm before clipping, for the log (grad_clip 0 clips nothing); Muon's matrices are
-            # clipped too, which changes its momentum, though not its step's size, which it sets itself
+            # the norm before clipping, for the log (grad_clip 0 clips nothing). Muon's gradients are
+            # clipped too; the size of its update is set by its orthogonalization, not by theirs.
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
             scaler.update()  # float16's next scale: smaller after an inf or NaN, larger after a good run
             iter_num += 1
-            log.step()  # the progress bar moves on, and the log counts the step
+            steps_since_log += 1
+            log.step()  # the progress bar moves on
             threads.step(time.perf_counter() - t_step)  # on a CPU, the fit may change the thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
@@ -135,34 +137,32 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 # the steps' mean loss, over every process under torchrun; .item() waits for the
                 # device, so the loop calls it only at log points
                 loss_sum = distributed.all_sum(loss_sum, dist)
-                train_loss = loss_sum.item() / (log.steps_since_point * dist.world_size)
+                train_loss = loss_sum.item() / (steps_since_log * dist.world_size)
                 if not math.isfinite(train_loss):
                     raise TrainingError.diverged(f"training loss became {train_loss} at iter {iter_num}")
                 # each group's lr by its TensorBoard name, and the last step's grad norm (whole under FSDP)
                 lrs = {group["logged_as"]: group["lr"] for opt in optimizers for group in opt.param_groups}
-                log.point(iter_num, train_loss, lrs, distributed.whole(grad_norm).item())  # and tokens/s, MFU
-                loss_sum = torch.zeros_like(loss_sum)
+                log.point(iter_num, steps_since_log, train_loss, lrs, distributed.whole(grad_norm).item())
+                loss_sum, steps_since_log = torch.zeros_like(loss_sum), 0
 
-            with log.paused():  # evaluating and saving do not count toward tokens/s
-                # unlike nanoGPT, none at iteration 0, whose loss is known (about ln vocab_size)
-                eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
-                is_best = False
-                if eval_now:  # both splits' losses, then a text sample and the attention pictures
-                    # no dropout; raw_model, so that torch.compile builds no graph for eval mode
-                    raw_model.eval()
+            # unlike nanoGPT, no evaluation at iteration 0, whose loss is known (about ln vocab_size)
+            eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
+            is_best = False
+            if eval_now:
+                with log.paused():  # evaluating does not count toward tokens/s
+                    # raw_model, so that torch.compile builds no graph for eval mode
                     losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                     log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
                     if not math.isfinite(losses["val"]):
                         raise TrainingError.diverged(f"val loss is {losses['val']} at iter {iter_num}")
-                    log.samples(iter_num, raw_model, device, autocast)
-                    raw_model.train()
-                    is_best = losses["val"] < best_val_loss
-                    best_val_loss = min(best_val_loss, losses["val"])
-                # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
-                stopping = stop.asked(dist, device, at_log_point)
-                if eval_now or stopping:
-                    # last.pt (and best.pt, when this val loss is the best yet), which --resume continues
-                    val_loss = losses["val"] if eval_now else math.nan
+                    log.samples(iter_num, raw_model, device, autocast)  # a text sample, attention pictures
+                is_best = losses["val"] < best_val_loss
+                best_val_loss = min(best_val_loss, losses["val"])
+            # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
+            stopping = stop.asked(dist, device, at_log_point)
+            if eval_now or stopping:  # last.pt, and best.pt when this val loss is the best yet
+                val_loss = losses["val"] if eval_now else math.nan  # NaN: a save between evaluations
+                with log.paused():  # nor does saving
                     checkpoints.save(iter_num, best_val_loss, val_loss, is_best)
             if stopping:
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
@@ -200,8 +200,10 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any, dist: distributed.Dist) -> dict[str, float]:
-    """The mean loss over the same eval_iters batches of each split at every evaluation (call it in
-    eval mode), so that the curve shows how the model changes; under torchrun the processes share them."""
+    """The mean loss over the same eval_iters batches of each split at every evaluation, so that the
+    curve shows how the model changes, in eval mode (no dropout); under torchrun the processes split
+    the batches between them."""
+    model.eval()
     out = {}
     for split, draw in samplers.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)  # not the training stream's seed
@@ -216,6 +218,7 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
             from training.fsdp import forward_as_often_as_the_others
             forward_as_often_as_the_others(model, batches, dist, device, autocast)
         out[split] = distributed.all_sum(total, dist).item() / cfg.eval_iters
+    model.train()
     return out
 
 

@@ -6,7 +6,7 @@ Usage:
     with RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, attention=True) as log:
         log.start(iter_num, model, device, dtype, dtype_reason)  # events, the bar
         log.step()                                     # after every step
-        log.point(it, loss, lrs, grad_norm)            # every log_interval steps, with tokens/s and MFU
+        log.point(it, steps, loss, lrs, grad_norm)     # every log_interval steps, with tokens/s and MFU
         with log.paused(): ...                         # time that tokens/s leaves out
         log.losses(it, losses); log.samples(it, model, device, autocast)   # at an evaluation
         log.finish(best_val_loss, it)
@@ -51,11 +51,9 @@ class RunLog:
 
     def start(self, iter_num: int, model: GPT, device: torch.device, dtype: torch.dtype,
               dtype_reason: str) -> None:
-        """Say what the run trains and how, with the peak FLOP/s that MFU is measured against; then
-        open its events and its progress bar at iter_num (a resumed run drops the events logged
-        after its checkpoint), and start the clock of tokens/s."""
+        """Say what the run trains and how, and the peak FLOP/s that MFU is measured against; open its
+        events (dropping a resumed run's after its checkpoint) and its progress bar at iter_num."""
         n, cfg = self.dist.world_size, self.cfg
-        # every process's micro-batches of one step, which tokens/s counts
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * model.config.block_size
         processes = f" x {n} process{'es' * (n > 1)}" if self.dist.enabled else ""
         self.say(f"{model.num_params() / 1e6:.2f}M parameters (embeddings aside), {self.tokens_per_iter:,} "
@@ -65,7 +63,7 @@ class RunLog:
         peak, peak_source = peak_flops(device, dtype)  # at the thread count the run starts with
         self.say(f"MFU is measured against {peak / 1e12:.3g} TFLOP/s per process ({peak_source})")
         self.flops_per_token, self.peak = model.flops_per_token(), peak * n  # for MFU
-        self.steps_since_point, self.t_point = 0, time.perf_counter()
+        self.t_point = time.perf_counter()
         self.probe_ids = self.probe_ids[-model.config.block_size:]
         self.start_iter, self.iter_num, self.t_start = iter_num, iter_num, time.perf_counter()
         if iter_num >= self.cfg.max_iters:
@@ -106,7 +104,6 @@ class RunLog:
 
     def step(self) -> None:
         self.iter_num += 1
-        self.steps_since_point += 1
         if self.bar is not None:
             self.bar.update(1)
 
@@ -116,14 +113,13 @@ class RunLog:
         yield
         self.t_point += time.perf_counter() - t_pause
 
-    def point(self, it: int, loss: float, lrs: dict[str, float], grad_norm: float) -> None:
-        """Log the steps since the last point, with their tokens/s and MFU, as TensorBoard's scalars,
-        and show them on the progress bar (elsewhere than a terminal, as one line). loss is their mean
-        (train/loss_step); lrs holds train/lr (learning_rate's), train/lr_muon and train/lr_embedding."""
+    def point(self, it: int, steps: int, loss: float, lrs: dict[str, float], grad_norm: float) -> None:
+        """Log the steps since the last point, their mean loss and their tokens/s and MFU, as TensorBoard's
+        scalars, with train/lr, train/lr_muon and train/lr_embedding, and show them on the progress bar."""
         # the time since the last point includes the wait for the device in the loss's .item()
-        tokens_per_sec = self.steps_since_point * self.tokens_per_iter / (time.perf_counter() - self.t_point)
+        tokens_per_sec = steps * self.tokens_per_iter / (time.perf_counter() - self.t_point)
         mfu = self.flops_per_token * tokens_per_sec / self.peak  # the share of every process's peak
-        self.steps_since_point, self.t_point = 0, time.perf_counter()
+        self.t_point = time.perf_counter()
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), *((f"train/{name}", lr) for name, lr in lrs.items()),
@@ -148,8 +144,9 @@ class RunLog:
 
     def samples(self, it: int, model: GPT, device: torch.device, autocast: Any) -> None:
         """An evaluation's text sample, sample_tokens from sample_prompt with the same seed every
-        time, and its attention pictures (the model is in eval mode). A sharded model samples on
+        time, and its attention pictures, in eval mode (no dropout). A sharded model samples on
         every process, because its forward is a collective, in eager steps; rank 0 logs the text."""
+        model.eval()
         fsdp = is_sharded(model)
         if self.cfg.sample_tokens and (self.is_main or fsdp):
             from generate import generate  # imported at the first evaluation, by a run that samples
@@ -167,6 +164,7 @@ class RunLog:
                 self.layer_pictures = LayerPictures(
                     token_labels(self.tokenizer, self.probe_ids), model.config.n_head)
             log_attention(self.writer, model, self.probe_ids, self.layer_pictures, it)
+        model.train()
 
     def finish(self, best_val_loss: float, it: int) -> None:
         """The run's settings beside its result, and the last events written."""
