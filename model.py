@@ -9,8 +9,8 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @cpu_kernel is the plain torch expression; on a CPU, for float32 tensors, a kernel of
-machine/cpu_kernels.py computes it and its gradient in one pass each, where torch makes several.
+marked @cpu_kernel shows the plain torch expression, which a kernel of machine/cpu_kernels.py
+replaces on a CPU: for float32 tensors, a C loop that computes it and its gradient in one pass.
 """
 
 from __future__ import annotations
@@ -91,13 +91,14 @@ class CausalSelfAttention(nn.Module):
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
+    options = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                   enable_gqa=k.size(1) != q.size(1))  # GQA: fewer key/value heads than query heads
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
         # Below 256 keys torch's CPU kernel is slower in bf16 than in fp32 (docs/performance.md),
-        # so this same call runs in fp32, with autocast off, lest it cast the inputs back to bf16.
+        # so it runs in fp32, with autocast off, lest autocast cast the inputs back to bf16.
         with torch.autocast("cpu", enabled=False):
-            return sdpa_attention(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **options).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **options)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -119,7 +120,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@cpu_kernel(RotatePairs, can_rotate)  # in float32, where every row has the same positions
+@cpu_kernel(RotatePairs, can_rotate)  # where can_rotate: float32, with the same positions in every row
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by pos / theta^(2i / hd),
     so that the dot product of a query and a key depends on how far apart their tokens are."""
@@ -139,7 +140,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, mlp_hidden)
-        h = relu_squared(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's GELU
+        h = relu_squared(h) if self.relu2 else F.gelu(h, approximate="tanh")  # GPT-2's tanh form
         return self.dropout(self.c_proj(h))
 
 
@@ -216,7 +217,7 @@ class GPT(nn.Module):
         ))
         if config.pos_embedding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        if config.bigram_embedding:  # a row for each token, and the last for "none" at position 0
+        if config.bigram_embedding:  # a row for each token, and a last one for no predecessor
             self.transformer.wtb = nn.Embedding(config.vocab_size + 1, config.n_embd)
         if config.pos_embedding == "rope":  # the tables are computed here and never saved
             cos, sin = rope_tables(config)
@@ -230,14 +231,12 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: Cache | None = None, input_pos: torch.Tensor | None = None,
                 attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
-        targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
-
-        Decoding (generate.py) passes a kv_cache, which this pass writes its keys and values into
-        and attends over, and input_pos, the tokens' positions: (T,) for every row, or (B, T) with
-        each row's own; without a cache they are 0 to T-1. Without targets, the logits start at
-        logits_from (-1: the last position alone). attention is "sdpa" (the fused kernel) or
-        "explicit" (explicit_attention, whose weights a hook can read)."""
+        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the targets
+        that are not -1 (chat data marks the tokens it leaves unscored with -1). For decoding:
+        kv_cache: where this pass writes its keys and values, and the keys it attends to (generate.py)
+        input_pos: the tokens' positions, (T,) for every row or (B, T); without a cache, 0 to T-1
+        logits_from: without targets, the first position whose logits are returned (-1: the last)
+        attention: "sdpa" (the fused kernel) or "explicit" (explicit_attention, whose weights show)"""
         B, T = idx.size()
         if attention not in ("sdpa", "explicit"):
             raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
@@ -251,9 +250,9 @@ class GPT(nn.Module):
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
-        if targets is None:  # the positions whose logits are wanted
+        if targets is None:  # decoding wants only the last position's logits (logits_from -1)
             x = x[:, logits_from:, :]
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab), or from logits_from on
         if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
             logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
@@ -264,14 +263,14 @@ class GPT(nn.Module):
         """Each token's vector: its row of wte, plus its predecessor's row of the bigram table and
         its position's row of wpe where the model has them, normalized if embed_norm is set."""
         x = self.transformer.wte(idx)  # (B, T, C)
-        if "wtb" in self.transformer:
-            none = self.config.vocab_size  # the last row: a window's first token has no predecessor
+        if self.config.bigram_embedding:
+            no_prev = self.config.vocab_size  # the last row, for a token whose predecessor is unseen
             if kv_cache is None:
-                before = F.pad(idx[:, :-1], (1, 0), value=none)  # idx shifted right by one
+                prev_ids = F.pad(idx[:, :-1], (1, 0), value=no_prev)  # idx shifted right by one
             else:  # the cache keeps every id it was given, so a predecessor may be an earlier call's
-                before = kv_cache.update_ids(idx, input_pos, none)
-            x = x + self.transformer.wtb(before)
-        if "wpe" in self.transformer:  # GPT-2's positions, a learned vector added to each token
+                prev_ids = kv_cache.update_ids(idx, input_pos, no_prev)
+            x = x + self.transformer.wtb(prev_ids)
+        if self.config.pos_embedding == "learned":  # GPT-2's positions, a vector added to each token
             x = x + self.transformer.wpe(input_pos)
         if self.config.embed_norm:
             x = rms_norm(x, self.config.norm_eps)
@@ -282,7 +281,7 @@ class GPT(nn.Module):
         """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
         projections into the residual stream (the two c_proj) scaled down with depth, because each
         block adds two terms to it; the bigram table at zero, so that training starts from the plain
-        model. A tied table, one parameter met twice (as wte, then as lm_head), keeps the second draw.
+        model. A tied table is one parameter, met twice (as wte, then as lm_head), so lm_head's draw stays.
         The draws come from a generator seeded with torch's seed (torch.manual_seed), so that the
         weights depend on the seed alone, not on what drew from torch's generator before."""
         generator = torch.Generator().manual_seed(torch.initial_seed())
@@ -325,9 +324,9 @@ class Cache(Protocol):
     def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor: ...
 
 
-# the configuration's checks, by each field's annotation: text such as "int", under __future__'s annotations
-FIELD_TYPES = {"int": (int, "an integer"), "float": ((int, float), "a number"),
-               "bool": (bool, "true or false"), "str": (str, "a string")}
+# the configuration's checks, by the type of each field's default
+FIELD_TYPES = {int: (int, "an integer"), float: ((int, float), "a number"),
+               bool: (bool, "true or false"), str: (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
            "mlp": ("gelu", "relu2")}
 
@@ -336,7 +335,7 @@ def check_config(config: GPTConfig) -> None:
     """Raise ValueError for a shape or a switch the model cannot be built with. A file (a
     checkpoint, a config.json) may hold 1.0 or "12" for a count, so types are checked too."""
     for f in fields(config):
-        value, (kind, described) = getattr(config, f.name), FIELD_TYPES[f.type]
+        value, (kind, described) = getattr(config, f.name), FIELD_TYPES[type(f.default)]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ValueError(f"{f.name} must be {described}, got {value!r}")
     for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
