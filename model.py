@@ -9,8 +9,8 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @cpu_kernel shows the plain torch expression, which a kernel of machine/cpu_kernels.py
-replaces on a CPU: for float32 tensors, a C loop that computes it and its gradient in one pass.
+marked @cpu_kernel shows the plain torch expression, which machine/cpu_kernels.py replaces on a
+CPU: by a C loop over float32 tensors, which computes it and its gradient in one pass each.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.rope = config.pos_embedding == "rope"
         self.qk_norm, self.eps = config.qk_norm, config.norm_eps
-        # one matmul projects to the queries, keys and values; under GQA the last two have fewer heads
+        # one matmul projects to the query heads, then the key heads, then the value heads (fewer
+        # under GQA), whose blocks of rows Muon orthogonalizes apart
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -120,7 +121,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@cpu_kernel(RotatePairs, can_rotate)  # where can_rotate: float32, with the same positions in every row
+@cpu_kernel(RotatePairs, can_rotate)  # only where can_rotate: float32, the same positions in every row
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by pos / theta^(2i / hd),
     so that the dot product of a query and a key depends on how far apart their tokens are."""
@@ -234,7 +235,7 @@ class GPT(nn.Module):
         """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the targets
         that are not -1 (chat data marks the tokens it leaves unscored with -1). For decoding:
         kv_cache: where this pass writes its keys and values, and the keys it attends to (generate.py)
-        input_pos: the tokens' positions, (T,) for every row or (B, T); without a cache, 0 to T-1
+        input_pos: the tokens' positions, (T,) for every row or (B, T); when omitted, 0 to T-1
         logits_from: without targets, the first position whose logits are returned (-1: the last)
         attention: "sdpa" (the fused kernel) or "explicit" (explicit_attention, whose weights show)"""
         B, T = idx.size()
@@ -250,7 +251,7 @@ class GPT(nn.Module):
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
-        if targets is None:  # decoding wants only the last position's logits (logits_from -1)
+        if targets is None:  # the logits from logits_from on (decoding asks for the last alone, -1)
             x = x[:, logits_from:, :]
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab), or from logits_from on
         if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
@@ -281,7 +282,7 @@ class GPT(nn.Module):
         """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
         projections into the residual stream (the two c_proj) scaled down with depth, because each
         block adds two terms to it; the bigram table at zero, so that training starts from the plain
-        model. A tied table is one parameter, met twice (as wte, then as lm_head), so lm_head's draw stays.
+        model. A tied table is one tensor met twice, as wte and then as lm_head, so lm_head's draw is kept.
         The draws come from a generator seeded with torch's seed (torch.manual_seed), so that the
         weights depend on the seed alone, not on what drew from torch's generator before."""
         generator = torch.Generator().manual_seed(torch.initial_seed())
@@ -343,9 +344,9 @@ def check_config(config: GPTConfig) -> None:
             raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.n_embd % config.n_head != 0:
         raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
-    n_kv = config.n_kv_head or config.n_head  # 0 means n_head, as __post_init__ sets it
-    if n_kv < 1:
-        raise ValueError(f"n_kv_head must be at least 0 (0 means n_head), got {n_kv}")
+    if config.n_kv_head < 0:
+        raise ValueError(f"n_kv_head must be at least 0 (0 means n_head), got {config.n_kv_head}")
+    n_kv = config.n_kv_head or config.n_head  # as __post_init__ sets it
     if config.n_head % n_kv != 0:  # each key/value head serves a group of query heads
         raise ValueError(f"n_head ({config.n_head}) must be divisible by n_kv_head ({n_kv})")
     if config.pos_embedding == "rope" and config.head_dim % 2:  # rope turns pairs of dimensions

@@ -52,26 +52,26 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
-        # the log decodes its text samples with the tokenizer, and pictures the attention to val text
-        run, log = stack.enter_context(open_run(cfg, resume, dist, device, meta, tokenizer,
-                                                splits["val"], sharded))
+        # the log decodes its samples with the tokenizer and pictures attention to attention_probe or val
+        run, log = stack.enter_context(open_run(cfg, resume, meta, tokenizer, splits["val"],
+                                                dist=dist, device=device, sharded=sharded))
 
         # --- the model, new or in the checkpoint's shape, and the dtype it computes in ----
         saved = None
         if resume:  # resuming's code is imported only by a run that resumes
             from training.resume import read_saved
             # read_saved also sets run.checkpoint to the file it read. Under FSDP each process maps
-            # last.pt rather than reading it whole, because it keeps only its own shards.
+            # a last.pt rather than reading it whole, because it keeps only its own shards.
             saved = read_saved(run, device, mmap=sharded)
-        # bf16 where a CUDA GPU or the CPU multiplies it natively, else fp32 (or as --dtype says)
+        # --dtype, or under auto a resumed run's, or bf16 where the GPU or CPU has it natively, else fp32
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
         # torch.autocast, or a context that does nothing (in fp32, and under FSDP on a GPU)
         autocast = autocast_for(dtype, device, sharded)
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        # in fp32 on the device: the config's shape (a fine-tuning's: its base's), the data's vocab_size
-        raw_model: GPT = build_model(cfg, meta, device, dtype, dist, sharded, saved)
+        # the config's shape (or the base model's, to fine-tune) and the data's vocab_size, fp32, on device
+        raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist, sharded=sharded)
         run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
 
         # --- the optimizers and the batches, then the checkpoint's state put back ---------
@@ -84,12 +84,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # the training stream draws with a generator of its own, which the checkpoints save
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
         # a checkpoint holds the weights, the optimizers' moments, the scaler and the random streams
-        checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, dtype, cfg, meta, device, dist)
+        checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, cfg=cfg, meta=meta,
+                                  dtype=dtype, device=device, dist=dist)
         iter_num, best_val_loss = 0, math.inf
         if saved is not None:
             iter_num, best_val_loss = checkpoints.restore(saved)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        model = for_training(raw_model, cfg, device, dist, sharded)  # raw_model, or compiled, or DDP-wrapped
+        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)  # or compiled, DDP's
 
         # --- the loop ---------------------------------------------------------------------
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
@@ -120,8 +121,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 scaler.scale(loss).backward()
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
-            # the norm before clipping, for the log (grad_clip 0 clips nothing). Muon's gradients are
-            # clipped too; the size of its update is set by its orthogonalization, not by theirs.
+            # the norm before clipping, for the log (grad_clip 0 clips nothing). Clipping Muon's
+            # gradients changes what enters its momentum, not its update's size, which it sets itself.
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
@@ -145,26 +146,24 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 log.point(iter_num, steps_since_log, train_loss, lrs, distributed.whole(grad_norm).item())
                 loss_sum, steps_since_log = torch.zeros_like(loss_sum), 0
 
-            # unlike nanoGPT, no evaluation at iteration 0, whose loss is known (about ln vocab_size)
+            # unlike nanoGPT, no evaluation at iteration 0, where a new model's loss is about ln vocab_size
             eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
-            is_best = False
             if eval_now:
-                with log.paused():  # evaluating does not count toward tokens/s
+                with log.paused():  # evaluating and saving do not count toward tokens/s
                     # raw_model, so that torch.compile builds no graph for eval mode
                     losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                     log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
                     if not math.isfinite(losses["val"]):
                         raise TrainingError.diverged(f"val loss is {losses['val']} at iter {iter_num}")
                     log.samples(iter_num, raw_model, device, autocast)  # a text sample, attention pictures
-                is_best = losses["val"] < best_val_loss
-                best_val_loss = min(best_val_loss, losses["val"])
-            # whether Ctrl-C, SIGTERM or SIGHUP asked to stop (under torchrun, agreed at log points)
-            stopping = stop.asked(dist, device, at_log_point)
-            if eval_now or stopping:  # last.pt, and best.pt when this val loss is the best yet
-                val_loss = losses["val"] if eval_now else math.nan  # NaN: a save between evaluations
-                with log.paused():  # nor does saving
-                    checkpoints.save(iter_num, best_val_loss, val_loss, is_best)
-            if stopping:
+                    is_best = losses["val"] < best_val_loss
+                    best_val_loss = min(best_val_loss, losses["val"])
+                    # last.pt, which --resume continues, and best.pt too when this val loss is the best yet
+                    checkpoints.save(iter_num, best_val_loss, losses["val"], is_best)
+            # Ctrl-C, SIGTERM or SIGHUP asked the run to stop (under torchrun, agreed at log points)
+            if stop.asked(dist, device, at_log_point):
+                if not eval_now:  # a save between evaluations, which has no val loss
+                    checkpoints.save(iter_num, best_val_loss, math.nan, is_best=False)
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
                                   f"{iter_num}; saved {run.checkpoint}; continue with the "
                                   f"same command and {run.resume_flags}", stop.signal)

@@ -6,7 +6,7 @@ if it has one, else last.pt, and best.* likewise; either resumes on any number o
 
 Usage:
     from training.checkpoints import Checkpoints
-    checkpoints = Checkpoints(run, model, optimizers, scaler, batches, dtype, cfg, meta, device, dist)
+    checkpoints = Checkpoints(run, model, optimizers, scaler, batches, cfg=cfg, meta=meta, ...)
     iter_num, best_val_loss = checkpoints.restore(saved)   # a resumed run's TrainState put back
     checkpoints.save(iter_num, best_val_loss, val_loss, is_best)   # every process calls it
 """
@@ -30,8 +30,8 @@ class Checkpoints:
     and putting a saved one back into those parts."""
 
     def __init__(self, run: Run, model: GPT, optimizers: list[torch.optim.Optimizer],
-                 scaler: torch.amp.GradScaler, batches: BatchStream, dtype: torch.dtype,
-                 cfg: TrainConfig, meta: dict, device: torch.device, dist: distributed.Dist) -> None:
+                 scaler: torch.amp.GradScaler, batches: BatchStream, *, cfg: TrainConfig, meta: dict,
+                 dtype: torch.dtype, device: torch.device, dist: distributed.Dist) -> None:
         self.run, self.model, self.optimizers, self.scaler = run, model, optimizers, scaler
         self.batches, self.dtype, self.cfg, self.meta = batches, dtype, cfg, meta  # meta: the dataset's
         self.device, self.dist = device, dist

@@ -72,8 +72,8 @@ def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
 
 
 @contextmanager
-def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: torch.device, meta: dict,
-             tokenizer: Tokenizer, val: Tokens, sharded: bool) -> Iterator[tuple[Run, RunLog]]:
+def open_run(cfg: TrainConfig, resume: bool, meta: dict, tokenizer: Tokenizer, val: Tokens, *,
+             dist: distributed.Dist, device: torch.device, sharded: bool) -> Iterator[tuple[Run, RunLog]]:
     """The run folder (new, or the one to resume) and its log, opened once the model's memory is
     known to fit; inside, running out of memory is one line that says what to lower. The log
     samples from sample_prompt and pictures the attention to attention_probe (or the val split's)."""
@@ -86,8 +86,8 @@ def open_run(cfg: TrainConfig, resume: bool, dist: distributed.Dist, device: tor
         yield run, log
 
 
-def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch.dtype,
-                dist: distributed.Dist, sharded: bool, saved: Any) -> GPT:
+def build_model(cfg: TrainConfig, meta: dict, saved: Any, *, device: torch.device, dtype: torch.dtype,
+                dist: distributed.Dist, sharded: bool) -> GPT:
     """A new model of the config's shape, or the base model to fine-tune (init_from), on the
     device, sharded under parallel = fsdp. A resumed fine-tuning has the checkpoint's shape,
     and its weights replace the base's, which is then not read at all."""
@@ -107,7 +107,7 @@ def build_model(cfg: TrainConfig, meta: dict, device: torch.device, dtype: torch
     return GPT(config).to(device)
 
 
-def for_training(model: GPT, cfg: TrainConfig, device: torch.device, dist: distributed.Dist,
+def for_training(model: GPT, cfg: TrainConfig, *, device: torch.device, dist: distributed.Dist,
                  sharded: bool) -> torch.nn.Module:
     """What the loop calls: the model compiled if cfg.compile (FSDP compiled each block before
     sharding it), and under torchrun wrapped by DDP, unless FSDP shards it."""
