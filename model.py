@@ -167,7 +167,7 @@ class Block(nn.Module):
 
 
 def setting(default: object, help: str) -> Any:
-    """A GPTConfig field and its description, which train.py's --help shows."""
+    """A config field (GPTConfig's, TrainConfig's) and its description, which train.py's --help shows."""
     return field(default=default, metadata={"help": help})
 
 

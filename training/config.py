@@ -26,7 +26,7 @@ import click
 
 from machine.device import DTYPES
 from machine.errors import UserError
-from model import GPTConfig
+from model import GPTConfig, setting
 
 
 class ConfigError(UserError):
@@ -41,69 +41,65 @@ MODEL_DEFAULTS = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
 MODEL_FIELDS = {f.name: f for f in fields(GPTConfig) if f.name != "vocab_size"}
 
 
-def opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class TrainConfig:
     # data
-    data_dir: str = opt("data/shakespeare_char", "prepared dataset folder (shards and "
-                        "meta.json, from data.prepare); the built-in data/shakespeare_char, "
-                        "shakespeare_bpe and shakespeare_bpe2048 are prepared when missing")
-    init_from: str = opt("", "the model to fine-tune: a run folder, a checkpoint, or a "
-                         "Hugging Face GPT-2 or NanoChat folder or Hub id; it sets the model "
-                         "(the model fields are then ignored) and block_size crops its context")
+    data_dir: str = setting("data/shakespeare_char", "prepared dataset folder (shards and "
+                            "meta.json, from data.prepare); the built-in data/shakespeare_char, "
+                            "shakespeare_bpe and shakespeare_bpe2048 are prepared when missing")
+    init_from: str = setting("", "the model to fine-tune: a run folder, a checkpoint, or a "
+                             "Hugging Face GPT-2 or NanoChat folder or Hub id; it sets the model "
+                             "(the model fields are then ignored) and block_size crops its context")
     # the model: GPTConfig's fields (model.py declares each switch once, with its help),
     # written flat in a TOML file and on the command line, as n_layer = 4 or --n-layer 4
     model: GPTConfig = field(default_factory=lambda: GPTConfig(**MODEL_DEFAULTS))
     # optimisation
-    batch_size: int = opt(12, "sequences per micro-batch")
-    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step")
-    max_iters: int = opt(2000, "optimizer steps in total")
-    optimizer: str = opt("adamw", "adamw (GPT-2's recipe) or muon (Muon on the matrices inside "
-                         "the blocks, AdamW on the rest); see training/optimizer.py")
-    learning_rate: float = opt(1e-3, "peak AdamW learning rate")
-    min_lr: float = opt(1e-4, "learning_rate at the end of the cosine decay; every group, "
-                        "Muon's too, decays to the same fraction of its peak")
-    embedding_lr: float = opt(0.0, "peak AdamW learning rate of the lookup tables: wte when the "
-                              "head is untied (tie_embeddings false), and the bigram table; "
-                              "0 means learning_rate")
-    muon_lr: float = opt(0.02, "peak Muon learning rate (optimizer = muon)")
-    muon_momentum: float = opt(0.95, "Muon momentum (optimizer = muon)")
-    warmup_iters: int = opt(100, "steps of linear warmup to each group's peak learning rate")
-    lr_decay_iters: int = opt(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
-    decay_lr: bool = opt(True, "warmup, then cosine decay; false keeps every group at its peak")
-    weight_decay: float = opt(0.1, "decoupled weight decay on the matrices, Muon's and AdamW's (wpe "
-                              "and a tied wte among them, as in nanoGPT); not on biases, norm "
-                              "gains, an untied wte or the bigram table")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.99, "AdamW beta2")
-    grad_clip: float = opt(1.0, "clip the gradient norm to this; 0 disables clipping")
+    batch_size: int = setting(12, "sequences per micro-batch")
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
+    max_iters: int = setting(2000, "optimizer steps in total")
+    optimizer: str = setting("adamw", "adamw (GPT-2's recipe) or muon (Muon on the matrices inside "
+                             "the blocks, AdamW on the rest); see training/optimizer.py")
+    learning_rate: float = setting(1e-3, "peak AdamW learning rate")
+    min_lr: float = setting(1e-4, "learning_rate at the end of the cosine decay; every group, "
+                            "Muon's too, decays to the same fraction of its peak")
+    embedding_lr: float = setting(0.0, "peak AdamW learning rate of the lookup tables: wte when the "
+                                  "head is untied (tie_embeddings false), and the bigram table; "
+                                  "0 means learning_rate")
+    muon_lr: float = setting(0.02, "peak Muon learning rate (optimizer = muon)")
+    muon_momentum: float = setting(0.95, "Muon momentum (optimizer = muon)")
+    warmup_iters: int = setting(100, "steps of linear warmup to each group's peak learning rate")
+    lr_decay_iters: int = setting(0, "step where the cosine decay reaches min_lr; 0 means max_iters")
+    decay_lr: bool = setting(True, "warmup, then cosine decay; false keeps every group at its peak")
+    weight_decay: float = setting(0.1, "decoupled weight decay on the matrices, Muon's and AdamW's (wpe "
+                                  "and a tied wte among them, as in nanoGPT); not on biases, norm "
+                                  "gains, an untied wte or the bigram table")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.99, "AdamW beta2")
+    grad_clip: float = setting(1.0, "clip the gradient norm to this; 0 disables clipping")
     # evaluation, sampling, logging
-    eval_interval: int = opt(250, "steps between evaluations (and checkpoints)")
-    eval_iters: int = opt(20, "batches averaged per split at each evaluation")
-    log_interval: int = opt(10, "steps between training-loss log points")
-    sample_prompt: str = opt("\n", "prompt of the text sample logged at each evaluation")
-    sample_tokens: int = opt(200, "tokens in that sample; 0 disables sampling")
-    log_attention: bool = opt(True, "log attention heatmaps (an image per layer) and per-head "
-                              "attention entropy at each evaluation")
-    attention_probe: str = opt("", "text whose attention is logged; default: the first 32 "
-                               "tokens of the val split")
-    out_dir: str = opt("runs", "parent folder of run folders (TensorBoard events, checkpoints)")
-    run_name: str = opt("", "run folder name; default: the config file's name")
+    eval_interval: int = setting(250, "steps between evaluations (and checkpoints)")
+    eval_iters: int = setting(20, "batches averaged per split at each evaluation")
+    log_interval: int = setting(10, "steps between training-loss log points")
+    sample_prompt: str = setting("\n", "prompt of the text sample logged at each evaluation")
+    sample_tokens: int = setting(200, "tokens in that sample; 0 disables sampling")
+    log_attention: bool = setting(True, "log attention heatmaps (an image per layer) and per-head "
+                                  "attention entropy at each evaluation")
+    attention_probe: str = setting("", "text whose attention is logged; default: the first 32 "
+                                   "tokens of the val split")
+    out_dir: str = setting("runs", "parent folder of run folders (TensorBoard events, checkpoints)")
+    run_name: str = setting("", "run folder name; default: the config file's name")
     # system
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
-    dtype: str = opt("auto", "auto, float32, bfloat16 or float16 (autocast); auto is bfloat16 "
-                     "where the hardware multiplies it natively (a GPU with bf16, a CPU with "
-                     "avx512_bf16 or AMX), else float32")
-    compile: bool = opt(False, "torch.compile the model (slow start, faster steps)")
-    threads: int = opt(0, "CPU threads; 0 measures each count over the first steps, keeps the "
-                       "fastest, and measures again when the step's time changes "
-                       "(machine/threads.py); OMP_NUM_THREADS also fixes the count")
-    parallel: str = opt("ddp", "under torchrun: ddp (each process holds the whole model) or "
-                               "fsdp (each holds 1/N of it; see docs/distributed.md)")
-    seed: int = opt(1337, "random seed for initialisation, batches and sampling")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = setting("auto", "auto, float32, bfloat16 or float16 (autocast); auto is bfloat16 "
+                         "where the hardware multiplies it natively (a GPU with bf16, a CPU with "
+                         "avx512_bf16 or AMX), else float32")
+    compile: bool = setting(False, "torch.compile the model (slow start, faster steps)")
+    threads: int = setting(0, "CPU threads; 0 measures each count over the first steps, keeps the "
+                           "fastest, and measures again when the step's time changes "
+                           "(machine/threads.py); OMP_NUM_THREADS also fixes the count")
+    parallel: str = setting("ddp", "under torchrun: ddp (each process holds the whole model) or "
+                                   "fsdp (each holds 1/N of it; see docs/distributed.md)")
+    seed: int = setting(1337, "random seed for initialisation, batches and sampling")
     # The keys that a TOML file or the command line set (the rest are defaults). A fine-tuned
     # model keeps its base's context unless block_size is among them.
     given: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
