@@ -170,12 +170,12 @@ class KVCache:
         mask = input_pos[..., None] >= self.key_pos  # a query at p sees keys 0..p, nothing later
         return self.k[layer], self.v[layer], mask if input_pos.dim() == 1 else mask[:, None]
 
-    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor:
+    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, no_prev: int) -> torch.Tensor:
         """Store the (B, T) token ids at input_pos, as update() stores keys, and return the id of
-        the token before each (for the first, an earlier call's), or `none` at position 0."""
+        the token before each (for the first, an earlier call's), or no_prev at position 0."""
         rows = torch.arange(idx.size(0), device=idx.device)[:, None]
         self.ids[rows, input_pos] = idx
-        return self.ids[rows, (input_pos - 1).clamp(min=0)].masked_fill(input_pos == 0, none)
+        return self.ids[rows, (input_pos - 1).clamp(min=0)].masked_fill(input_pos == 0, no_prev)
 
     def rows(self, start: int, stop: int) -> KVCache:
         """Rows start..stop-1, sharing this cache's memory: a server prefills one row alone."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate, cpu_kernel
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate, cpu_kernel, fp32_below
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
 
@@ -59,7 +59,7 @@ class CausalSelfAttention(nn.Module):
         self.rope = config.pos_embedding == "rope"
         self.qk_norm, self.eps = config.qk_norm, config.norm_eps
         # one matmul projects to the query heads, then the key heads, then the value heads (fewer
-        # under GQA), whose blocks of rows Muon orthogonalizes apart
+        # under GQA); without GQA, Muon orthogonalizes the three blocks of rows apart
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -89,17 +89,12 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+@fp32_below(keys=256)  # on a CPU, in bf16, where torch's kernel is faster in fp32
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
-    options = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                   enable_gqa=k.size(1) != q.size(1))  # GQA: fewer key/value heads than query heads
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.size(2) < 256:
-        # Below 256 keys torch's CPU kernel is slower in bf16 than in fp32 (docs/performance.md),
-        # so it runs in fp32, with autocast off, lest autocast cast the inputs back to bf16.
-        with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **options).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, **options)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -194,8 +189,9 @@ class GPTConfig:
     rope_theta: float = setting(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
 
     def __post_init__(self) -> None:
+        if self.n_kv_head == 0:  # one key/value head per query head
+            self.n_kv_head = self.n_head
         check_config(self)
-        self.n_kv_head = self.n_kv_head or self.n_head  # 0: one key/value head per query head
 
     @property
     def mlp_hidden(self) -> int:
@@ -265,7 +261,7 @@ class GPT(nn.Module):
         its position's row of wpe where the model has them, normalized if embed_norm is set."""
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.bigram_embedding:
-            no_prev = self.config.vocab_size  # the last row, for a token whose predecessor is unseen
+            no_prev = self.config.vocab_size  # the last row, for the first token of a window or a text
             if kv_cache is None:
                 prev_ids = F.pad(idx[:, :-1], (1, 0), value=no_prev)  # idx shifted right by one
             else:  # the cache keeps every id it was given, so a predecessor may be an earlier call's
@@ -322,7 +318,7 @@ class Cache(Protocol):
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, none: int) -> torch.Tensor: ...
+    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, no_prev: int) -> torch.Tensor: ...
 
 
 # the configuration's checks, by the type of each field's default
@@ -339,16 +335,13 @@ def check_config(config: GPTConfig) -> None:
         value, (kind, described) = getattr(config, f.name), FIELD_TYPES[type(f.default)]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ValueError(f"{f.name} must be {described}, got {value!r}")
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.n_embd % config.n_head != 0:
         raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
-    if config.n_kv_head < 0:
-        raise ValueError(f"n_kv_head must be at least 0 (0 means n_head), got {config.n_kv_head}")
-    n_kv = config.n_kv_head or config.n_head  # as __post_init__ sets it
-    if config.n_head % n_kv != 0:  # each key/value head serves a group of query heads
-        raise ValueError(f"n_head ({config.n_head}) must be divisible by n_kv_head ({n_kv})")
+    if config.n_head % config.n_kv_head != 0:  # each key/value head serves a group of query heads
+        raise ValueError(f"n_head ({config.n_head}) must be divisible by n_kv_head ({config.n_kv_head})")
     if config.pos_embedding == "rope" and config.head_dim % 2:  # rope turns pairs of dimensions
         raise ValueError(f"with rope, the head size n_embd / n_head ({config.head_dim}) must be even")
     for name, choices in CHOICES.items():

@@ -90,12 +90,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if saved is not None:
             iter_num, best_val_loss = checkpoints.restore(saved)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)  # or compiled, DDP's
+        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)  # maybe compiled
 
         # --- the loop ---------------------------------------------------------------------
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
         threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
-        log.start(iter_num, raw_model, device, dtype, dtype_reason)  # the first lines, TensorBoard, the bar
+        log.start(iter_num, raw_model, device, dtype, dtype_reason)  # its first lines, its events, its bar
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         # this process's share of the micro-batches (choose_device refuses a count that does not divide)
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size
@@ -199,9 +199,8 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any, dist: distributed.Dist) -> dict[str, float]:
-    """The mean loss over the same eval_iters batches of each split at every evaluation, so that the
-    curve shows how the model changes, in eval mode (no dropout); under torchrun the processes split
-    the batches between them."""
+    """The mean loss, in eval mode, over the same eval_iters batches of each split at every evaluation,
+    so that the curve shows how the model changes; under torchrun the processes split the batches."""
     model.eval()
     out = {}
     for split, draw in samplers.items():

@@ -1,5 +1,5 @@
 """Three of the model's operations with their gradients written out, for training on a CPU:
-RMSNorm, relu(h)^2 and the rotation of rotary positions.
+RMSNorm, relu(h)^2 and the rotation of rotary positions; and attention's detour to fp32.
 
 Usage:
     from machine.cpu_kernels import ReLUSquared, cpu_kernel
@@ -39,6 +39,20 @@ def cpu_kernel(kernel: type[torch.autograd.Function],
         @functools.wraps(plain)  # plain stays reachable as __wrapped__, which the tests compare with
         def either(*args: Any) -> torch.Tensor:
             return kernel.apply(*args) if runs_on(*args) else plain(*args)
+        return either
+    return decorate
+
+
+def fp32_below(keys: int) -> Callable[[Callable], Callable]:
+    """Decorate attention(q, k, v, ...) to compute in fp32, with autocast off lest it cast back, where
+    q is bf16 on a CPU with fewer than `keys` keys, because torch's kernel is slower there in bf16."""
+    def decorate(attention: Callable) -> Callable:
+        @functools.wraps(attention)
+        def either(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **named: Any) -> Any:
+            if q.device.type != "cpu" or q.dtype != torch.bfloat16 or k.size(2) >= keys:
+                return attention(q, k, v, *rest, **named)
+            with torch.autocast("cpu", enabled=False):
+                return attention(q.float(), k.float(), v.float(), *rest, **named).to(q.dtype)
         return either
     return decorate
 

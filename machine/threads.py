@@ -8,14 +8,12 @@ Usage:
     usable_cpus()                                     # (2, "2 CPUs")
 
 PyTorch splits each CPU operation among its threads, and an operation ends when its slowest
-thread does. When another process takes one of those cores for a time slice, the other
-threads wait for it at every operation, so that a step of small operations can run slower
-on two threads than on one. The step's own time tells which count is fastest: at the start
-each count is timed, from the most threads down while fewer are faster; later the count in
-use is timed against one more and one fewer, when the step's time moves by a quarter and
-otherwise at intervals that double, and never sooner than the trials' cost allows (BUDGET).
-A count that was given, or OMP_NUM_THREADS, is obeyed and never changed.
-docs/performance.md#threads-and-a-busy-machine has the measurements.
+thread does, so when another process takes one of those cores, a step of small operations can
+run slower on two threads than on one. The step's own time tells which count is fastest: at
+the start each count is timed, from the most threads down while fewer are faster; later the
+count in use is timed against one more and one fewer, when the step's time moves by a quarter
+and otherwise at intervals that double, never sooner than the trials' cost allows (BUDGET). A
+count that was given, or OMP_NUM_THREADS, is obeyed (docs/performance.md#threads-and-a-busy-machine).
 """
 
 from __future__ import annotations
