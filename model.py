@@ -9,8 +9,8 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @cpu_kernel shows the plain torch expression, which machine/cpu_kernels.py replaces on a
-CPU: by a C loop over float32 tensors, which computes it and its gradient in one pass each.
+marked @cpu_kernel shows the plain torch expression; on a CPU, machine/cpu_kernels.py's kernel
+runs instead: one C pass over float32 tensors, else a few torch operations with the same values.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-@fp32_below(keys=256)  # on a CPU, in bf16, where torch's kernel is faster in fp32
+@fp32_below(keys=256)  # on a CPU in bf16 with fewer than 256 keys, where fp32 is faster
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
@@ -221,7 +221,7 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:  # the head reads tokens with the table that embeds them
+        if config.tie_embeddings:  # one table: the head's row t is the embedding of token t
             self.transformer.wte.weight = self.lm_head.weight
         self.init_weights()
 
@@ -261,7 +261,7 @@ class GPT(nn.Module):
         its position's row of wpe where the model has them, normalized if embed_norm is set."""
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.bigram_embedding:
-            no_prev = self.config.vocab_size  # the last row, for the first token of a window or a text
+            no_prev = self.config.vocab_size  # the last row, for the first token of a window or prompt
             if kv_cache is None:
                 prev_ids = F.pad(idx[:, :-1], (1, 0), value=no_prev)  # idx shifted right by one
             else:  # the cache keeps every id it was given, so a predecessor may be an earlier call's

@@ -38,8 +38,8 @@ from training.setup import build_model, choose_device, for_training, load_data, 
 
 def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     """Train the model cfg describes on its data; with resume, go on from the run folder's last
-    checkpoint. Under torchrun every process runs this; in a plain run every call into
-    training/distributed.py returns at once."""
+    checkpoint. Under torchrun every process runs this; in a plain run the calls into
+    training/distributed.py return at once, and the loop skips syncing the gradients."""
     t_start = time.time()
     with ExitStack() as stack:  # the four contexts entered below close, in reverse, however the run ends
         # --- where the run computes -------------------------------------------------------
@@ -52,7 +52,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the data, and the run folder that the log and the checkpoints go to ----------
         meta, splits, tokenizer = load_data(cfg, dist)
-        # the log decodes its samples with the tokenizer and pictures attention to attention_probe or val
+        # the log decodes its samples; it pictures the attention to attention_probe, else val's first tokens
         run, log = stack.enter_context(open_run(cfg, resume, meta, tokenizer, splits["val"],
                                                 dist=dist, device=device, sharded=sharded))
 
@@ -60,8 +60,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         saved = None
         if resume:  # resuming's code is imported only by a run that resumes
             from training.resume import read_saved
-            # read_saved also sets run.checkpoint to the file it read. Under FSDP each process maps
-            # a last.pt rather than reading it whole, because it keeps only its own shards.
+            # read_saved also sets run.checkpoint to the file it read (last.dcp, else last.pt). Under
+            # FSDP each process memory-maps a last.pt, because it keeps only its own shards of it.
             saved = read_saved(run, device, mmap=sharded)
         # --dtype, or under auto a resumed run's, or bf16 where the GPU or CPU has it natively, else fp32
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if saved is not None:
             iter_num, best_val_loss = checkpoints.restore(saved)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)  # maybe compiled
+        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)  # compiled, DDP
 
         # --- the loop ---------------------------------------------------------------------
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
