@@ -55,7 +55,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # which of the KV cache's layers this block writes
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.dropout = config.dropout
+        self.dropout_p = config.dropout  # the fused kernel's; attn_dropout below is the explicit path's
         self.rope = config.pos_embedding == "rope"
         self.qk_norm, self.eps = config.qk_norm, config.norm_eps
         # one matmul projects to the query heads, then the key heads, then the value heads (fewer
@@ -82,7 +82,7 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, input_pos, k, v)  # (B, n_kv, max_len, hd)
         if attention == "sdpa":
-            y = sdpa_attention(q, k, v, mask, self.dropout if self.training else 0.0)
+            y = sdpa_attention(q, k, v, mask, self.dropout_p if self.training else 0.0)
         else:
             y = explicit_attention(q, k, v, mask, self.attn_dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again: (B, T, C)
