@@ -55,8 +55,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # which of the KV cache's layers this block writes
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.dropout_p = config.dropout  # the fused kernel's; attn_dropout below is the explicit path's
-        self.rope = config.pos_embedding == "rope"
+        self.dropout_p = config.dropout  # for the fused kernel; the explicit path has attn_dropout
         self.qk_norm, self.eps = config.qk_norm, config.norm_eps
         # one matmul projects to the query heads, then the key heads, then the value heads (fewer
         # under GQA); without GQA, Muon orthogonalizes the three blocks of rows apart
@@ -75,7 +74,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
         if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), so a higher lr stays stable
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
-        if self.rope:  # a rotation keeps each vector's norm, so with qk_norm the bound still holds
+        if rope is not None:  # a rotation keeps each vector's norm, so with qk_norm the bound still holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         mask = None  # None means causal attention over these T tokens; a cache gives its own mask

@@ -90,7 +90,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if saved is not None:
             iter_num, best_val_loss = checkpoints.restore(saved)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)  # compiled, DDP
+        # what the loop calls: raw_model itself, or compiled (--compile), or wrapped by DDP (torchrun)
+        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)
 
         # --- the loop ---------------------------------------------------------------------
         # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
