@@ -41,73 +41,59 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     checkpoint. Under torchrun every process runs this; in a plain run the calls into
     training/distributed.py return at once, and the loop skips syncing the gradients."""
     t_start = time.time()
-    with ExitStack() as stack:  # the four contexts entered below close, in reverse, however the run ends
-        # --- where the run computes -------------------------------------------------------
-        dist = stack.enter_context(distributed.process_group(cfg.device))  # a plain run: rank 0 of 1
-        stop = stack.enter_context(stop_signals())  # Ctrl-C asks the run to save and stop after a step
-        device, sharded = choose_device(cfg, dist)  # sharded: FSDP splits the model across processes
-        torch.manual_seed(cfg.seed)  # the initial weights' seed, and dropout's; the batches have their own
-        if resume:  # a run to continue must exist, which is checked before the data is read
+    with ExitStack() as stack:  # the contexts entered below close in reverse, however the run ends
+        # --- where the run computes -----------------------------------------------------
+        dist = stack.enter_context(distributed.process_group(cfg))  # a plain run is rank 0 of 1
+        stop = stack.enter_context(stop_signals())  # Ctrl-C, SIGTERM or SIGHUP: save, then stop
+        device = choose_device(cfg, dist)
+        torch.manual_seed(cfg.seed)  # the initial weights and dropout; the batches have their own
+        if resume:  # before the data is read
             check_resumable_folder(cfg)
 
-        # --- the data, and the run folder that the log and the checkpoints go to ----------
+        # --- the data, and the run folder that the log and the checkpoints go to --------
         meta, splits, tokenizer = load_data(cfg, dist)
-        # the log decodes its samples; it pictures the attention to attention_probe, else val's first tokens
         run, log = stack.enter_context(open_run(cfg, resume, meta, tokenizer, splits["val"],
-                                                dist=dist, device=device, sharded=sharded))
+                                                dist=dist, device=device))
 
-        # --- the model, new or in the checkpoint's shape, and the dtype it computes in ----
-        saved = None
-        if resume:  # resuming's code is imported only by a run that resumes
-            from training.resume import read_saved
-            # read_saved also sets run.checkpoint to the file it read (last.dcp, else last.pt). Under
-            # FSDP each process memory-maps a last.pt, because it keeps only its own shards of it.
-            saved = read_saved(run, device, mmap=sharded)
-        # --dtype, or under auto a resumed run's, or bf16 where the GPU or CPU has it natively, else fp32
-        dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, sharded)
-        # torch.autocast, or a context that does nothing (in fp32, and under FSDP on a GPU)
-        autocast = autocast_for(dtype, device, sharded)
+        # --- the model, and the dtype it computes in ------------------------------------
+        saved = None  # a resumed run's checkpoint
+        if resume:
+            from training.resume import read_saved  # imported only by a run that resumes
+            saved = read_saved(run, device, mmap=dist.sharded)  # run.checkpoint becomes its file
+        dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, dist.sharded)
+        autocast = autocast_for(dtype, device, dist.sharded)  # or a context that does nothing
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        # the config's shape (or the base model's, to fine-tune) and the data's vocab_size, fp32, on device
-        raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist, sharded=sharded)
-        run.check_room(raw_model, dist)  # room on the disk for last.pt, best.pt and a copy in progress
+        raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist)
+        run.check_room(raw_model, dist)  # for last.pt, best.pt and a copy in progress
 
-        # --- the optimizers and the batches, then the checkpoint's state put back ---------
-        # [AdamW], or [AdamW, Muon] for the blocks' matrices, each group with the "peak_lr" the loop scales
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
-        # each split's sampler draws batch_size windows x = data[s:s+T], y = data[s+1:s+T+1] at random
-        # starts s, T being block_size (chat data draws whole conversations)
+        # --- the optimizers and the batches, then a resumed run's state put back --------
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
+        # x = data[s:s+T], y = data[s+1:s+T+1] from random starts s (chat: whole conversations)
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
-                                         log.say) for split, data in splits.items()}
-        # the training stream draws with a generator of its own, which the checkpoints save
+                                         say=log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
-        # a checkpoint holds the weights, the optimizers' moments, the scaler and the random streams
         checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, cfg=cfg, meta=meta,
                                   dtype=dtype, device=device, dist=dist)
         iter_num, best_val_loss = 0, math.inf
         if saved is not None:
             iter_num, best_val_loss = checkpoints.restore(saved)
             del saved  # its tensors are copied into the model and optimizers, so free them
-        # what the loop calls: raw_model itself, or compiled (--compile), or wrapped by DDP (torchrun)
-        model = for_training(raw_model, cfg, device=device, dist=dist, sharded=sharded)
+        model = for_training(raw_model, cfg, device=device, dist=dist)  # compiled, or in DDP
 
-        # --- the loop ---------------------------------------------------------------------
-        # on a CPU, the fastest thread count, measured as the run goes (a busy machine favours fewer)
-        threads = stack.enter_context(fit_threads(cfg.threads, device, log.say))
-        log.start(iter_num, raw_model, device, dtype, dtype_reason)  # its first lines, its events, its bar
+        # --- the loop -------------------------------------------------------------------
+        thread_fit = stack.enter_context(fit_threads(cfg.threads, device, log.say))  # on a CPU
+        log.start(iter_num, raw_model, device, dtype, dtype_reason)
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
-        # this process's share of the micro-batches (choose_device refuses a count that does not divide)
-        accum_steps = cfg.gradient_accumulation_steps // dist.world_size
+        accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
         loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
         steps_since_log = 0
-        # the first batch; after a resume, the one that the saved run had drawn for its next step
-        x, y = to_device(batches.next(), device)
+        x, y = to_device(batches.next(), device)  # after a resume, the saved run's next batch
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:  # each group's peak_lr (muon_lr, embedding_lr or learning_rate), scaled
+            for opt in optimizers:  # configure_optimizers gave each group its peak_lr
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
@@ -115,7 +101,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
                 with autocast:
                     _, loss = model(x, y)
-                loss = loss / accum_steps  # so that the summed gradients are those of the step's mean loss
+                loss = loss / accum_steps  # so that the gradients sum to those of the mean loss
                 # the next batch, drawn while a GPU still runs this forward pass (as in nanoGPT)
                 x, y = to_device(batches.next(), device)
                 loss_sum += loss.detach()
@@ -123,16 +109,17 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
             # the norm before clipping, for the log (grad_clip 0 clips nothing). Clipping Muon's
-            # gradients changes what enters its momentum, not its update's size, which it sets itself.
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+            # gradients changes what enters its momentum, but not its update's size, set by Muon.
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                                       cfg.grad_clip or math.inf)
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
-            scaler.update()  # float16's next scale: smaller after an inf or NaN, larger after a good run
+            scaler.update()  # float16's next scale: lower after an inf or NaN, else higher in time
             iter_num += 1
             steps_since_log += 1
             log.step()  # the progress bar moves on
-            threads.step(time.perf_counter() - t_step)  # on a CPU, the fit may change the thread count
+            thread_fit.step(time.perf_counter() - t_step)  # it may change torch's thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
@@ -141,25 +128,28 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 loss_sum = distributed.all_sum(loss_sum, dist)
                 train_loss = loss_sum.item() / (steps_since_log * dist.world_size)
                 if not math.isfinite(train_loss):
-                    raise TrainingError.diverged(f"training loss became {train_loss} at iter {iter_num}")
-                # each group's lr by its TensorBoard name, and the last step's grad norm (whole under FSDP)
-                lrs = {group["logged_as"]: group["lr"] for opt in optimizers for group in opt.param_groups}
-                log.point(iter_num, steps_since_log, train_loss, lrs, distributed.whole(grad_norm).item())
+                    raise TrainingError.diverged(f"training loss became {train_loss} "
+                                                 f"at iter {iter_num}")
+                lrs = {group["logged_as"]: group["lr"]
+                       for opt in optimizers for group in opt.param_groups}
+                norm = distributed.whole(grad_norm).item()  # FSDP's norm is in shards
+                log.point(iter_num, steps_since_log, train_loss, lrs, norm)
                 loss_sum, steps_since_log = torch.zeros_like(loss_sum), 0
 
-            # unlike nanoGPT, no evaluation at iteration 0, where a new model's loss is about ln vocab_size
+            # unlike nanoGPT, no evaluation at iter 0, where the loss is about ln(vocab_size)
             eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             if eval_now:
                 with log.paused():  # evaluating and saving do not count toward tokens/s
-                    # raw_model, so that torch.compile builds no graph for eval mode
+                    # raw_model, neither compiled for eval mode nor in DDP's wrapper
                     losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                     log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
                     if not math.isfinite(losses["val"]):
-                        raise TrainingError.diverged(f"val loss is {losses['val']} at iter {iter_num}")
-                    log.samples(iter_num, raw_model, device, autocast)  # a text sample, attention pictures
+                        raise TrainingError.diverged(f"val loss is {losses['val']} "
+                                                     f"at iter {iter_num}")
+                    log.samples(iter_num, raw_model, device, autocast)  # a sample, the attention
                     is_best = losses["val"] < best_val_loss
                     best_val_loss = min(best_val_loss, losses["val"])
-                    # last.pt, which --resume continues, and best.pt too when this val loss is the best yet
+                    # last.pt, which --resume continues, and best.pt when this val loss is the best
                     checkpoints.save(iter_num, best_val_loss, losses["val"], is_best)
             # Ctrl-C, SIGTERM or SIGHUP asked the run to stop (under torchrun, agreed at log points)
             if stop.asked(dist, device, at_log_point):
@@ -188,7 +178,7 @@ def get_lr_scale(it: int, cfg: TrainConfig) -> float:
     if it >= decay_iters:
         return floor
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)  # from 1 down to floor
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
 
 
 def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -200,8 +190,9 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any, dist: distributed.Dist) -> dict[str, float]:
-    """The mean loss, in eval mode, over the same eval_iters batches of each split at every evaluation,
-    so that the curve shows how the model changes; under torchrun the processes split the batches."""
+    """The mean loss, in eval mode, over the same eval_iters batches of each split at every
+    evaluation, so that the curve shows how the model changes; under torchrun the processes split
+    the batches."""
     model.eval()
     out = {}
     for split, draw in samplers.items():

@@ -48,9 +48,9 @@ def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size:
            batch_size: int | None) -> dict:
     """One process's side of a case: build, step, measure; rank 0 returns the figures."""
     overrides = {"block_size": block_size, "batch_size": batch_size}
-    cfg = load_config(config, {"parallel": parallel, "dtype": "float32",
+    cfg = load_config(config, {"parallel": parallel, "dtype": "float32", "device": "cpu",
                                **{key: value for key, value in overrides.items() if value}})
-    with distributed.process_group("cpu") as info:
+    with distributed.process_group(cfg) as info:
         return measure(cfg, info, config, parallel, steps, vocab_size)
 
 

@@ -3,7 +3,7 @@ training needs. training/fsdp.py shards a model across them (parallel = "fsdp").
 
 Usage:
     from training import distributed
-    with distributed.process_group("auto") as dist:   # Dist(rank, world_size, ...)
+    with distributed.process_group(cfg) as dist:   # Dist(rank, world_size, ..., sharded)
         total = distributed.all_sum(values, dist)
         folder = distributed.from_main(take_folder, dist)   # rank 0 does it, all get it
 
@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ class Dist:
     world_size: int = 1
     enabled: bool = False  # launched by torchrun, and so in a process group
     local_world_size: int = 1  # processes on this machine, which share its CPUs and RAM
+    sharded: bool = False  # parallel = fsdp: each process keeps only its shards of the model
 
     @property
     def is_main(self) -> bool:
@@ -52,16 +53,18 @@ def environment() -> Dist:
 
 
 @contextmanager
-def process_group(device: str) -> Iterator[Dist]:
+def process_group(cfg: TrainConfig) -> Iterator[Dist]:
     """Join the process group that torchrun describes, if any, for as long as the block
-    runs (training/torchrun.joined); a single process gets Dist() and joins nothing."""
+    runs (training/torchrun.joined), once check_parallel has accepted the settings; a single
+    process gets Dist() and joins nothing."""
     info = environment()
+    sharded = check_parallel(cfg, info)
     if not info.enabled:
         yield info
         return
     from training.torchrun import joined
-    with joined(device, info.local_rank):
-        yield info
+    with joined(cfg.device, info.local_rank):
+        yield replace(info, sharded=sharded)
 
 
 def check_parallel(cfg: TrainConfig, info: Dist) -> bool:

@@ -27,11 +27,10 @@ from training.memory import check_memory, out_of_memory
 from training.runs import Run, run_folder
 
 
-def choose_device(cfg: TrainConfig, dist: distributed.Dist) -> tuple[torch.device, bool]:
-    """This process's device, set up for training, and whether FSDP shards the model; a
-    compiler or a parallel setting that cannot work here is refused before anything is written."""
+def choose_device(cfg: TrainConfig, dist: distributed.Dist) -> torch.device:
+    """This process's device, set up for training; a compiler that cannot work here is refused
+    before anything is written."""
     device = resolve_device(cfg.device, dist.local_rank)  # auto: CUDA, else MPS, else the CPU
-    sharded = distributed.check_parallel(cfg, dist)
     if cfg.compile:
         check_compile(device, instead="drop --compile")
     if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls
@@ -39,7 +38,7 @@ def choose_device(cfg: TrainConfig, dist: distributed.Dist) -> tuple[torch.devic
         torch.backends.cudnn.allow_tf32 = True
     if device.type == "cpu" and not dist.enabled:  # where it was measured to pay (docs/performance.md)
         reuse_freed_memory()  # glibc keeps freed memory for the next step's activations
-    return device, sharded
+    return device
 
 
 def load_data(cfg: TrainConfig, dist: distributed.Dist) -> tuple[dict, dict[str, Tokens], Tokenizer]:
@@ -73,7 +72,7 @@ def setting_ids(name: str, text: str, tokenizer: Tokenizer) -> list[int]:
 
 @contextmanager
 def open_run(cfg: TrainConfig, resume: bool, meta: dict, tokenizer: Tokenizer, val: Tokens, *,
-             dist: distributed.Dist, device: torch.device, sharded: bool) -> Iterator[tuple[Run, RunLog]]:
+             dist: distributed.Dist, device: torch.device) -> Iterator[tuple[Run, RunLog]]:
     """The run folder (new, or the one to resume) and its log, opened once the model's memory is
     known to fit; inside, running out of memory is one line that says what to lower. The log
     samples from sample_prompt and pictures the attention to attention_probe (or the val split's)."""
@@ -81,13 +80,14 @@ def open_run(cfg: TrainConfig, resume: bool, meta: dict, tokenizer: Tokenizer, v
     sample_ids = setting_ids("sample_prompt", cfg.sample_prompt, tokenizer) if cfg.sample_tokens else []
     probe_ids = (setting_ids("attention_probe", cfg.attention_probe, tokenizer)
                  if cfg.attention_probe else val[:32].tolist())
+    pictures = cfg.log_attention and not dist.sharded  # the pictures read whole weights
     with (run_folder(cfg, resume, dist) as run, out_of_memory(cfg, device, dist),
-          RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, cfg.log_attention and not sharded) as log):
+          RunLog(run, cfg, dist, tokenizer, sample_ids, probe_ids, pictures) as log):
         yield run, log
 
 
 def build_model(cfg: TrainConfig, meta: dict, saved: Any, *, device: torch.device, dtype: torch.dtype,
-                dist: distributed.Dist, sharded: bool) -> GPT:
+                dist: distributed.Dist) -> GPT:
     """A new model of the config's shape, or the base model to fine-tune (init_from), on the
     device, sharded under parallel = fsdp. A resumed fine-tuning has the checkpoint's shape,
     and its weights replace the base's, which is then not read at all."""
@@ -97,7 +97,7 @@ def build_model(cfg: TrainConfig, meta: dict, saved: Any, *, device: torch.devic
     elif cfg.init_from:
         from training.init_from import base_model  # a Hugging Face folder, a run ...
         config, base = base_model(cfg, meta, dist)
-    if sharded:
+    if dist.sharded:
         from training.fsdp import shard_model
         param_dtype = dtype if device.type == "cuda" and dtype != torch.float32 else None
         return shard_model(config, device, param_dtype, cfg.compile, base)
@@ -107,18 +107,18 @@ def build_model(cfg: TrainConfig, meta: dict, saved: Any, *, device: torch.devic
     return GPT(config).to(device)
 
 
-def for_training(model: GPT, cfg: TrainConfig, *, device: torch.device, dist: distributed.Dist,
-                 sharded: bool) -> torch.nn.Module:
+def for_training(model: GPT, cfg: TrainConfig, *, device: torch.device,
+                 dist: distributed.Dist) -> torch.nn.Module:
     """What the loop calls: the model compiled if cfg.compile (FSDP compiled each block before
     sharding it), and under torchrun wrapped by DDP, unless FSDP shards it."""
-    if cfg.compile and not sharded:
+    if cfg.compile and not dist.sharded:
         # On one GPU, each compiled pass is replayed as a CUDA graph, because launching its many
         # kernels one at a time from Python would hold a small model back. Graphs are not used
         # with gradient accumulation, because the next replay would overwrite the gradients that
         # are still accumulating, nor under torchrun, which reduces gradients during the backward.
         graphs = device.type == "cuda" and cfg.gradient_accumulation_steps == 1 and not dist.enabled
         model = torch.compile(model, mode="reduce-overhead" if graphs else None)
-    if dist.enabled and not sharded:  # DDP's wrapper, imported only under torchrun
+    if dist.enabled and not dist.sharded:  # DDP's wrapper, imported only under torchrun
         from training.torchrun import ddp
         model = ddp(model, device)
     return model
