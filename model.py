@@ -7,10 +7,9 @@ Usage:
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
-a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
-idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @cpu_kernel shows the plain torch expression; on a CPU, machine/cpu_kernels.py's kernel
-runs instead: one C pass over float32 tensors, else a few torch operations with the same values.
+a KV cache, the faster equivalents swapped in on a CPU, and the configuration's checks. Beyond
+nanoGPT, each switch of GPTConfig turns on one idea of nanochat or the modded-nanogpt speedruns
+(GPT-2's layout at their defaults).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate, cpu_kernel, fp32_below
+from machine.cpu_kernels import ReLUSquared, RMSNormFunction, RotatePairs, can_rotate, fp32_below, on_cpu
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of each token's angles
 
@@ -35,7 +34,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps): LayerNorm without the mean subtracted, bias or gain (nanochat's)."""
+    """nanochat's norm, x / sqrt(mean(x^2) + eps): LayerNorm without the mean, bias or gain."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -45,7 +44,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
-@cpu_kernel(RMSNormFunction)
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=eps)  # over the last dimension
 
@@ -54,11 +52,14 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # which of the KV cache's layers this block writes
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
+        self.qk_norm = config.qk_norm
+        self.eps = config.norm_eps
         self.dropout_p = config.dropout  # for the fused kernel; the explicit path has attn_dropout
-        self.qk_norm, self.eps = config.qk_norm, config.norm_eps
-        # one matmul projects to the query heads, then the key heads, then the value heads (fewer
-        # under GQA); without GQA, Muon orthogonalizes the three blocks of rows apart
+        # one matmul projects to the query heads, then the key heads, then the value heads,
+        # which are fewer under GQA
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -72,9 +73,9 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), so a higher lr stays stable
+        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) <= sqrt(hd), so a higher lr stays stable
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
-        if rope is not None:  # a rotation keeps each vector's norm, so with qk_norm the bound still holds
+        if rope is not None:  # a rotation keeps each vector's norm, and so the bound above
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         mask = None  # None means causal attention over these T tokens; a cache gives its own mask
@@ -88,10 +89,9 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-@fp32_below(keys=256)  # on a CPU in bf16 with fewer than 256 keys, where fp32 is faster
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), holds the allowed pairs; None is causal."""
+    """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), is True where allowed; None: causal."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
@@ -115,14 +115,13 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@cpu_kernel(RotatePairs, can_rotate)  # only where can_rotate: float32, the same positions in every row
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by pos / theta^(2i / hd),
-    so that the dot product of a query and a key depends on how far apart their tokens are."""
+    """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by the angle
+    pos / theta^(2i / hd), so that a query's dot product with a key depends on their distance."""
     x1, x2 = x.chunk(2, dim=-1)
     y1 = x1 * cos - x2 * sin  # [y1]   [cos  -sin] [x1]
     y2 = x1 * sin + x2 * cos  # [y2] = [sin   cos] [x2]
-    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # the fp32 tables made the products fp32, so cast back
+    return torch.cat([y1, y2], dim=-1).to(x.dtype)  # the fp32 tables made the products fp32
 
 
 class MLP(nn.Module):
@@ -139,7 +138,6 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(h))
 
 
-@cpu_kernel(ReLUSquared)
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
     return F.relu(h).square()
 
@@ -161,7 +159,7 @@ class Block(nn.Module):
 
 
 def setting(default: object, help: str) -> Any:
-    """A config field (GPTConfig's, TrainConfig's) and its description, which train.py's --help shows."""
+    """A config field with its default and its description, which train.py's --help shows."""
     return field(default=default, metadata={"help": help})
 
 
@@ -172,8 +170,8 @@ class GPTConfig:
     n_layer: int = setting(6, "transformer blocks")
     n_head: int = setting(6, "attention heads per block")
     n_embd: int = setting(384, "the embedding width; a multiple of n_head")
-    dropout: float = setting(0.0, "dropout probability, against overfitting a small corpus (0: none)")
-    bias: bool = setting(True, "biases in the Linear and LayerNorm layers, as GPT-2 has")
+    dropout: float = setting(0.0, "the dropout probability, against overfitting (0: none)")
+    bias: bool = setting(True, "biases in the blocks' Linear and LayerNorm layers, as GPT-2 has")
     pos_embedding: str = setting("learned", "learned (GPT-2's table), rope (rotary) or none")
     norm: str = setting("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
     qk_norm: bool = setting(False, "RMS-normalize each head's queries and keys before attention")
@@ -182,7 +180,7 @@ class GPTConfig:
     n_kv_head: int = setting(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
     embed_norm: bool = setting(False, "RMS-normalize the embeddings' sum before the first block")
     bigram_embedding: bool = setting(False, "add a learned vector for each token's predecessor")
-    logit_softcap: float = setting(0.0, "logits become C tanh(logits / C); 0 is off, and nanochat uses 15")
+    logit_softcap: float = setting(0.0, "logits = cap tanh(logits / cap); 0 is off, nanochat's 15")
     n_inner: int = setting(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = setting(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
     rope_theta: float = setting(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
@@ -226,13 +224,14 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 kv_cache: Cache | None = None, input_pos: torch.Tensor | None = None,
-                attention: str = "sdpa", logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the targets
-        that are not -1 (chat data marks the tokens it leaves unscored with -1). For decoding:
-        kv_cache: where this pass writes its keys and values, and the keys it attends to (generate.py)
+                attention: str = "sdpa", logits_from: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
+        targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
+        kv_cache: where this pass writes its keys and values, and those it attends to (generate.py)
         input_pos: the tokens' positions, (T,) for every row or (B, T); when omitted, 0 to T-1
         logits_from: without targets, the first position whose logits are returned (-1: the last)
-        attention: "sdpa" (the fused kernel) or "explicit" (explicit_attention, whose weights show)"""
+        attention: "sdpa" (the fused kernel) or "explicit" (explicit_attention, which viz/ shows)"""
         B, T = idx.size()
         if attention not in ("sdpa", "explicit"):
             raise ValueError(f"attention must be sdpa or explicit, got {attention!r}")
@@ -242,31 +241,36 @@ class GPT(nn.Module):
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.embed(idx, input_pos, kv_cache)  # (B, T, C)
         rope = None  # no rotation, because the positions are learned or there are none
-        if self.config.pos_embedding == "rope":  # each token's angles, to broadcast over the heads
+        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2), over the heads
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
-        if targets is None:  # the logits from logits_from on (decoding asks for the last alone, -1)
-            x = x[:, logits_from:, :]
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab), or from logits_from on
+        if targets is None:  # decoding needs only the logits from logits_from on (-1: the last)
+            return self.head(x[:, logits_from:, :]), None
+        logits = self.head(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of the last block's outputs: ln_f, lm_head, then the softcap if it is set."""
+        logits = self.lm_head(self.transformer.ln_f(x))
         if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
             logits = cap * torch.tanh(logits.float() / cap)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=-1)
+        return logits
 
-    def embed(self, idx: torch.Tensor, input_pos: torch.Tensor, kv_cache: Cache | None) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, input_pos: torch.Tensor, kv_cache: Cache | None
+              ) -> torch.Tensor:
         """Each token's vector: its row of wte, plus its predecessor's row of the bigram table and
         its position's row of wpe where the model has them, normalized if embed_norm is set."""
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.bigram_embedding:
-            no_prev = self.config.vocab_size  # the last row, for the first token of a window or prompt
+            no_prev = self.config.vocab_size  # the last row: a window's or a prompt's first token
             if kv_cache is None:
                 prev_ids = F.pad(idx[:, :-1], (1, 0), value=no_prev)  # idx shifted right by one
-            else:  # the cache keeps every id it was given, so a predecessor may be an earlier call's
+            else:  # the cache keeps every id it was given, so it knows earlier calls' tokens
                 prev_ids = kv_cache.update_ids(idx, input_pos, no_prev)
             x = x + self.transformer.wtb(prev_ids)
-        if self.config.pos_embedding == "learned":  # GPT-2's positions, a vector added to each token
+        if self.config.pos_embedding == "learned":  # GPT-2's position vectors, one per position
             x = x + self.transformer.wpe(input_pos)
         if self.config.embed_norm:
             x = rms_norm(x, self.config.norm_eps)
@@ -274,17 +278,17 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
-        projections into the residual stream (the two c_proj) scaled down with depth, because each
-        block adds two terms to it; the bigram table at zero, so that training starts from the plain
-        model. A tied table is one tensor met twice, as wte and then as lm_head, so lm_head's draw is kept.
+        """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and
+        the projections into the residual stream (the two c_proj) scaled down with depth, because
+        each block adds two terms to it; the bigram table at zero, so that training starts from the
+        plain model. A tied table is drawn twice, as wte and then as lm_head, and keeps lm_head's.
         The draws come from a generator seeded with torch's seed (torch.manual_seed), so that the
         weights depend on the seed alone, not on what drew from torch's generator before."""
         generator = torch.Generator().manual_seed(torch.initial_seed())
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
-                if name == "bias" or module_name == "transformer.wtb":
+                if name == "bias" or module_name == "transformer.wtb":  # the bigram table too
                     param.zero_()
                 elif isinstance(module, nn.LayerNorm):  # its weight, the gain
                     param.fill_(1.0)
@@ -294,7 +298,7 @@ class GPT(nn.Module):
                     param.normal_(0.0, 0.02, generator=generator)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """The parameter count, by default without the embedding tables (wpe, wtb, an untied wte)."""
+        """The parameter count, by default without the embeddings (wpe, wtb, an untied wte)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             tables = [name for name in ("wpe", "wtb") if name in self.transformer]
@@ -317,10 +321,20 @@ class Cache(Protocol):
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, no_prev: int) -> torch.Tensor: ...
+    def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, no_prev: int
+                   ) -> torch.Tensor: ...
 
 
-# the configuration's checks, by the type of each field's default
+# On a CPU, machine/cpu_kernels.py computes four functions above faster: three in one pass over
+# memory, with the same values and gradients (tests/test_model.py compares them), and attention
+# in fp32 where torch's kernel is slower in bf16. Elsewhere each runs as it is written.
+rms_norm = on_cpu(RMSNormFunction.apply, rms_norm)
+relu_squared = on_cpu(ReLUSquared.apply, relu_squared)
+apply_rope = on_cpu(RotatePairs.apply, apply_rope, runs_on=can_rotate)  # in float32
+sdpa_attention = fp32_below(256, sdpa_attention)
+
+
+# the configuration's checks: each field's type (that of its default), then its value
 FIELD_TYPES = {int: (int, "an integer"), float: ((int, float), "a number"),
                bool: (bool, "true or false"), str: (str, "a string")}
 CHOICES = {"pos_embedding": ("learned", "rope", "none"), "norm": ("layernorm", "rmsnorm"),
@@ -349,6 +363,6 @@ def check_config(config: GPTConfig) -> None:
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
     for name, low in {"logit_softcap": 0, "n_inner": 0, "norm_eps": 1e-12, "rope_theta": 1}.items():
-        if not (math.isfinite(value := getattr(config, name)) and value >= low):  # NaN fails too
+        if not (math.isfinite(value := getattr(config, name)) and value >= low):
             raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
 

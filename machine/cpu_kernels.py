@@ -2,16 +2,13 @@
 RMSNorm, relu(h)^2 and the rotation of rotary positions; and attention's detour to fp32.
 
 Usage:
-    from machine.cpu_kernels import ReLUSquared, cpu_kernel
-    @cpu_kernel(ReLUSquared)    # as model.py writes them: the plain expression, which
-    def relu_squared(h):        # ReLUSquared.apply replaces on a CPU
-        return F.relu(h).square()
+    from machine.cpu_kernels import ReLUSquared, on_cpu
+    relu_squared = on_cpu(ReLUSquared.apply, relu_squared)   # as model.py does: the kernel on a CPU
 
-Each is several small operations, and PyTorch passes over the whole tensor once for each,
-forward and backward, which on a CPU is much of a small model's step. In float32 they run as
-loops in C (cpu_kernels.c) that pass over each tensor once; otherwise (bf16, torch.compile, no
-C compiler) they run as a few PyTorch operations. Both give the plain operations' values and
-gradients, as tests/test_model.py checks; docs/performance.md has the measurements.
+Each is several small operations, and PyTorch passes over the whole tensor once for each, forward
+and backward, which on a CPU is much of a small model's step. In float32 they run as loops in C
+(cpu_kernels.c) that pass over each tensor once, else (bf16, torch.compile, no C compiler) as a
+few PyTorch operations, with the plain operations' values and gradients (tests/test_model.py).
 """
 
 from __future__ import annotations
@@ -31,30 +28,25 @@ def on_a_cpu(x: torch.Tensor, *rest: Any) -> bool:
     return x.device.type == "cpu"
 
 
-def cpu_kernel(kernel: type[torch.autograd.Function],
-               runs_on: Callable[..., bool] = on_a_cpu) -> Callable[[Callable], Callable]:
-    """Decorate a function of plain torch operations with the kernel that computes the same
-    values and gradients: a call goes to kernel.apply where runs_on(*args), else to the function."""
-    def decorate(plain: Callable) -> Callable:
-        @functools.wraps(plain)  # plain stays reachable as __wrapped__, which the tests compare with
-        def either(*args: Any) -> torch.Tensor:
-            return kernel.apply(*args) if runs_on(*args) else plain(*args)
-        return either
-    return decorate
+def on_cpu(kernel: Callable, plain: Callable, runs_on: Callable[..., bool] = on_a_cpu) -> Callable:
+    """plain, except that a call goes to kernel where runs_on(*args) is true. The kernel computes
+    plain's values and gradients; plain stays reachable as __wrapped__, which the tests compare."""
+    @functools.wraps(plain)
+    def either(*args: Any) -> torch.Tensor:
+        return kernel(*args) if runs_on(*args) else plain(*args)
+    return either
 
 
-def fp32_below(keys: int) -> Callable[[Callable], Callable]:
-    """Decorate attention(q, k, v, ...) to compute in fp32, with autocast off lest it cast back, where
-    q is bf16 on a CPU with fewer than `keys` keys, because torch's kernel is slower there in bf16."""
-    def decorate(attention: Callable) -> Callable:
-        @functools.wraps(attention)
-        def either(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **named: Any) -> Any:
-            if q.device.type != "cpu" or q.dtype != torch.bfloat16 or k.size(2) >= keys:
-                return attention(q, k, v, *rest, **named)
-            with torch.autocast("cpu", enabled=False):
-                return attention(q.float(), k.float(), v.float(), *rest, **named).to(q.dtype)
-        return either
-    return decorate
+def fp32_below(keys: int, attention: Callable) -> Callable:
+    """attention(q, k, v, ...), computed in fp32 with autocast off (lest it cast back) where q is
+    bf16 on a CPU with fewer than `keys` keys, because torch's kernel is slower there in bf16."""
+    @functools.wraps(attention)
+    def either(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **named: Any) -> Any:
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or k.size(2) >= keys:
+            return attention(q, k, v, *rest, **named)
+        with torch.autocast("cpu", enabled=False):
+            return attention(q.float(), k.float(), v.float(), *rest, **named).to(q.dtype)
+    return either
 
 
 @functools.cache
