@@ -7,9 +7,10 @@ Usage:
     logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))    # decoding (generate.py)
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
-a KV cache, the faster equivalents swapped in on a CPU, and the configuration's checks. Beyond
-nanoGPT, each switch of GPTConfig turns on one idea of nanochat or the modded-nanogpt speedruns
-(GPT-2's layout at their defaults).
+a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
+idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
+marked @on_cpu(kernel) is written as plain torch operations, which run on a GPU; on a CPU the
+kernel from machine/cpu_kernels.py runs in their place, with the same values and gradients.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """nanochat's norm, x / sqrt(mean(x^2) + eps): LayerNorm without the mean, bias or gain."""
+    """nanochat's x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted, and no gain."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -44,6 +45,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
+@on_cpu(RMSNormFunction.apply)  # in fp32, one C pass over memory each way
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=eps)  # over the last dimension
 
@@ -73,7 +75,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) <= sqrt(hd), so a higher lr stays stable
+        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd): a high lr stays stable
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if rope is not None:  # a rotation keeps each vector's norm, and so the bound above
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -89,6 +91,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+@fp32_below(keys=256)  # on a CPU in bf16 over fewer keys, where torch's bf16 kernel is slower
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), is True where allowed; None: causal."""
@@ -115,6 +118,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
+@on_cpu(RotatePairs.apply, where=can_rotate)  # where x is fp32, with one table row per position
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by the angle
     pos / theta^(2i / hd), so that a query's dot product with a key depends on their distance."""
@@ -128,8 +132,8 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        self.relu2 = config.mlp == "relu2"
         self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.relu2 = config.mlp == "relu2"
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +142,7 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(h))
 
 
+@on_cpu(ReLUSquared.apply)
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
     return F.relu(h).square()
 
@@ -241,17 +246,17 @@ class GPT(nn.Module):
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.embed(idx, input_pos, kv_cache)  # (B, T, C)
         rope = None  # no rotation, because the positions are learned or there are none
-        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2), over the heads
+        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2), to broadcast
             rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
-        if targets is None:  # decoding needs only the logits from logits_from on (-1: the last)
-            return self.head(x[:, logits_from:, :]), None
-        logits = self.head(x)  # (B, T, vocab)
+        if targets is None:  # decoding, which needs only the logits from logits_from on
+            return self.to_logits(x[:, logits_from:, :]), None
+        logits = self.to_logits(x)  # (B, T, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def to_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The logits of the last block's outputs: ln_f, lm_head, then the softcap if it is set."""
         logits = self.lm_head(self.transformer.ln_f(x))
         if cap := self.config.logit_softcap:  # squashed smoothly into (-cap, cap), in fp32
@@ -323,15 +328,6 @@ class Cache(Protocol):
 
     def update_ids(self, idx: torch.Tensor, input_pos: torch.Tensor, no_prev: int
                    ) -> torch.Tensor: ...
-
-
-# On a CPU, machine/cpu_kernels.py computes four functions above faster: three in one pass over
-# memory, with the same values and gradients (tests/test_model.py compares them), and attention
-# in fp32 where torch's kernel is slower in bf16. Elsewhere each runs as it is written.
-rms_norm = on_cpu(RMSNormFunction.apply, rms_norm)
-relu_squared = on_cpu(ReLUSquared.apply, relu_squared)
-apply_rope = on_cpu(RotatePairs.apply, apply_rope, runs_on=can_rotate)  # in float32
-sdpa_attention = fp32_below(256, sdpa_attention)
 
 
 # the configuration's checks: each field's type (that of its default), then its value

@@ -56,21 +56,22 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                                 dist=dist, device=device))
 
         # --- the model, and the dtype it computes in ------------------------------------
-        saved = None  # a resumed run's checkpoint
+        saved = None  # a resumed run's state: weights, moments, iteration, random streams
         if resume:
             from training.resume import read_saved  # imported only by a run that resumes
-            saved = read_saved(run, device, mmap=dist.sharded)  # run.checkpoint becomes its file
+            checkpoint, saved = read_saved(run.path, device, mmap=dist.sharded)
+            run.saved(checkpoint, saved.iter_num)  # what a stop or a failure now points to
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, dist.sharded)
         autocast = autocast_for(dtype, device, dist.sharded)  # or a context that does nothing
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist)
-        run.check_room(raw_model, dist)  # for last.pt, best.pt and a copy in progress
+        run.check_room(raw_model, dist)  # the disk must hold last.pt, best.pt and a copy in progress
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
-        # x = data[s:s+T], y = data[s+1:s+T+1] from random starts s (chat: whole conversations)
+        # samplers[split](generator) -> x = data[s:s+T], y = data[s+1:s+T+1] from random starts s
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          say=log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -83,7 +84,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         model = for_training(raw_model, cfg, device=device, dist=dist)  # compiled, or in DDP
 
         # --- the loop -------------------------------------------------------------------
-        thread_fit = stack.enter_context(fit_threads(cfg.threads, device, log.say))  # on a CPU
+        thread_fit = stack.enter_context(fit_threads(cfg.threads, device, log.say))
         log.start(iter_num, raw_model, device, dtype, dtype_reason)
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
@@ -97,7 +98,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
-                if dist.enabled:  # the processes reduce their gradients after the last one only
+                if dist.enabled:  # DDP reduces the gradients after the last micro-step only
                     distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
                 with autocast:
                     _, loss = model(x, y)
@@ -115,11 +116,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
-            scaler.update()  # float16's next scale: lower after an inf or NaN, else higher in time
+            scaler.update()  # float16's next scale: halved after an inf or NaN, doubled in time
             iter_num += 1
             steps_since_log += 1
             log.step()  # the progress bar moves on
-            thread_fit.step(time.perf_counter() - t_step)  # it may change torch's thread count
+            thread_fit.step(time.perf_counter() - t_step)  # on a CPU, keeps the fastest thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
@@ -132,15 +133,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                                                  f"at iter {iter_num}")
                 lrs = {group["logged_as"]: group["lr"]
                        for opt in optimizers for group in opt.param_groups}
-                norm = distributed.whole(grad_norm).item()  # FSDP's norm is in shards
-                log.point(iter_num, steps_since_log, train_loss, lrs, norm)
+                log.point(iter_num, steps_since_log, train_loss, lrs, grad_norm)
                 loss_sum, steps_since_log = torch.zeros_like(loss_sum), 0
 
             # unlike nanoGPT, no evaluation at iter 0, where the loss is about ln(vocab_size)
             eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             if eval_now:
                 with log.paused():  # evaluating and saving do not count toward tokens/s
-                    # raw_model, neither compiled for eval mode nor in DDP's wrapper
+                    # raw_model, because a compiled one would compile again for eval mode
                     losses = estimate_loss(raw_model, samplers, cfg, device, autocast, dist)
                     log.losses(iter_num, losses)  # "iter 80: train loss 1.9020, val loss 1.9310"
                     if not math.isfinite(losses["val"]):
@@ -151,7 +151,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     best_val_loss = min(best_val_loss, losses["val"])
                     # last.pt, which --resume continues, and best.pt when this val loss is the best
                     checkpoints.save(iter_num, best_val_loss, losses["val"], is_best)
-            # Ctrl-C, SIGTERM or SIGHUP asked the run to stop (under torchrun, agreed at log points)
+            # a stop signal came (under torchrun, the processes agree on it at log points)
             if stop.asked(dist, device, at_log_point):
                 if not eval_now:  # a save between evaluations, which has no val loss
                     checkpoints.save(iter_num, best_val_loss, math.nan, is_best=False)
@@ -167,7 +167,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 def get_lr_scale(it: int, cfg: TrainConfig) -> float:
     """The multiplier of every group's peak lr at step `it`: a linear rise over the first
     warmup_iters steps, then a cosine from 1 down to min_lr / learning_rate at lr_decay_iters
-    (0 means max_iters), the same fraction for every group."""
+    (0 means max_iters), the same fraction for every group. Without decay_lr, 1 throughout."""
     if not cfg.decay_lr:
         return 1.0
     if it < cfg.warmup_iters:  # as in nanoGPT: 1/(w+1), 2/(w+1), ... for w = warmup_iters steps
@@ -204,7 +204,7 @@ def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: Tra
             with autocast:
                 _, loss = model(x, y)
             total += loss
-        if distributed.is_sharded(model):  # FSDP's processes must all run as many forward passes
+        if distributed.is_sharded(model):  # FSDP's processes must run equally many forwards
             from training.fsdp import forward_as_often_as_the_others
             forward_as_often_as_the_others(model, batches, dist, device, autocast)
         out[split] = distributed.all_sum(total, dist).item() / cfg.eval_iters

@@ -3,7 +3,9 @@ RMSNorm, relu(h)^2 and the rotation of rotary positions; and attention's detour 
 
 Usage:
     from machine.cpu_kernels import ReLUSquared, on_cpu
-    relu_squared = on_cpu(ReLUSquared.apply, relu_squared)   # as model.py does: the kernel on a CPU
+    @on_cpu(ReLUSquared.apply)   # as model.py writes them: on a CPU the kernel runs instead
+    def relu_squared(h):         # of this plain expression, with the same values and gradients
+        return F.relu(h).square()
 
 Each is several small operations, and PyTorch passes over the whole tensor once for each, forward
 and backward, which on a CPU is much of a small model's step. In float32 they run as loops in C
@@ -24,29 +26,31 @@ import torch
 from torch.nn import functional as F
 
 
-def on_a_cpu(x: torch.Tensor, *rest: Any) -> bool:
-    return x.device.type == "cpu"
+def on_cpu(kernel: Callable, where: Callable[..., bool] | None = None) -> Callable[[Callable], Callable]:
+    """Decorate a function of plain torch operations so that a call on a CPU tensor goes to kernel
+    (the same values and gradients) unless where(*args) is false; the tests compare __wrapped__."""
+    def decorate(plain: Callable) -> Callable:
+        @functools.wraps(plain)
+        def either(x: torch.Tensor, *rest: Any) -> torch.Tensor:
+            if x.device.type == "cpu" and (where is None or where(x, *rest)):
+                return kernel(x, *rest)
+            return plain(x, *rest)
+        return either
+    return decorate
 
 
-def on_cpu(kernel: Callable, plain: Callable, runs_on: Callable[..., bool] = on_a_cpu) -> Callable:
-    """plain, except that a call goes to kernel where runs_on(*args) is true. The kernel computes
-    plain's values and gradients; plain stays reachable as __wrapped__, which the tests compare."""
-    @functools.wraps(plain)
-    def either(*args: Any) -> torch.Tensor:
-        return kernel(*args) if runs_on(*args) else plain(*args)
-    return either
-
-
-def fp32_below(keys: int, attention: Callable) -> Callable:
-    """attention(q, k, v, ...), computed in fp32 with autocast off (lest it cast back) where q is
-    bf16 on a CPU with fewer than `keys` keys, because torch's kernel is slower there in bf16."""
-    @functools.wraps(attention)
-    def either(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **named: Any) -> Any:
-        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or k.size(2) >= keys:
-            return attention(q, k, v, *rest, **named)
-        with torch.autocast("cpu", enabled=False):
-            return attention(q.float(), k.float(), v.float(), *rest, **named).to(q.dtype)
-    return either
+def fp32_below(keys: int) -> Callable[[Callable], Callable]:
+    """Decorate attention(q, k, v, ...) to compute in fp32, with autocast off lest it cast back, where
+    q is bf16 on a CPU with fewer than `keys` keys, because torch's kernel is slower there in bf16."""
+    def decorate(attention: Callable) -> Callable:
+        @functools.wraps(attention)
+        def either(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **named: Any) -> Any:
+            if q.device.type != "cpu" or q.dtype != torch.bfloat16 or k.size(2) >= keys:
+                return attention(q, k, v, *rest, **named)
+            with torch.autocast("cpu", enabled=False):
+                return attention(q.float(), k.float(), v.float(), *rest, **named).to(q.dtype)
+        return either
+    return decorate
 
 
 @functools.cache

@@ -11,8 +11,7 @@ Usage:
         log.losses(it, losses); log.samples(it, model, device, autocast)   # at an evaluation
         log.finish(best_val_loss, it)
 
-A write that fails (a full disk) ends the run with one line that says which checkpoint is
-intact and how to resume from it.
+A failed write (a full disk) ends the run with one line: the intact checkpoint, and how to resume.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from machine.files import quiet_writer_threads
 from machine.perf import peak_flops
 from model import GPT
 from training.config import TrainConfig
-from training.distributed import Dist, is_sharded
+from training.distributed import Dist, is_sharded, whole
 from training.runs import Run, TrainingError
 
 if TYPE_CHECKING:
@@ -113,9 +112,10 @@ class RunLog:
         yield
         self.t_point += time.perf_counter() - t_pause
 
-    def point(self, it: int, steps: int, loss: float, lrs: dict[str, float], grad_norm: float) -> None:
+    def point(self, it: int, steps: int, loss: float, lrs: dict[str, float], grad_norm: torch.Tensor) -> None:
         """Log the steps since the last point, their mean loss and their tokens/s and MFU, as TensorBoard's
         scalars, with train/lr, train/lr_muon and train/lr_embedding, and show them on the progress bar."""
+        norm = whole(grad_norm).item()  # every process gathers FSDP's shards of the norm
         # the time since the last point includes the wait for the device in the loss's .item()
         tokens_per_sec = steps * self.tokens_per_iter / (time.perf_counter() - self.t_point)
         mfu = self.flops_per_token * tokens_per_sec / self.peak  # the share of every process's peak
@@ -123,7 +123,7 @@ class RunLog:
         if self.writer is None:
             return
         for tag, value in (("train/loss_step", loss), *((f"train/{name}", lr) for name, lr in lrs.items()),
-                           ("train/grad_norm", grad_norm), ("perf/tokens_per_sec", tokens_per_sec),
+                           ("train/grad_norm", norm), ("perf/tokens_per_sec", tokens_per_sec),
                            ("perf/mfu", mfu)):
             self.writer.add_scalar(tag, value, it)
         if not self.bar.disable:

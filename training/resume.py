@@ -4,8 +4,8 @@ into the model, the optimizers and the random streams. train.py imports this onl
 
 Usage:
     from training.resume import read_saved, restore
-    saved = read_saved(run, device, mmap=False)   # a TrainState; run.checkpoint is its file
-    iter_num, best_val_loss = restore(saved, run.checkpoint, model, optimizers, scaler, batches,
+    checkpoint, saved = read_saved(run.path, device, mmap=False)   # last.dcp or last.pt, a TrainState
+    iter_num, best_val_loss = restore(saved, checkpoint, model, optimizers, scaler, batches,
                                       meta, cfg, device)   # ConfigError naming a changed key
 
 A run folder's checkpoint is last.dcp if it has one (only a run under FSDP writes it), else
@@ -22,7 +22,7 @@ from data.batches import BatchStream
 from model import GPT
 from training import distributed
 from training.config import ConfigError, TrainConfig
-from training.runs import SHARDED, Run
+from training.runs import SHARDED
 from weights.checkpoint import CheckpointError, TrainState, load_checkpoint
 from weights.lazy import state_dict_mismatch
 
@@ -35,14 +35,14 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def read_saved(run: Run, device: torch.device, mmap: bool) -> TrainState:
-    """The state a resumed run starts from; run.checkpoint becomes its file. A sharded
-    checkpoint's weights and optimizer state are not read yet, because restore() reads each
-    process's part of them. With mmap, a plain last.pt is mapped rather than read, so that each
-    of several processes touches only the parts it keeps (its shards)."""
-    path = last_checkpoint(run.path)
+def read_saved(run_dir: Path, device: torch.device, mmap: bool) -> tuple[Path, TrainState]:
+    """The checkpoint a resumed run starts from, and the state it holds. A sharded checkpoint's
+    weights and optimizer state are not read yet, because restore() reads each process's part of
+    them. With mmap, a plain last.pt is mapped rather than read, so that each of several
+    processes touches only the parts it keeps (its shards)."""
+    path = last_checkpoint(run_dir)
     if path is None:
-        raise CheckpointError(f"nothing to resume in {run.path}")
+        raise CheckpointError(f"nothing to resume in {run_dir}")
     if path.suffix == SHARDED:
         from weights import sharded
         state = sharded.read_state(path, resume=True)
@@ -50,8 +50,7 @@ def read_saved(run: Run, device: torch.device, mmap: bool) -> TrainState:
     else:
         ckpt = load_checkpoint(path, "cpu" if mmap else device, resume=True, mmap=mmap)
         saved = TrainState.from_checkpoint(ckpt)
-    run.saved(path, saved.iter_num)
-    return saved
+    return path, saved
 
 
 def restore(saved: TrainState, checkpoint: Path, model: GPT,
