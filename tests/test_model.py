@@ -132,7 +132,7 @@ def rotated_as_complex_numbers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gradients_written_out_equal_autograds(dtype):
     # RMSNorm, ReLU^2 and the rotary rotation are written out for speed (in C for float32, in
-    # machine/cpu_kernels.c), and the end of model.py swaps them in on a CPU for the plain
+    # machine/cpu_kernels.c), and model.py's @on_cpu runs them on a CPU in place of the plain
     # expressions it shows; they must give those expressions' values and gradients, in
     # fp32 and from bf16 activations, and the rotation must be the complex numbers' too
     from machine.cpu_kernels import kernels
