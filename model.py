@@ -10,7 +10,8 @@ In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
 marked @on_cpu(kernel) is written as plain torch operations, which run on a GPU; on a CPU the
-kernel from machine/cpu_kernels.py runs in their place, with the same values and gradients.
+kernel from machine/cpu_kernels.py runs in their place, with the same values and gradients, in
+one pass over memory. @fp32_below(keys=256) computes short bf16 attention on a CPU in fp32.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
-@on_cpu(RMSNormFunction.apply)  # in fp32, one C pass over memory each way
+@on_cpu(RMSNormFunction.apply)
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=eps)  # over the last dimension
 
@@ -91,10 +92,10 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-@fp32_below(keys=256)  # on a CPU in bf16 over fewer keys, where torch's bf16 kernel is slower
+@fp32_below(keys=256)  # because torch's bf16 kernel is slower there
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """Fused attention; mask, (T_q, T_k) or (B, 1, T_q, T_k), is True where allowed; None: causal."""
+    """Fused attention; mask (T_q, T_k) or (B, 1, T_q, T_k) marks the allowed pairs; None: causal."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=mask is None, enable_gqa=k.size(1) != q.size(1))
 
@@ -118,7 +119,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@on_cpu(RotatePairs.apply, where=can_rotate)  # where x is fp32, with one table row per position
+@on_cpu(RotatePairs.apply, where=can_rotate)  # x in fp32, and one table row per position
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by the angle
     pos / theta^(2i / hd), so that a query's dot product with a key depends on their distance."""
@@ -246,8 +247,9 @@ class GPT(nn.Module):
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.embed(idx, input_pos, kv_cache)  # (B, T, C)
         rope = None  # no rotation, because the positions are learned or there are none
-        if self.config.pos_embedding == "rope":  # (T, 1, hd/2) or (B, T, 1, hd/2), to broadcast
-            rope = (self.rope_cos[input_pos, None], self.rope_sin[input_pos, None])
+        if self.config.pos_embedding == "rope":
+            # each token's angles, (T, 1, hd/2) or (B, T, 1, hd/2), to broadcast over the heads
+            rope = (self.rope_cos[input_pos].unsqueeze(-2), self.rope_sin[input_pos].unsqueeze(-2))
         for block in self.transformer.h:
             x = block(x, rope, kv_cache, input_pos, attention)
         if targets is None:  # decoding, which needs only the logits from logits_from on

@@ -41,7 +41,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
     checkpoint. Under torchrun every process runs this; in a plain run the calls into
     training/distributed.py return at once, and the loop skips syncing the gradients."""
     t_start = time.time()
-    with ExitStack() as stack:  # the contexts entered below close in reverse, however the run ends
+    with ExitStack() as stack:  # it closes the contexts entered below, however the run ends
         # --- where the run computes -----------------------------------------------------
         dist = stack.enter_context(distributed.process_group(cfg))  # a plain run is rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C, SIGTERM or SIGHUP: save, then stop
@@ -60,14 +60,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if resume:
             from training.resume import read_saved  # imported only by a run that resumes
             checkpoint, saved = read_saved(run.path, device, mmap=dist.sharded)
-            run.saved(checkpoint, saved.iter_num)  # what a stop or a failure now points to
+            run.record_checkpoint(checkpoint, saved.iter_num)  # which a failure's message names
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, dist.sharded)
-        autocast = autocast_for(dtype, device, dist.sharded)  # or a context that does nothing
+        autocast = autocast_for(dtype, device, dist.sharded)  # in fp32, a context that does nothing
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist)
-        run.check_room(raw_model, dist)  # the disk must hold last.pt, best.pt and a copy in progress
+        run.check_room(raw_model, dist)  # the disk must hold last.pt, best.pt and a copy
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
@@ -88,13 +88,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         log.start(iter_num, raw_model, device, dtype, dtype_reason)
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
-        loss_sum = torch.zeros((), device=device)  # each step's mean loss, summed until a log point
-        steps_since_log = 0
+        loss_sum, steps_since_log = torch.zeros((), device=device), 0  # each step's loss, summed
         x, y = to_device(batches.next(), device)  # after a resume, the saved run's next batch
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:  # configure_optimizers gave each group its peak_lr
+            for opt in optimizers:  # peak_lr: learning_rate, embedding_lr or muon_lr, by group
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
@@ -109,18 +108,16 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 scaler.scale(loss).backward()
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
-            # the norm before clipping, for the log (grad_clip 0 clips nothing). Clipping Muon's
-            # gradients changes what enters its momentum, but not its update's size, set by Muon.
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                       cfg.grad_clip or math.inf)
+            max_norm = cfg.grad_clip or math.inf  # grad_clip 0 clips nothing; the norm is logged
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
-            scaler.update()  # float16's next scale: halved after an inf or NaN, doubled in time
+            scaler.update()  # float16's scale: halved on inf or NaN, doubled every 2,000 steps
             iter_num += 1
             steps_since_log += 1
             log.step()  # the progress bar moves on
-            thread_fit.step(time.perf_counter() - t_step)  # on a CPU, keeps the fastest thread count
+            thread_fit.step(time.perf_counter() - t_step)  # on a CPU: the fastest thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
@@ -136,7 +133,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 log.point(iter_num, steps_since_log, train_loss, lrs, grad_norm)
                 loss_sum, steps_since_log = torch.zeros_like(loss_sum), 0
 
-            # unlike nanoGPT, no evaluation at iter 0, where the loss is about ln(vocab_size)
+            # unlike nanoGPT, no evaluation before the first step
             eval_now = iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters
             if eval_now:
                 with log.paused():  # evaluating and saving do not count toward tokens/s
@@ -146,12 +143,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     if not math.isfinite(losses["val"]):
                         raise TrainingError.diverged(f"val loss is {losses['val']} "
                                                      f"at iter {iter_num}")
-                    log.samples(iter_num, raw_model, device, autocast)  # a sample, the attention
+                    log.samples(iter_num, raw_model, device, autocast)  # text, attention maps
                     is_best = losses["val"] < best_val_loss
                     best_val_loss = min(best_val_loss, losses["val"])
                     # last.pt, which --resume continues, and best.pt when this val loss is the best
                     checkpoints.save(iter_num, best_val_loss, losses["val"], is_best)
-            # a stop signal came (under torchrun, the processes agree on it at log points)
+            # whether a stop signal came (under torchrun, the processes agree at log points)
             if stop.asked(dist, device, at_log_point):
                 if not eval_now:  # a save between evaluations, which has no val loss
                     checkpoints.save(iter_num, best_val_loss, math.nan, is_best=False)

@@ -87,7 +87,7 @@ class Checkpoints:
             raise TrainingError(f"could not write a checkpoint in {run.path} ({reason}) at "
                                 f"iter {iter_num}; {run.resume_hint()}",
                                 everywhere=sharded) from None
-        run.saved(checkpoint, iter_num)
+        run.record_checkpoint(checkpoint, iter_num)
 
 
 def write_plain(run_dir: Path, state: TrainState, dist: distributed.Dist, is_best: bool) -> Path:

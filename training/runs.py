@@ -81,7 +81,7 @@ class Run:
     checkpoint: Path | None = None  # last.pt, or last.dcp under FSDP
     saved_iter: int | None = None
 
-    def saved(self, checkpoint: Path, iter_num: int) -> None:
+    def record_checkpoint(self, checkpoint: Path, iter_num: int) -> None:
         self.checkpoint, self.saved_iter = checkpoint, iter_num
 
     def resume_hint(self) -> str:
