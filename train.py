@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
-        # samplers[split](generator) -> x = data[s:s+T], y = data[s+1:s+T+1] from random starts s
+        # samplers[split](generator) -> x = data[s:s+T], y = data[s+1:s+T+1] at random s (or chats)
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          say=log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -221,4 +221,4 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
 
 
 if __name__ == "__main__":
-    run_command(command_line(main))  # an option for each TrainConfig field; bad input is one line
+    run_command(command_line(main))  # an option per TrainConfig field; bad input, a one-line error
