@@ -71,7 +71,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
-        # samplers[split](generator) -> x = data[s:s+T], y = data[s+1:s+T+1] at random s (or chats)
+        # samplers[split](generator) draws x = data[s:s+T], y = data[s+1:s+T+1] at random starts s
+        # (from chat data, whole conversations, cut to fit block_size)
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          say=log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
