@@ -9,9 +9,9 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @on_cpu(kernel) is written as plain torch operations, which run on a GPU; on a CPU the
-kernel from machine/cpu_kernels.py runs in their place, with the same values and gradients, in
-one pass over memory. @fp32_below(keys=256) computes short bf16 attention on a CPU in fp32.
+marked @on_cpu(kernel) is written as plain torch operations, which run off a CPU; on a CPU the
+kernel from machine/cpu_kernels.py runs in their place, with the same values and gradients (in
+fp32, in one pass over memory). @fp32_below(keys=256) computes short bf16 attention in fp32.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """nanochat's x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted, and no gain."""
+    """nanochat's x / sqrt(mean(x^2) + eps): LayerNorm with no mean subtracted, bias or gain."""
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -63,8 +63,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout_p = config.dropout  # for the fused kernel; the explicit path has attn_dropout
         # one matmul projects to the query heads, then the key heads, then the value heads,
         # which are fewer under GQA
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.n_kv_head * config.head_dim,
-                                bias=config.bias)
+        qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         # the dropout of explicit_attention's weights, which a forward hook on it can read (viz/)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -92,7 +92,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-@fp32_below(keys=256)  # because torch's bf16 kernel is slower there
+@fp32_below(keys=256)  # on a CPU, where torch's bf16 kernel is slower for so few keys
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask (T_q, T_k) or (B, 1, T_q, T_k) marks the allowed pairs; None: causal."""
@@ -119,7 +119,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@on_cpu(RotatePairs.apply, where=can_rotate)  # x in fp32, and one table row per position
+@on_cpu(RotatePairs.apply, where=can_rotate)  # the C kernel: fp32, one table row per position
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by the angle
     pos / theta^(2i / hd), so that a query's dot product with a key depends on their distance."""
@@ -177,7 +177,7 @@ class GPTConfig:
     n_head: int = setting(6, "attention heads per block")
     n_embd: int = setting(384, "the embedding width; a multiple of n_head")
     dropout: float = setting(0.0, "the dropout probability, against overfitting (0: none)")
-    bias: bool = setting(True, "biases in the blocks' Linear and LayerNorm layers, as GPT-2 has")
+    bias: bool = setting(True, "biases in the Linear and LayerNorm layers (not lm_head), as GPT-2")
     pos_embedding: str = setting("learned", "learned (GPT-2's table), rope (rotary) or none")
     norm: str = setting("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
     qk_norm: bool = setting(False, "RMS-normalize each head's queries and keys before attention")
@@ -246,7 +246,7 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
             input_pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.embed(idx, input_pos, kv_cache)  # (B, T, C)
-        rope = None  # no rotation, because the positions are learned or there are none
+        rope = None  # None unless pos_embedding is rope
         if self.config.pos_embedding == "rope":
             # each token's angles, (T, 1, hd/2) or (B, T, 1, hd/2), to broadcast over the heads
             rope = (self.rope_cos[input_pos].unsqueeze(-2), self.rope_sin[input_pos].unsqueeze(-2))
@@ -315,8 +315,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs (forward and backward) per token, as in the PaLM paper's appendix B."""
-        return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * (
-            seq_len or self.config.block_size)
+        T = seq_len or self.config.block_size
+        return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * T
 
 
 class Cache(Protocol):

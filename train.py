@@ -46,7 +46,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dist = stack.enter_context(distributed.process_group(cfg))  # a plain run is rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C, SIGTERM or SIGHUP: save, then stop
         device = choose_device(cfg, dist)
-        torch.manual_seed(cfg.seed)  # the initial weights and dropout; the batches have their own
+        torch.manual_seed(cfg.seed)  # init_weights and dropout draw from it; the batches apart
         if resume:  # before the data is read
             check_resumable_folder(cfg)
 
@@ -67,7 +67,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist)
-        run.check_room(raw_model, dist)  # the disk must hold last.pt, best.pt and a copy
+        run.check_room(raw_model, dist)  # for last.pt, best.pt and a last.pt being written
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
@@ -89,7 +89,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         log.start(iter_num, raw_model, device, dtype, dtype_reason)
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
-        loss_sum, steps_since_log = torch.zeros((), device=device), 0  # each step's loss, summed
+        loss_sum, steps_since_log = torch.zeros((), device=device), 0  # steps' mean losses, summed
         x, y = to_device(batches.next(), device)  # after a resume, the saved run's next batch
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
@@ -114,11 +114,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
-            scaler.update()  # float16's scale: halved on inf or NaN, doubled every 2,000 steps
+            scaler.update()  # the scale: halved on an inf or NaN, doubled after 2,000 steps without
             iter_num += 1
             steps_since_log += 1
-            log.step()  # the progress bar moves on
-            thread_fit.step(time.perf_counter() - t_step)  # on a CPU: the fastest thread count
+            log.step()
+            thread_fit.step(time.perf_counter() - t_step)  # on a CPU, may switch the thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
@@ -148,9 +148,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     is_best = losses["val"] < best_val_loss
                     best_val_loss = min(best_val_loss, losses["val"])
                     # last.pt, which --resume continues, and best.pt when this val loss is the best
-                    checkpoints.save(iter_num, best_val_loss, losses["val"], is_best)
+                    checkpoints.save(iter_num, best_val_loss, losses["val"], is_best=is_best)
             # whether a stop signal came (under torchrun, the processes agree at log points)
-            if stop.asked(dist, device, at_log_point):
+            if stop.asked(dist, device, at_log_point=at_log_point):
                 if not eval_now:  # a save between evaluations, which has no val loss
                     checkpoints.save(iter_num, best_val_loss, math.nan, is_best=False)
                 raise Interrupted(f"stopped by {signal.Signals(stop.signal).name} at iter "
