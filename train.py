@@ -52,6 +52,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the data, and the run folder that the log and the checkpoints go to --------
         meta, splits, tokenizer = load_data(cfg, dist)
+        # the log decodes its samples, and pictures the attention (to val's first tokens by default)
         run, log = stack.enter_context(open_run(cfg, resume, meta, tokenizer, splits["val"],
                                                 dist=dist, device=device))
 

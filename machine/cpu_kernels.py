@@ -3,9 +3,8 @@ RMSNorm, relu(h)^2 and the rotation of rotary positions; and attention's detour 
 
 Usage:
     from machine.cpu_kernels import ReLUSquared, on_cpu
-    @on_cpu(ReLUSquared.apply)   # as model.py writes them: on a CPU the kernel runs instead
-    def relu_squared(h):         # of this plain expression, with the same values and gradients
-        return F.relu(h).square()
+    @on_cpu(ReLUSquared.apply)   # as model.py writes them: on a CPU the kernel runs instead,
+    def relu_squared(h): return F.relu(h).square()   # with the same values and gradients
 
 Each is several small operations, and PyTorch passes over the whole tensor once for each, forward
 and backward, which on a CPU is much of a small model's step. In float32 they run as loops in C
