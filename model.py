@@ -78,7 +78,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
         if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd): a high lr stays stable
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
-        if rope is not None:  # a rotation keeps each vector's norm, and so the bound above
+        if rope is not None:  # a rotation keeps each vector's norm, so the bound still holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         mask = None  # None means causal attention over these T tokens; a cache gives its own mask
@@ -177,7 +177,7 @@ class GPTConfig:
     n_head: int = setting(6, "attention heads per block")
     n_embd: int = setting(384, "the embedding width; a multiple of n_head")
     dropout: float = setting(0.0, "the dropout probability, against overfitting (0: none)")
-    bias: bool = setting(True, "biases in the Linear and LayerNorm layers (not lm_head), as GPT-2")
+    bias: bool = setting(True, "GPT-2's biases in the Linear and LayerNorm layers, not lm_head")
     pos_embedding: str = setting("learned", "learned (GPT-2's table), rope (rotary) or none")
     norm: str = setting("layernorm", "layernorm (GPT-2's) or rmsnorm (no mean, bias or gain)")
     qk_norm: bool = setting(False, "RMS-normalize each head's queries and keys before attention")
@@ -186,7 +186,7 @@ class GPTConfig:
     n_kv_head: int = setting(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
     embed_norm: bool = setting(False, "RMS-normalize the embeddings' sum before the first block")
     bigram_embedding: bool = setting(False, "add a learned vector for each token's predecessor")
-    logit_softcap: float = setting(0.0, "logits = cap tanh(logits / cap); 0 is off, nanochat's 15")
+    logit_softcap: float = setting(0.0, "logits = cap tanh(logits / cap); 0: off; nanochat uses 15")
     n_inner: int = setting(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = setting(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
     rope_theta: float = setting(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
