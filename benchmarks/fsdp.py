@@ -48,7 +48,10 @@ def worker(config: Path, parallel: str, steps: int, vocab_size: int, block_size:
            batch_size: int | None) -> dict:
     """One process's side of a case: build, step, measure; rank 0 returns the figures."""
     overrides = {"block_size": block_size, "batch_size": batch_size}
+    # one micro-batch a process for each step, which the processes must divide among them
+    accumulation = distributed.environment().world_size
     cfg = load_config(config, {"parallel": parallel, "dtype": "float32", "device": "cpu",
+                               "gradient_accumulation_steps": accumulation,
                                **{key: value for key, value in overrides.items() if value}})
     with distributed.process_group(cfg) as info:
         return measure(cfg, info, config, parallel, steps, vocab_size)
