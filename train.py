@@ -73,7 +73,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
         # samplers[split](generator) draws x = data[s:s+T], y = data[s+1:s+T+1] at random starts s
-        # (from chat data, whole conversations, cut to fit block_size)
+        # for T the model's block_size (init_from may set it); from chat data, whole conversations
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          say=log.say) for split, data in splits.items()}
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         log.start(iter_num, raw_model, device, dtype, dtype_reason)
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
-        loss_sum, steps_since_log = torch.zeros((), device=device), 0  # steps' mean losses, summed
+        loss_sum, steps_since_log = torch.zeros((), device=device), 0  # micro-batch losses, summed
         x, y = to_device(batches.next(), device)  # after a resume, the saved run's next batch
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
@@ -103,10 +103,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                     distributed.sync_gradients(model, now=micro_step == accum_steps - 1)
                 with autocast:
                     _, loss = model(x, y)
+                loss_sum += loss.detach()
                 loss = loss / accum_steps  # so that the gradients sum to those of the mean loss
                 # the next batch, drawn while a GPU still runs this forward pass (as in nanoGPT)
                 x, y = to_device(batches.next(), device)
-                loss_sum += loss.detach()
                 scaler.scale(loss).backward()
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
@@ -123,10 +123,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
-                # the steps' mean loss, over every process under torchrun; .item() waits for the
-                # device, so the loop calls it only at log points
+                # the mean over the steps' micro-batches, those of every process under torchrun;
+                # .item() waits for the device, so the loop calls it only at log points
                 loss_sum = distributed.all_sum(loss_sum, dist)
-                train_loss = loss_sum.item() / (steps_since_log * dist.world_size)
+                train_loss = loss_sum.item() / (steps_since_log * cfg.gradient_accumulation_steps)
                 if not math.isfinite(train_loss):
                     raise TrainingError.diverged(f"training loss became {train_loss} "
                                                  f"at iter {iter_num}")
