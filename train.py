@@ -189,9 +189,8 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any, dist: distributed.Dist) -> dict[str, float]:
-    """The mean loss, in eval mode, over the same eval_iters batches of each split at every
-    evaluation, so that the curve shows how the model changes; under torchrun the processes split
-    the batches."""
+    """The mean loss in eval mode over the same eval_iters batches of each split each time, so
+    that the curve shows how the model changes; under torchrun the processes split the batches."""
     model.eval()
     out = {}
     for split, draw in samplers.items():

@@ -237,6 +237,41 @@ def test_a_dead_process_ends_the_run_instead_of_hanging(tmp_path, char_data):
     assert time.time() - started < 90
 
 
+@pytest.mark.parametrize("signalled", [0, 1])
+def test_a_signal_to_one_process_stops_them_all_with_one_save(tmp_path, char_data, signalled):
+    # A scheduler or a user may signal one process alone. The others learn of it at the next
+    # log point, and every process saves and leaves as the signalled one does: one line, with
+    # no traceback from this code, and a checkpoint at the iteration it names.
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", str(REPO / "train.py"), "--config",
+                             str(REPO / "config" / "tiny.toml"), "--data-dir", str(char_data),
+                             "--out-dir", str(tmp_path), "--gradient-accumulation-steps", "2",
+                             "--max-iters", "1000000", "--eval-interval", "100000",
+                             "--sample-tokens", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **ENV}, start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("iter "):  # the first log line, so training has begun
+            break
+    workers = sorted(int(p) for p in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"],
+                                                    capture_output=True, text=True).stdout.split())
+    assert len(workers) == 2, "".join(seen)
+    os.kill(workers[signalled], signal.SIGTERM)
+    try:
+        out = "".join(seen) + proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:  # it hung, so clean up before failing
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped = re.search(r"interrupted: stopped by SIGTERM at iter (\d+); saved", out)
+    assert stopped, out[-3000:]
+    ours = re.compile(rf'File "{re.escape(str(REPO))}/(?!\.venv/)')
+    assert not ours.search(out), out[-3000:]
+    saved = load_checkpoint(tmp_path / "tiny" / "last.pt", "cpu", resume=True)
+    assert saved["iter_num"] == int(stopped.group(1)) > 0
+
+
 @pytest.mark.parametrize("args, error", [
     (("--learning-rate", "nan"), "error: learning_rate must be a finite number, got nan"),
     # an error that rank 0 meets first, in a step it takes for all processes

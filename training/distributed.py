@@ -92,11 +92,12 @@ def all_sum(values: torch.Tensor, info: Dist) -> torch.Tensor:
     return total
 
 
-def any_true(flag: bool, info: Dist, device: torch.device) -> bool:
-    """True on every process if it is true on any, so that all processes leave together."""
-    if not info.enabled:
-        return flag
-    return bool(all_sum(torch.tensor([float(flag)], device=device), info).item() > 0)
+def largest(value: int, info: Dist, device: torch.device) -> int:
+    """The largest of every process's value, the same on all, so that all processes act alike."""
+    total = torch.tensor([value], device=device)
+    if info.enabled:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return int(total.item())
 
 
 def from_main(make: Callable[[], Any], info: Dist) -> Any:

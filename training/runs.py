@@ -204,11 +204,11 @@ class StopRequest:
         self.signal: int | None = None
 
     def asked(self, dist: distributed.Dist, device: torch.device, at_log_point: bool) -> bool:
-        """Whether a signal asked this run to stop. Under torchrun the processes agree only
-        at log points, where the loop waits for the device anyway, not at every step."""
-        if not dist.enabled:
-            return self.signal is not None
-        return at_log_point and distributed.any_true(self.signal is not None, dist, device)
+        """Whether a signal asked this run to stop. Under torchrun the processes agree at log
+        points alone, where the loop waits for the device anyway, on the highest signal any got."""
+        if dist.enabled and at_log_point:
+            self.signal = distributed.largest(self.signal or 0, dist, device) or None
+        return self.signal is not None and (at_log_point or not dist.enabled)
 
 
 @contextmanager
