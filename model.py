@@ -9,9 +9,9 @@ Usage:
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @on_cpu(kernel) is written as plain torch operations, which run off a CPU; on a CPU the
-kernel from machine/cpu_kernels.py runs in their place, with the same values and gradients (in
-fp32, in one pass over memory). @fp32_below(keys=256) computes short bf16 attention in fp32.
+marked @on_cpu(kernel) is written as plain torch operations; on a CPU, machine/cpu_kernels.py's
+kernel runs in their place, with the same values and gradients (one C pass in fp32, else a few
+torch operations), and @fp32_below(keys=256) computes short bf16 attention there in fp32.
 """
 
 from __future__ import annotations

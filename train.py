@@ -46,7 +46,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dist = stack.enter_context(distributed.process_group(cfg))  # a plain run is rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C, SIGTERM or SIGHUP: save, then stop
         device = choose_device(cfg, dist)
-        torch.manual_seed(cfg.seed)  # init_weights and dropout draw from it; the batches apart
+        torch.manual_seed(cfg.seed)  # init_weights seeds its own generator from it, dropout draws
         if resume:  # before the data is read
             check_resumable_folder(cfg)
 
@@ -126,7 +126,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 # the mean over the steps' micro-batches, those of every process under torchrun;
                 # .item() waits for the device, so the loop calls it only at log points
                 loss_sum = distributed.all_sum(loss_sum, dist)
-                train_loss = loss_sum.item() / (steps_since_log * cfg.gradient_accumulation_steps)
+                train_loss = loss_sum.item() / (steps_since_log * accum_steps * dist.world_size)
                 if not math.isfinite(train_loss):
                     raise TrainingError.diverged(f"training loss became {train_loss} "
                                                  f"at iter {iter_num}")
