@@ -46,7 +46,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         dist = stack.enter_context(distributed.process_group(cfg))  # a plain run is rank 0 of 1
         stop = stack.enter_context(stop_signals())  # Ctrl-C, SIGTERM or SIGHUP: save, then stop
         device = choose_device(cfg, dist)
-        torch.manual_seed(cfg.seed)  # init_weights seeds its own generator from it, dropout draws
+        torch.manual_seed(cfg.seed)  # init_weights seeds its own generator with it; dropout uses it
         if resume:  # before the data is read
             check_resumable_folder(cfg)
 
