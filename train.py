@@ -115,7 +115,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
                 opt.zero_grad(set_to_none=True)
-            scaler.update()  # the scale: halved on an inf or NaN, doubled after 2,000 steps without
+            scaler.update()  # the scale: halved on an inf or NaN, doubled after 2,000 clean steps
             iter_num += 1
             steps_since_log += 1
             log.step()
@@ -222,4 +222,4 @@ def main(config: Path | None, overrides: dict[str, Any], resume: bool, debug: bo
 
 
 if __name__ == "__main__":
-    run_command(command_line(main))  # an option per TrainConfig field; bad input, a one-line error
+    run_command(command_line(main))  # an option per TrainConfig field; bad input: a one-line error
