@@ -107,7 +107,7 @@ class RunLog:
             self.bar.update(1)
 
     @contextmanager
-    def paused(self) -> Iterator[None]:  # tokens/s leaves out the time spent inside (an evaluation)
+    def paused(self) -> Iterator[None]:  # tokens/s leaves out the evaluations and saves inside
         t_pause = time.perf_counter()
         yield
         self.t_point += time.perf_counter() - t_pause
