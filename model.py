@@ -8,10 +8,12 @@ Usage:
 
 In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then what it asks of
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
-idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults). A function
-marked @on_cpu(kernel) is written as plain torch operations; on a CPU, machine/cpu_kernels.py's
-kernel runs in their place, with the same values and gradients (one C pass in fp32, else a few
-torch operations), and @fp32_below(keys=256) computes short bf16 attention there in fp32.
+idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults).
+
+Each function's plain torch body is its definition. On a CPU, one marked @on_cpu(kernel) runs that
+kernel of machine/cpu_kernels.py instead, with the same values and gradients (tests compare them):
+one C pass over an fp32 tensor (in the quickstart's bf16, the residual stream's norms), else a few
+torch operations. @fp32_below(keys=256) runs short bf16 attention in fp32 on a CPU.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps)
 
 
-@on_cpu(RMSNormFunction.apply)
+@on_cpu(RMSNormFunction.apply)  # on a CPU, this kernel runs instead: the same values, faster
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),), eps=eps)  # over the last dimension
 
@@ -66,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # the dropout of explicit_attention's weights, which a forward hook on it can read (viz/)
+        # the dropout on explicit_attention's weights; viz/ reads the weights with a hook on it
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -76,7 +78,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
-        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd): a high lr stays stable
+        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), even at a high lr
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if rope is not None:  # a rotation keeps each vector's norm, so the bound still holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -119,7 +121,7 @@ def rope_tables(config: GPTConfig) -> Rope:
     return angles.cos().float(), angles.sin().float()
 
 
-@on_cpu(RotatePairs.apply, where=can_rotate)  # the C kernel: fp32, one table row per position
+@on_cpu(RotatePairs.apply, where=can_rotate)  # on a CPU in fp32, a C kernel of the same values
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pair i, (x_i, x_{i + hd/2}), of every head of (B, T, heads, hd) by the angle
     pos / theta^(2i / hd), so that a query's dot product with a key depends on their distance."""
@@ -143,7 +145,7 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(h))
 
 
-@on_cpu(ReLUSquared.apply)
+@on_cpu(ReLUSquared.apply)  # on a CPU, this kernel runs instead: the same values, faster
 def relu_squared(h: torch.Tensor) -> torch.Tensor:
     return F.relu(h).square()
 
@@ -186,7 +188,7 @@ class GPTConfig:
     n_kv_head: int = setting(0, "key and value heads (GQA); 0 means n_head, and 1 is multi-query")
     embed_norm: bool = setting(False, "RMS-normalize the embeddings' sum before the first block")
     bigram_embedding: bool = setting(False, "add a learned vector for each token's predecessor")
-    logit_softcap: float = setting(0.0, "logits = cap tanh(logits / cap); 0: off; nanochat uses 15")
+    logit_softcap: float = setting(0.0, "logits = cap * tanh(logits / cap); 0: off; nanochat: 15")
     n_inner: int = setting(0, "the MLP's hidden width; 0 means 4 n_embd")
     norm_eps: float = setting(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
     rope_theta: float = setting(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
@@ -233,7 +235,8 @@ class GPT(nn.Module):
                 attention: str = "sdpa", logits_from: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits for (B, T) token ids, and with targets, the mean cross-entropy over the
-        targets that are not -1 (chat data marks the tokens it leaves unscored with -1).
+        targets that are not -1 (chat data marks the tokens it leaves unscored with -1). Training
+        passes idx and targets alone; the other arguments serve decoding and viz/.
         kv_cache: where this pass writes its keys and values, and those it attends to (generate.py)
         input_pos: the tokens' positions, (T,) for every row or (B, T); when omitted, 0 to T-1
         logits_from: without targets, the first position whose logits are returned (-1: the last)
@@ -285,12 +288,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2's initial values: N(0, 0.02) weights, zero biases, LayerNorm at the identity, and
-        the projections into the residual stream (the two c_proj) scaled down with depth, because
-        each block adds two terms to it; the bigram table at zero, so that training starts from the
-        plain model. A tied table is drawn twice, as wte and then as lm_head, and keeps lm_head's.
-        The draws come from a generator seeded with torch's seed (torch.manual_seed), so that the
-        weights depend on the seed alone, not on what drew from torch's generator before."""
+        """GPT-2's initial values (nanochat starts lm_head and c_proj at zero instead): N(0, 0.02)
+        weights, zero biases, LayerNorm at the identity, and the projections into the residual
+        stream (the two c_proj) scaled down with depth, because each block adds two terms to it; the
+        bigram table at zero, so that training starts from the plain model. A tied table is drawn
+        twice, as wte and then as lm_head, and keeps lm_head's. A generator seeded with torch's seed
+        draws them, so that earlier draws from torch's generator do not change them."""
         generator = torch.Generator().manual_seed(torch.initial_seed())
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module_name, module in self.named_modules():

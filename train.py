@@ -9,7 +9,9 @@ Usage:
     result = train(load_config("config/tiny.toml", {"max_iters": 100}))
 
 train() reads in nanoGPT's order: the device, the data, the run folder and the model (each a
-step of training/setup.py), the optimizers, then the loop. A run writes runs/<run_name>/.
+step of training/setup.py), the optimizers, then the loop. A step computes with the device, the
+batches, the model, its dtype and the optimizers; the rest (stop, run, log, checkpoints and
+thread_fit) keeps the run stoppable, logged and resumable. A run writes runs/<run_name>/.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the data, and the run folder that the log and the checkpoints go to --------
         meta, splits, tokenizer = load_data(cfg, dist)
-        # the log decodes its samples, and pictures the attention (to val's first tokens by default)
+        # the log decodes its samples, and draws attention maps over val's first tokens
         run, log = stack.enter_context(open_run(cfg, resume, meta, tokenizer, splits["val"],
                                                 dist=dist, device=device))
 
@@ -61,21 +63,22 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         if resume:
             from training.resume import read_saved  # imported only by a run that resumes
             checkpoint, saved = read_saved(run.path, device, mmap=dist.sharded)
-            run.record_checkpoint(checkpoint, saved.iter_num)  # which a failure's message names
+            run.record_checkpoint(checkpoint, saved.iter_num)  # so that an error names it
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, dist.sharded)
         autocast = autocast_for(dtype, device, dist.sharded)  # in fp32, a context that does nothing
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist)
-        run.check_room(raw_model, dist)  # for last.pt, best.pt and a last.pt being written
+        run.check_room(raw_model, dist)  # room on disk for last.pt, best.pt and the next last.pt
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
-        # samplers[split](generator) draws x = data[s:s+T], y = data[s+1:s+T+1] at random starts s
-        # for T the model's block_size (init_from may set it); from chat data, whole conversations
+        # samplers[split](generator) draws x = data[s:s+T] and y = data[s+1:s+T+1], (batch_size, T)
+        # each, from random starts s, for T the model's block_size; chat data gives whole chats
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          say=log.say) for split, data in splits.items()}
+        # one seeded stream of training batches, which a checkpoint saves its place in
         batches = BatchStream(samplers["train"], cfg.seed, dist.rank, dist.world_size)
         checkpoints = Checkpoints(run, raw_model, optimizers, scaler, batches, cfg=cfg, meta=meta,
                                   dtype=dtype, device=device, dist=dist)
@@ -95,7 +98,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
-            for opt in optimizers:  # peak_lr: learning_rate, embedding_lr or muon_lr, by group
+            for opt in optimizers:  # configure_optimizers gave each group its peak_lr
                 for group in opt.param_groups:
                     group["lr"] = group["peak_lr"] * lr_scale
             for micro_step in range(accum_steps):
@@ -110,7 +113,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 scaler.scale(loss).backward()
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
-            max_norm = cfg.grad_clip or math.inf  # grad_clip 0 clips nothing; the norm is logged
+            # over every parameter, Muon's too, whose momentum takes the clipped gradients;
+            # grad_clip 0 clips nothing, and the norm is logged either way
+            max_norm = cfg.grad_clip or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
             for opt in optimizers:
                 scaler.step(opt)  # opt.step(), unless float16's gradients hold an inf or NaN
@@ -119,7 +124,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             iter_num += 1
             steps_since_log += 1
             log.step()
-            thread_fit.step(time.perf_counter() - t_step)  # on a CPU, may switch the thread count
+            thread_fit.step(time.perf_counter() - t_step)  # may move torch to a faster thread count
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:

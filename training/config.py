@@ -118,8 +118,7 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.min_lr > self.learning_rate:
-            raise ConfigError(f"min_lr ({self.min_lr}) must not exceed learning_rate "
-                              f"({self.learning_rate})")
+            raise ConfigError(f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})")
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         for key in ("beta1", "beta2", "muon_momentum"):
@@ -183,8 +182,7 @@ def check_value(key: str, value: Any) -> Any:
     if expected is float and type(value) is int:
         return float(value)
     if type(value) is not expected:
-        raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} "
-                          f"{value!r}")
+        raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -198,8 +196,7 @@ def load_config(path: str | Path | None = None,
             raise ConfigError(f"config file {path} not found; presets are in config/")
         if not path.is_file():
             kind = "a folder" if path.is_dir() else "not a regular file"
-            raise ConfigError(f"config {path} is {kind}; give a TOML file, e.g. "
-                              f"config/quickstart.toml")
+            raise ConfigError(f"config {path} is {kind}; give a TOML file, e.g. config/quickstart.toml")
         try:
             # utf-8-sig, because some editors start a UTF-8 file with a byte-order mark
             values = tomllib.loads(path.read_text(encoding="utf-8-sig"))

@@ -8,7 +8,7 @@ Usage:
 Two recipes, chosen by TrainConfig.optimizer: "adamw", GPT-2's, and "muon", nanochat's and the
 speedruns', with Muon on the 2-D weights inside the blocks and AdamW on the rest. Muon
 orthogonalizes each matrix's smoothed gradient, so that every direction of the update moves at
-the same rate, which suits the hidden matrices, not the embeddings, looked up a row at a time.
+the same rate. That suits the hidden matrices; the embeddings, looked up a row at a time, take AdamW.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     # AdamW's groups: the other matrices (the head, wpe), decayed as in nanoGPT; biases and norm
     # gains, which a pull towards zero only hurts, not decayed; and the lookup tables (an untied
     # wte, the bigram table), whose rows move only where their tokens appear, at embedding_lr, far
-    # larger (as in nanochat), and not decayed, because the decay grows with the lr. In the
-    # quickstart the head is in the first group, wte and wtb in the third, and the second is empty.
+    # larger (as in nanochat), and not decayed, because a step's decay is lr * weight_decay. In
+    # the quickstart the head is in the first group, wte and wtb in the third; the second is empty.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
@@ -81,14 +81,15 @@ def unguarded(optimizer: type[torch.optim.Optimizer]) -> type[torch.optim.Optimi
     return type(optimizer.__name__, (optimizer,), methods)
 
 
-AdamW = unguarded(torch.optim.AdamW)
+AdamW = unguarded(torch.optim.AdamW)  # torch.optim.AdamW, without a slow first import
 
 
 class Muon(unguarded(torch.optim.Muon)):
-    """torch.optim.Muon with its Newton-Schulz iteration in ns_dtype (torch's is in bf16, which
-    most x86 CPUs emulate far more slowly than fp32), on all the matrices of one shape in one
-    batched product, and separately on each of the equal blocks of rows of a matrix in
-    row_blocks. Without row_blocks, a step equals torch.optim.Muon's to rounding."""
+    """torch.optim.Muon's update of each matrix p: buf = lerp(buf, g, 1 - m), u = lerp(g, buf, m)
+    (Nesterov), p *= 1 - lr wd, then p -= lr sqrt(max(1, rows / cols)) orthogonalize(u). Here the
+    Newton-Schulz iteration runs in ns_dtype (torch's in bf16, which most x86 CPUs emulate far
+    more slowly than fp32), batched over the matrices of one shape, and on each block of rows in
+    row_blocks apart. Without row_blocks, a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -109,7 +110,7 @@ class Muon(unguarded(torch.optim.Muon)):
             updates = self.blended(params, group["momentum"], group["nesterov"])
             blocks = [self.row_blocks.get(p, 1) for p in params]
 
-            # group is bound as a default argument, as bugbear asks of a function defined in a loop
+            # a default argument binds this iteration's group, which a closure would look up later
             def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
                                      group["eps"], self.ns_dtype, blocks)
@@ -124,9 +125,9 @@ class Muon(unguarded(torch.optim.Muon)):
             torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
             for p, update, b in zip(params, updates, blocks, strict=True):
                 # Muon's original lr rule: an orthogonal tall block has smaller entries than a square
-                # one, so its lr is scaled by sqrt(rows/cols), a block being shape[0] / b rows (b is 3 for
-                # c_attn, whose queries, keys and values were orthogonalized apart, else 1): the
-                # quickstart's c_fc, 256 x 128, gets sqrt(2), and c_attn's three 128 x 128 blocks 1
+                # one, so its lr is scaled by sqrt(rows / cols). A block has shape[0] / b rows, where
+                # b is 3 for c_attn (its queries, keys and values are orthogonalized apart), else 1.
+                # The quickstart's c_fc, 256 x 128, gets sqrt(2); c_attn's 128 x 128 blocks get 1.
                 p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])))
         return loss
 

@@ -69,8 +69,7 @@ class TrainResult:
                 f"best val loss {self.best_val_loss:.4f}\n"
                 f"checkpoints: {self.run_dir}/best{ext}, {self.run_dir}/last{ext}\n"
                 f"next: {plain}python sample.py --run {self.run_dir}"
-                f"{' --chat' if self.chat else ''}   |   "
-                f"tensorboard --logdir {self.run_dir.parent}")
+                f"{' --chat' if self.chat else ''}   |   tensorboard --logdir {self.run_dir.parent}")
 
 
 @dataclass
@@ -140,8 +139,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     one to -2."""
     base = run_dir_of(cfg)
     if base.exists() and not base.is_dir():
-        raise ConfigError(f"{base} is a file, not a run folder; choose another --run-name "
-                          f"or --out-dir")
+        raise ConfigError(f"{base} is a file, not a run folder; choose another --run-name or --out-dir")
     try:
         if resume:
             check_resumable_folder(cfg)
@@ -166,8 +164,7 @@ def choose_run_dir(cfg: TrainConfig, resume: bool) -> FolderLock:
     except OSError as e:
         raise ConfigError(f"cannot write to {e.filename or base} ({e.strerror}); choose "
                           f"another --out-dir or --run-name") from None
-    raise ConfigError(f"{base} and 9,999 numbered folders beside it are taken; choose "
-                      f"another --run-name")
+    raise ConfigError(f"{base} and 9,999 numbered folders beside it are taken; choose another --run-name")
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:
@@ -188,13 +185,11 @@ def check_writable(run_dir: Path, checkpoint_bytes: int) -> None:
     try:
         probe_writable(run_dir)
     except OSError as e:
-        raise ConfigError(f"cannot write to {run_dir} ({e.strerror}); choose another "
-                          f"--out-dir") from None
+        raise ConfigError(f"cannot write to {run_dir} ({e.strerror}); choose another --out-dir") from None
     free = shutil.disk_usage(run_dir).free
     if free < checkpoint_bytes:
         raise ConfigError(f"{run_dir} has {free / 1e6:.0f} MB free but checkpoints need about "
-                          f"{checkpoint_bytes / 1e6:.0f} MB; free space or choose another "
-                          f"--out-dir")
+                          f"{checkpoint_bytes / 1e6:.0f} MB; free space or choose another --out-dir")
 
 
 class StopRequest:
