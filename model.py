@@ -77,7 +77,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
-        q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each
+        q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each, as nanoGPT's split
         if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), even at a high lr
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if rope is not None:  # a rotation keeps each vector's norm, so the bound still holds

@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
         loss_sum, steps_since_log = torch.zeros((), device=device), 0  # micro-batch losses, summed
-        x, y = to_device(batches.next(), device)  # after a resume, the saved run's next batch
+        x, y = to_device(batches.next(), device)  # the first micro-batch (or a resumed run's next)
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
             lr_scale = get_lr_scale(iter_num, cfg)  # warmup, then cosine decay
@@ -194,8 +194,8 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, samplers: dict[str, Sampler], cfg: TrainConfig,
                   device: torch.device, autocast: Any, dist: distributed.Dist) -> dict[str, float]:
-    """The mean loss in eval mode over the same eval_iters batches of each split each time, so
-    that the curve shows how the model changes; under torchrun the processes split the batches."""
+    """The mean loss in eval mode over eval_iters batches of each split, the same ones at every
+    evaluation, so that the curve shows the model change; under torchrun, processes share them."""
     model.eval()
     out = {}
     for split, draw in samplers.items():
