@@ -10,10 +10,12 @@ In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults).
 
-Each function's plain torch body is its definition. On a CPU, one marked @on_cpu(kernel) runs that
-kernel of machine/cpu_kernels.py instead, with the same values and gradients (tests compare them):
-one C pass over an fp32 tensor (in the quickstart's bf16, the residual stream's norms), else a few
-torch operations. @fp32_below(keys=256) runs short bf16 attention in fp32 on a CPU.
+Each function's plain torch body is its definition, and on a GPU it is what runs. On a CPU, a
+function marked @on_cpu(kernel) runs that kernel of machine/cpu_kernels.py instead, with the same
+values and gradients (tests/test_model.py compares them): one pass in C over an fp32 tensor, else
+a few torch operations. In the quickstart's bf16 on a CPU, C runs only the norms of the residual
+stream, which autocast leaves in fp32 (ln_1, ln_2, ln_f and embed_norm); and @fp32_below(keys=256)
+computes its attention over 64 keys in fp32. A learner can read the decorators as absent.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.eps = config.norm_eps
         self.dropout_p = config.dropout  # for the fused kernel; the explicit path has attn_dropout
-        # one matmul projects to the query heads, then the key heads, then the value heads,
-        # which are fewer under GQA
+        # one matmul projects to the query heads, then the key heads and the value heads, which
+        # GQA makes fewer
         qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -78,7 +80,7 @@ class CausalSelfAttention(nn.Module):
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
         q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each, as nanoGPT's split
-        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), even at a high lr
+        if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), whatever the lr
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if rope is not None:  # a rotation keeps each vector's norm, so the bound still holds
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -94,7 +96,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-@fp32_below(keys=256)  # on a CPU, where torch's bf16 kernel is slower for so few keys
+@fp32_below(keys=256)  # on a CPU, bf16 over fewer keys runs in fp32, where torch is faster
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask (T_q, T_k) or (B, 1, T_q, T_k) marks the allowed pairs; None: causal."""
@@ -189,7 +191,7 @@ class GPTConfig:
     embed_norm: bool = setting(False, "RMS-normalize the embeddings' sum before the first block")
     bigram_embedding: bool = setting(False, "add a learned vector for each token's predecessor")
     logit_softcap: float = setting(0.0, "logits = cap * tanh(logits / cap); 0: off; nanochat: 15")
-    n_inner: int = setting(0, "the MLP's hidden width; 0 means 4 n_embd")
+    n_inner: int = setting(0, "the MLP's hidden width; 0 means 4 * n_embd")
     norm_eps: float = setting(1e-5, "every norm's epsilon; Hugging Face's NanoChat has 1e-6")
     rope_theta: float = setting(10000.0, "rope's base: pair i turns by pos / theta^(2i / head_dim)")
 
@@ -288,12 +290,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2's initial values (nanochat starts lm_head and c_proj at zero instead): N(0, 0.02)
-        weights, zero biases, LayerNorm at the identity, and the projections into the residual
-        stream (the two c_proj) scaled down with depth, because each block adds two terms to it; the
-        bigram table at zero, so that training starts from the plain model. A tied table is drawn
-        twice, as wte and then as lm_head, and keeps lm_head's. A generator seeded with torch's seed
-        draws them, so that earlier draws from torch's generator do not change them."""
+        """GPT-2's initial values in every layout, the quickstart's too (nanochat starts lm_head
+        and c_proj at zero): N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
+        projections into the residual stream (the two c_proj) scaled down with depth, because each
+        block adds two terms to it; the bigram table at zero, so that training starts from the
+        plain model. A tied table is drawn twice, as wte then as lm_head, and keeps the second."""
+        # a generator of its own, so that earlier draws from torch's do not change the weights
         generator = torch.Generator().manual_seed(torch.initial_seed())
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module_name, module in self.named_modules():

@@ -64,18 +64,20 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
             from training.resume import read_saved  # imported only by a run that resumes
             checkpoint, saved = read_saved(run.path, device, mmap=dist.sharded)
             run.record_checkpoint(checkpoint, saved.iter_num)  # so that an error names it
+        # auto: bf16 where the CPU or the GPU multiplies it natively, else fp32
         dtype, dtype_reason = choose_dtype(cfg.dtype, device, saved, dist.sharded)
         autocast = autocast_for(dtype, device, dist.sharded)  # in fp32, a context that does nothing
         # float16 alone needs its loss scaled up, lest small gradients round to zero (bf16 has
         # fp32's range); as in nanoGPT, a disabled scaler's calls below pass straight through
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        # for a new run, GPT(cfg.model_config(vocab_size)).to(device)
         raw_model: GPT = build_model(cfg, meta, saved, device=device, dtype=dtype, dist=dist)
         run.check_room(raw_model, dist)  # room on disk for last.pt, best.pt and the next last.pt
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
         optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
         # samplers[split](generator) draws x = data[s:s+T] and y = data[s+1:s+T+1], (batch_size, T)
-        # each, from random starts s, for T the model's block_size; chat data gives whole chats
+        # each, from random starts s, where T is block_size; chat data gives conversations instead
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
                                          say=log.say) for split, data in splits.items()}
         # one seeded stream of training batches, which a checkpoint saves its place in
@@ -128,14 +130,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
             at_log_point = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log_point:
-                # the mean over the steps' micro-batches, those of every process under torchrun;
-                # .item() waits for the device, so the loop calls it only at log points
+                # the mean over every micro-batch since the last point (nanoGPT logs the last one),
+                # every process's under torchrun; .item() waits for the device, so only here
                 loss_sum = distributed.all_sum(loss_sum, dist)
                 train_loss = loss_sum.item() / (steps_since_log * accum_steps * dist.world_size)
                 if not math.isfinite(train_loss):
                     raise TrainingError.diverged(f"training loss became {train_loss} "
                                                  f"at iter {iter_num}")
-                lrs = {group["logged_as"]: group["lr"]
+                lrs = {group["logged_as"]: group["lr"]  # groups of one name share one lr
                        for opt in optimizers for group in opt.param_groups}
                 log.point(iter_num, steps_since_log, train_loss, lrs, grad_norm)
                 loss_sum, steps_since_log = torch.zeros_like(loss_sum), 0

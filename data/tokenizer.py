@@ -104,11 +104,9 @@ def tokenizer_problem(meta: object) -> str | None:
         kind = meta.get("kind") if isinstance(meta, dict) else meta
         return f"its kind {kind!r:.40} is none of {', '.join(RECORDS)}"
     problem = record_problem(meta, RECORDS[meta["kind"]])
-    if problem:
-        return problem
     kind, added = meta["kind"], meta.get("specials", [])
-    if kind == "hf":  # its size is known only once the file is read
-        return None
+    if problem or kind == "hf":  # an hf tokenizer's size is known only once its file is read
+        return problem
     if not isinstance(added, list) or not all(isinstance(t, str) for t in added) \
             or len(set(added)) != len(added) or END_OF_TEXT in added:
         return "its specials are not a list of distinct token names"

@@ -1,4 +1,5 @@
-"""The machine: which device to compute on, its number formats, and what its CPU can do.
+"""The machine: which device to compute on, its number formats, what its CPU can do, and what
+torch's compiler costs here.
 
 Usage:
     from machine.device import DTYPES, resolve_device, cpu_flags, native_bf16
@@ -6,6 +7,7 @@ Usage:
     native_bf16(cpu_flags())                 # "avx512_bf16", "amx_bf16" or None
     check_compile(device, instead="drop --compile")   # one line if torch.compile cannot work
     reuse_freed_memory()                     # a training process keeps its freed memory
+    AdamW = unguarded(torch.optim.AdamW)     # its first step does not import the compiler
 
 Every layer above asks here; none reads /proc/cpuinfo or names a device type of its own.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import platform
 from pathlib import Path
 
@@ -22,9 +25,6 @@ import torch
 from machine.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Linux /proc/cpuinfo flags of the x86 units that multiply bf16 in hardware
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 class DeviceError(UserError):
@@ -54,8 +54,8 @@ def cpu_name() -> str:
 
 
 def native_bf16(flags: frozenset[str] | set[str]) -> str | None:
-    """The flag that shows native bf16 arithmetic among `flags`, or None."""
-    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
+    """The flag among `flags` of an x86 unit that multiplies bf16 in hardware, or None."""
+    return next((flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags), None)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -94,6 +94,16 @@ def check_compile(device: torch.device, instead: str) -> None:
         reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise DeviceError(f"torch.compile does not work on {device} here ({reason.strip()}); "
                           f"{instead}, or install a C++ compiler (g++, or set CXX)") from None
+
+
+def unguarded(optimizer: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The optimizer class with its methods unwrapped from torch._disable_dynamo, whose first call
+    imports the compiler, which is slow to import and never runs on these optimizers
+    (docs/performance.md); the step runs in no_grad, as torch's wrapper ran it."""
+    methods = {name: inspect.unwrap(getattr(optimizer, name))  # follows __wrapped__ to the function
+               for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict", "step")}
+    methods["step"] = torch.no_grad()(methods["step"])
+    return type(optimizer.__name__, (optimizer,), methods)
 
 
 # glibc's mallopt parameters (malloc.h) and Linux's madvise advice (sys/mman.h)

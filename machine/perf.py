@@ -35,14 +35,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     machine's best matmul throughput in `dtype`, measured once and kept in the cache folder
     under the CPU's name, the dtype and the thread count, so that a busy moment at a run's
     start never moves the yardstick."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     if device.type == "cuda":  # the datasheets are read on a GPU only
         from machine.datasheets import datasheet_peak_flops
-        name = torch.cuda.get_device_name(device)
-        flops = datasheet_peak_flops(name)
-        if flops is not None:
-            return flops, f"datasheet bf16 peak of the {name}"
+        if (flops := datasheet_peak_flops(where)) is not None:
+            return flops, f"datasheet bf16 peak of the {where}"
     kind = str(dtype).removeprefix("torch.")
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     key = f"{where}, {kind}, {torch.get_num_threads()} threads"
     path = cache_dir() / "peak_flops.json"
     known = cached_peaks(path)

@@ -137,7 +137,7 @@ def test_matrices_of_one_shape_are_orthogonalized_together_as_one_by_one():
     coefficients = (3.4445, -4.775, 2.0315)
     alone = [orthogonalize(g, coefficients, 5, 1e-7, torch.float32) for g in grads]
     together = by_shape(grads, [1] * len(grads),
-                        lambda g, blocks: orthogonalize(g, coefficients, 5, 1e-7, torch.float32, blocks))
+                        lambda g, n: orthogonalize(g, coefficients, 5, 1e-7, torch.float32, n))
     for a, b, g in zip(alone, together, grads, strict=True):
         assert b.shape == g.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -51,9 +51,7 @@ def state_bytes(config: GPTConfig, cfg: TrainConfig, world_size: int) -> int:
     params = config.n_layer * block + root
     muon = config.n_layer * matrices if cfg.optimizer == "muon" else 0
     total = 16 * params - 4 * muon  # weights, gradients and two moments, or one for Muon
-    if cfg.parallel != "fsdp":
-        return total
-    return total // world_size + 8 * max(root, block)
+    return total if cfg.parallel != "fsdp" else total // world_size + 8 * max(root, block)
 
 
 def check_memory(cfg: TrainConfig, vocab_size: int, device: torch.device,

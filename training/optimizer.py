@@ -13,12 +13,12 @@ the same rate. That suits the hidden matrices; the embeddings, looked up a row a
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 
 import torch
 
+from machine.device import unguarded
 from model import GPT
 from training.config import TrainConfig
 from training.distributed import is_dtensor
@@ -32,14 +32,16 @@ def muon_parameters(model: GPT) -> set[torch.nn.Parameter]:
 def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
                          dtype: torch.dtype = torch.float32) -> list[torch.optim.Optimizer]:
     """The recipe's optimizers, each group with its "peak_lr" and the name its lr is logged as
-    ("logged_as"). Muon orthogonalizes in bf16 only when dtype, the run's, is bf16."""
+    ("logged_as"). Muon orthogonalizes in bf16 only when the run's dtype is bf16."""
     trained = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_parameters(model) if cfg.optimizer == "muon" else set()
     # AdamW's groups: the other matrices (the head, wpe), decayed as in nanoGPT; biases and norm
     # gains, which a pull towards zero only hurts, not decayed; and the lookup tables (an untied
     # wte, the bigram table), whose rows move only where their tokens appear, at embedding_lr, far
-    # larger (as in nanochat), and not decayed, because a step's decay is lr * weight_decay. In
-    # the quickstart the head is in the first group, wte and wtb in the third; the second is empty.
+    # larger (as in nanochat), and not decayed, because decoupled decay shrinks a weight by
+    # lr * weight_decay a step: 1% at an lr of 0.1, even in the rows of tokens never seen. In the
+    # quickstart the head is in the first group (lr 5e-3), wte and wtb in the third (lr 0.1), and
+    # the second is empty.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
@@ -62,23 +64,14 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
         matrices = [p for p in trained if p in hidden]
         # c_attn's rows are the queries', keys' and values' projections, which Muon orthogonalizes
         # separately, as nanochat's three matrices, unless GQA makes them unequal
-        blocks = {b.attn.c_attn.weight: 3 for b in model.transformer.h if b.attn.n_kv_head == b.attn.n_head}
+        gqa = model.config.n_kv_head != model.config.n_head
+        row_blocks = {} if gqa else {b.attn.c_attn.weight: 3 for b in model.transformer.h}
         optimizers.append(Muon(
             [{"params": matrices, "peak_lr": cfg.muon_lr, "logged_as": "lr_muon"}], lr=cfg.muon_lr,
-            row_blocks=blocks, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
+            row_blocks=row_blocks, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=True,
             ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,  # torch's defaults
             ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32))
     return optimizers
-
-
-def unguarded(optimizer: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """The optimizer class with its methods unwrapped from torch._disable_dynamo, whose first call
-    imports the compiler, which is slow to import and never runs on these optimizers
-    (docs/performance.md); the step runs in no_grad, as torch's wrapper ran it."""
-    methods = {name: inspect.unwrap(getattr(optimizer, name))  # follows __wrapped__ to the function
-               for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict", "step")}
-    methods["step"] = torch.no_grad()(methods["step"])
-    return type(optimizer.__name__, (optimizer,), methods)
 
 
 AdamW = unguarded(torch.optim.AdamW)  # torch.optim.AdamW, without a slow first import
@@ -87,7 +80,7 @@ AdamW = unguarded(torch.optim.AdamW)  # torch.optim.AdamW, without a slow first 
 class Muon(unguarded(torch.optim.Muon)):
     """torch.optim.Muon's update of each matrix p: buf = lerp(buf, g, 1 - m), u = lerp(g, buf, m)
     (Nesterov), p *= 1 - lr wd, then p -= lr sqrt(max(1, rows / cols)) orthogonalize(u). Here the
-    Newton-Schulz iteration runs in ns_dtype (torch's in bf16, which most x86 CPUs emulate far
+    Newton-Schulz iteration runs in ns_dtype (torch's runs in bf16, which most x86 CPUs emulate far
     more slowly than fp32), batched over the matrices of one shape, and on each block of rows in
     row_blocks apart. Without row_blocks, a step equals torch.optim.Muon's to rounding."""
 
@@ -108,27 +101,27 @@ class Muon(unguarded(torch.optim.Muon)):
             if not params:
                 continue
             updates = self.blended(params, group["momentum"], group["nesterov"])
-            blocks = [self.row_blocks.get(p, 1) for p in params]
+            n_blocks = [self.row_blocks.get(p, 1) for p in params]
 
             # a default argument binds this iteration's group, which a closure would look up later
-            def newton_schulz(g: torch.Tensor, blocks: int, group: dict = group) -> torch.Tensor:
+            def newton_schulz(g: torch.Tensor, n_blocks: int, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
-                                     group["eps"], self.ns_dtype, blocks)
+                                     group["eps"], self.ns_dtype, n_blocks)
             # Newton-Schulz needs each whole matrix, so sharded ones (FSDP) are shared out,
             # each orthogonalized on one process, with its rows handed back
             if any(is_dtensor(p) for p in params):
                 from training.fsdp import each_on_one_process
-                each = [lambda g, b=b: newton_schulz(g, b) for b in blocks]  # with its own blocks
+                each = [lambda g, n=n: newton_schulz(g, n) for n in n_blocks]  # with its own blocks
                 updates = each_on_one_process(updates, each)
             else:
-                updates = by_shape(updates, blocks, newton_schulz)
+                updates = by_shape(updates, n_blocks, newton_schulz)
             torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
-            for p, update, b in zip(params, updates, blocks, strict=True):
+            for p, update, n in zip(params, updates, n_blocks, strict=True):
                 # Muon's original lr rule: an orthogonal tall block has smaller entries than a square
-                # one, so its lr is scaled by sqrt(rows / cols). A block has shape[0] / b rows, where
-                # b is 3 for c_attn (its queries, keys and values are orthogonalized apart), else 1.
+                # one, so its lr is scaled by sqrt(rows / cols). A block has shape[0] / n rows, where
+                # n is 3 for c_attn (its queries, keys and values are orthogonalized apart), else 1.
                 # The quickstart's c_fc, 256 x 128, gets sqrt(2); c_attn's 128 x 128 blocks get 1.
-                p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / b / p.shape[1])))
+                p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.shape[0] / n / p.shape[1])))
         return loss
 
     def blended(self, params: list[torch.Tensor], momentum: float, nesterov: bool) -> list[torch.Tensor]:
@@ -142,28 +135,28 @@ class Muon(unguarded(torch.optim.Muon)):
         return list(torch._foreach_lerp(grads, bufs, momentum)) if nesterov else bufs
 
 
-def by_shape(matrices: list[torch.Tensor], blocks: list[int],
+def by_shape(matrices: list[torch.Tensor], n_blocks: list[int],
              fn: Callable[[torch.Tensor, int], torch.Tensor]) -> list[torch.Tensor]:
-    """fn(m, blocks) for each matrix m, in the matrices' order, computed in one call of fn on the
-    stack of all the matrices of one shape and count of blocks (fn treats dimension 0 as a batch)."""
+    """fn(m, n) for each matrix m of n row blocks, in the matrices' order, from one call of fn on
+    the stack of all the matrices of one shape and n (fn takes dimension 0 as a batch)."""
     results: list[torch.Tensor | None] = [None] * len(matrices)
     shapes: dict[tuple[torch.Size, int], list[int]] = {}
-    for i, key in enumerate(zip((m.shape for m in matrices), blocks, strict=True)):
+    for i, key in enumerate(zip((m.shape for m in matrices), n_blocks, strict=True)):
         shapes.setdefault(key, []).append(i)
-    for (_, b), indices in shapes.items():
-        stacked = fn(torch.stack([matrices[i] for i in indices]), b)
+    for (_, n), indices in shapes.items():
+        stacked = fn(torch.stack([matrices[i] for i in indices]), n)
         for i, result in zip(indices, stacked, strict=True):
             results[i] = result
     return results
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float, dtype: torch.dtype, blocks: int = 1) -> torch.Tensor:
+                  eps: float, dtype: torch.dtype, n_blocks: int = 1) -> torch.Tensor:
     """Approximately U V^T for g = U S V^T, by Muon's quintic Newton-Schulz iteration in dtype,
-    on each matrix of g, (..., rows, cols), or on each of its `blocks` equal blocks of rows. It
+    on each matrix of g, (..., rows, cols), or on each of its n_blocks equal blocks of rows. It
     pushes every singular value towards 1 (to about 0.5 to 1.5, which trains as well as 1)."""
     a, b, c = coefficients
-    x = g.to(dtype).reshape(-1, g.size(-2) // blocks, g.size(-1))  # a stack, (n, rows, cols)
+    x = g.to(dtype).reshape(-1, g.size(-2) // n_blocks, g.size(-1))  # a stack, (n, rows, cols)
     tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the wide side, whose Gram matrix is the smaller one
         x = x.mT

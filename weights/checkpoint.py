@@ -61,9 +61,8 @@ class TrainState:
         return cls(model_args=ckpt["model_args"], model=unwrap_state_dict(ckpt["model"]),
                    optimizer=optimizer if isinstance(optimizer, list) else [optimizer],
                    scaler=ckpt["scaler"], iter_num=ckpt["iter_num"], dtype=ckpt.get("dtype"),
-                   best_val_loss=ckpt["best_val_loss"],
-                   val_loss=ckpt.get("val_loss", math.nan), config=ckpt["config"],
-                   tokenizer=ckpt["tokenizer"], rng=ckpt["rng"])
+                   best_val_loss=ckpt["best_val_loss"], val_loss=ckpt.get("val_loss", math.nan),
+                   config=ckpt["config"], tokenizer=ckpt["tokenizer"], rng=ckpt["rng"])
 
 
 class CheckpointError(UserError):
@@ -73,7 +72,6 @@ class CheckpointError(UserError):
 def save_checkpoint(state: TrainState | dict[str, Any], path: str | Path) -> None:
     """Write atomically: a temporary file in the same folder, fsynced, then renamed over the
     old one, so a crash at any moment leaves either the old or the new checkpoint whole."""
-    # a full disk or an interrupt leaves the old checkpoint and no half-written file
     with atomic_write(path) as f:
         contents = state.to_dict() if isinstance(state, TrainState) else state
         torch.save({"format": FORMAT, "version": VERSION, **contents}, f)
@@ -127,8 +125,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
         raise CheckpointError(sharded_hint(path.parent))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found")
-    # imported here because a plain training run, which reads no checkpoint, need not read it
-    from weights.safe_load import UnreadableFile, safe_load
+    from weights.safe_load import UnreadableFile, safe_load  # only where a checkpoint is read
     try:
         ckpt = safe_load(path, map_location, mmap)
     except UnreadableFile as e:
@@ -146,12 +143,10 @@ def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')}; "
                               f"this code reads version {VERSION}")
     from weights.fields import checkpoint_problem, resume_problem  # only where a checkpoint is read
-    problem = checkpoint_problem(ckpt, sharded)
-    if problem:
+    if problem := checkpoint_problem(ckpt, sharded):
         raise CheckpointError(f"{path} is damaged: {problem}; use another checkpoint")
     # what a resumed run also needs (missing if the file is damaged or written by other code)
-    problem = resume and resume_problem(ckpt, sharded)
-    if problem:
+    if problem := resume and resume_problem(ckpt, sharded):
         raise CheckpointError(f"cannot resume from {path}: {problem}; it can be sampled, not "
                               f"continued: start a new run without --resume")
     return ckpt
@@ -159,5 +154,4 @@ def check_contents(ckpt: Any, path: Path, resume: bool, sharded: bool = False) -
 
 def unwrap_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Strip the '_orig_mod.' prefix that a torch.compile'd module puts on every name."""
-    prefix = "_orig_mod."
-    return {k.removeprefix(prefix): v for k, v in state_dict.items()}
+    return {k.removeprefix("_orig_mod."): v for k, v in state_dict.items()}
