@@ -10,12 +10,11 @@ In nanoGPT's order: a block's parts, the block, the configuration, the GPT; then
 a KV cache, and the configuration's checks. Beyond nanoGPT, each switch of GPTConfig turns on one
 idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaults).
 
-Each function's plain torch body is its definition, and on a GPU it is what runs. On a CPU, a
-function marked @on_cpu(kernel) runs that kernel of machine/cpu_kernels.py instead, with the same
-values and gradients (tests/test_model.py compares them): one pass in C over an fp32 tensor, else
-a few torch operations. In the quickstart's bf16 on a CPU, C runs only the norms of the residual
-stream, which autocast leaves in fp32 (ln_1, ln_2, ln_f and embed_norm); and @fp32_below(keys=256)
-computes its attention over 64 keys in fp32. A learner can read the decorators as absent.
+Each function's plain torch body is its definition, and on a GPU it is what runs. On a CPU,
+@on_cpu(kernel) swaps in a faster kernel of machine/cpu_kernels.py with the same values and
+gradients (tests/test_model.py compares them), and @fp32_below(keys=256) computes bf16 attention
+over fewer than 256 keys in fp32, where torch is faster; docs/model.md says which run in the
+quickstart. A learner can read the decorators as absent.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         nh, n_kv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * n_kv, self.head_dim)  # query, key, value heads
-        q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each, as nanoGPT's split
+        q, k, v = qkv.split([nh, n_kv, n_kv], dim=2)  # (B, T, heads, hd) each, nanoGPT's columns
         if self.qk_norm:  # at unit RMS, q.k / sqrt(hd) is at most sqrt(hd), whatever the lr
             q, k = rms_norm(q, self.eps), rms_norm(k, self.eps)
         if rope is not None:  # a rotation keeps each vector's norm, so the bound still holds
@@ -96,7 +95,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-@fp32_below(keys=256)  # on a CPU, bf16 over fewer keys runs in fp32, where torch is faster
+@fp32_below(keys=256)  # on a CPU, bf16 over fewer than 256 keys runs in fp32, which is faster
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
     """Fused attention; mask (T_q, T_k) or (B, 1, T_q, T_k) marks the allowed pairs; None: causal."""
@@ -276,7 +275,7 @@ class GPT(nn.Module):
         its position's row of wpe where the model has them, normalized if embed_norm is set."""
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.bigram_embedding:
-            no_prev = self.config.vocab_size  # the last row: a window's or a prompt's first token
+            no_prev = self.config.vocab_size  # the last row, for a first token with no predecessor
             if kv_cache is None:
                 prev_ids = F.pad(idx[:, :-1], (1, 0), value=no_prev)  # idx shifted right by one
             else:  # the cache keeps every id it was given, so it knows earlier calls' tokens
@@ -290,11 +289,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2's initial values in every layout, the quickstart's too (nanochat starts lm_head
-        and c_proj at zero): N(0, 0.02) weights, zero biases, LayerNorm at the identity, and the
-        projections into the residual stream (the two c_proj) scaled down with depth, because each
-        block adds two terms to it; the bigram table at zero, so that training starts from the
-        plain model. A tied table is drawn twice, as wte then as lm_head, and keeps the second."""
+        """GPT-2's initial values in every layout, the quickstart's too (unlike nanochat, which
+        starts lm_head and c_proj at zero): N(0, 0.02) weights, zero biases, LayerNorm at the
+        identity, and the projections into the residual stream (the two c_proj) scaled down with
+        depth, because each block adds two terms to it; the bigram table at zero, so that training
+        starts from the plain model. A tied table, drawn as wte and then as lm_head, keeps lm_head's
+        draw."""
         # a generator of its own, so that earlier draws from torch's do not change the weights
         generator = torch.Generator().manual_seed(torch.initial_seed())
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)

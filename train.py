@@ -75,7 +75,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         run.check_room(raw_model, dist)  # room on disk for last.pt, best.pt and the next last.pt
 
         # --- the optimizers and the batches, then a resumed run's state put back --------
-        optimizers = configure_optimizers(raw_model, cfg, device, dtype)  # [AdamW] or [AdamW, Muon]
+        # [AdamW] or [AdamW, Muon]; in the quickstart, Muon takes the blocks' matrices (lr 0.05),
+        # and AdamW lm_head (5e-3, decayed) and the tables wte and wtb (0.1, not decayed)
+        optimizers = configure_optimizers(raw_model, cfg, device, dtype)
         # samplers[split](generator) draws x = data[s:s+T] and y = data[s+1:s+T+1], (batch_size, T)
         # each, from random starts s, where T is block_size; chat data gives conversations instead
         samplers = {split: batch_sampler(data, meta, raw_model.config.block_size, cfg.batch_size,
@@ -95,7 +97,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
         log.start(iter_num, raw_model, device, dtype, dtype_reason)
         losses: dict[str, float] = {}  # both splits' losses at the last evaluation
         accum_steps = cfg.gradient_accumulation_steps // dist.world_size  # this process's share
-        loss_sum, steps_since_log = torch.zeros((), device=device), 0  # micro-batch losses, summed
+        # the micro-batches' losses, summed on the device, so that no step waits to read one
+        loss_sum, steps_since_log = torch.zeros((), device=device), 0
         x, y = to_device(batches.next(), device)  # the first micro-batch (or a resumed run's next)
         while iter_num < cfg.max_iters:
             t_step = time.perf_counter()  # the step alone, without the evaluation after it
@@ -115,8 +118,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
                 scaler.scale(loss).backward()
             for opt in optimizers:  # float16's gradients back to their true size, to be clipped
                 scaler.unscale_(opt)
-            # over every parameter, Muon's too, whose momentum takes the clipped gradients;
-            # grad_clip 0 clips nothing, and the norm is logged either way
+            # over every parameter, Muon's too: orthogonalizing discards the size of Muon's update,
+            # but its momentum sums the clipped gradients; grad_clip 0 clips nothing
             max_norm = cfg.grad_clip or math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
             for opt in optimizers:
