@@ -13,8 +13,8 @@ idea of nanochat or the modded-nanogpt speedruns (GPT-2's layout at their defaul
 Each function's plain torch body is its definition, and on a GPU it is what runs. On a CPU,
 @on_cpu(kernel) swaps in a faster kernel of machine/cpu_kernels.py with the same values and
 gradients (tests/test_model.py compares them), and @fp32_below(keys=256) computes bf16 attention
-over fewer than 256 keys in fp32, where torch is faster; docs/model.md says which run in the
-quickstart. A learner can read the decorators as absent.
+over fewer than 256 keys in fp32, where torch is faster; docs/model.md says which of them run in
+the quickstart. A learner can read the decorators as absent.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
 
         # --- the data, and the run folder that the log and the checkpoints go to --------
         meta, splits, tokenizer = load_data(cfg, dist)
-        # the log decodes its samples, and draws attention maps over val's first tokens
+        # the log needs the tokenizer for its samples, and val's first tokens for attention maps
         run, log = stack.enter_context(open_run(cfg, resume, meta, tokenizer, splits["val"],
                                                 dist=dist, device=device))
 

@@ -141,7 +141,7 @@ def record_problem(record: object, fields: dict[str, type | tuple[type, ...]]) -
             return f"it lacks {key}"
         value = record[key]
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            return (f"its {key} is {value!r:.40}, not of type {' or '.join(k.__name__ for k in kinds)}")
+            return f"its {key} is {value!r:.40}, not of type {' or '.join(k.__name__ for k in kinds)}"
     return None
 
 

@@ -39,9 +39,9 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, device: torch.device,
     # gains, which a pull towards zero only hurts, not decayed; and the lookup tables (an untied
     # wte, the bigram table), whose rows move only where their tokens appear, at embedding_lr, far
     # larger (as in nanochat), and not decayed, because decoupled decay shrinks a weight by
-    # lr * weight_decay a step: 1% at an lr of 0.1, even in the rows of tokens never seen. In the
-    # quickstart the head is in the first group (lr 5e-3), wte and wtb in the third (lr 0.1), and
-    # the second is empty.
+    # lr * weight_decay a step (1% at lr 0.1 and weight_decay 0.1), even in the rows of tokens
+    # never seen. In the quickstart the head is in the first group (lr 5e-3), wte and wtb in the
+    # third (lr 0.1), and the second is empty.
     tables = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     tables += [model.transformer.wtb.weight] if "wtb" in model.transformer else []
     rest = [p for p in trained if p not in hidden and all(p is not t for t in tables)]
@@ -81,8 +81,8 @@ class Muon(unguarded(torch.optim.Muon)):
     """torch.optim.Muon's update of each matrix p: buf = lerp(buf, g, 1 - m), u = lerp(g, buf, m)
     (Nesterov), p *= 1 - lr wd, then p -= lr sqrt(max(1, rows / cols)) orthogonalize(u). Here the
     Newton-Schulz iteration runs in ns_dtype (torch's runs in bf16, which most x86 CPUs emulate far
-    more slowly than fp32), batched over the matrices of one shape, and on each block of rows in
-    row_blocks apart. Without row_blocks, a step equals torch.optim.Muon's to rounding."""
+    more slowly than fp32), batched over the matrices of one shape, and separately on each block of
+    rows of a matrix in row_blocks. Without row_blocks, a step equals torch.optim.Muon's to rounding."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, row_blocks: dict | None = None, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -103,7 +103,7 @@ class Muon(unguarded(torch.optim.Muon)):
             updates = self.blended(params, group["momentum"], group["nesterov"])
             n_blocks = [self.row_blocks.get(p, 1) for p in params]
 
-            # a default argument binds this iteration's group, which a closure would look up later
+            # group is a default argument, so that the function never reads a later iteration's
             def newton_schulz(g: torch.Tensor, n_blocks: int, group: dict = group) -> torch.Tensor:
                 return orthogonalize(g, group["ns_coefficients"], group["ns_steps"],
                                      group["eps"], self.ns_dtype, n_blocks)
@@ -156,7 +156,7 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     on each matrix of g, (..., rows, cols), or on each of its n_blocks equal blocks of rows. It
     pushes every singular value towards 1 (to about 0.5 to 1.5, which trains as well as 1)."""
     a, b, c = coefficients
-    x = g.to(dtype).reshape(-1, g.size(-2) // n_blocks, g.size(-1))  # a stack, (n, rows, cols)
+    x = g.to(dtype).reshape(-1, g.size(-2) // n_blocks, g.size(-1))  # (matrices x blocks, block rows, cols)
     tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the wide side, whose Gram matrix is the smaller one
         x = x.mT
